@@ -1,0 +1,11 @@
+# The two commands of the README. Both set up everything first (fast when cached).
+.PHONY: setup run test
+
+setup:
+	bash scripts/setup.sh
+
+run: setup
+	.venv/bin/asyncrl train-demo examples/arith.yaml
+
+test: setup
+	bash scripts/test.sh

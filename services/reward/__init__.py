@@ -1,0 +1,1 @@
+"""Reward service: math verification and the code sandbox."""

@@ -1,0 +1,1 @@
+"""Rollout service: interruptible generation and the rollout workflow."""

@@ -1,0 +1,1 @@
+"""Trainer service: decoupled PPO updates and weight publication."""
