@@ -64,7 +64,7 @@ bash scripts/gen_protos.sh
 # editable mode that maps folders without __init__.py (operator/ must not have one, or it
 # would shadow the stdlib `operator` whenever the repository root is on sys.path).
 # Edits show through the links; a new or removed file needs a re-link, done here.
-links_stamp=.venv/.links-$( (cat pyproject.toml; find asyncrl operator services -name '*.py' | sort) | sha256sum | cut -c1-16)
+links_stamp=.venv/.links-$( (cat pyproject.toml; find core operator services -name '*.py' | sort) | sha256sum | cut -c1-16)
 if [ ! -f "$links_stamp" ]; then
     step "linking asyncrl into .venv (editable)"
     rm -rf build/__editable__.asyncrl-*

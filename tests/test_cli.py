@@ -1,0 +1,70 @@
+"""The `asyncrl` console script, run as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+BROKEN = ROOT / "tests" / "data" / "broken-rljob.yaml"
+# The console script installed next to the interpreter running the tests (.venv/bin/asyncrl).
+ASYNCRL = Path(sys.executable).parent / "asyncrl"
+
+
+def asyncrl(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(ASYNCRL), *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_help_lists_the_commands():
+    result = asyncrl("--help")
+    assert result.returncode == 0, result.stderr
+    assert "validate" in result.stdout and "crd" in result.stdout
+
+
+def test_validate_examples():
+    result = asyncrl("validate", *EXAMPLES)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for path in EXAMPLES:
+        assert f"{path}: valid" in result.stdout
+
+
+def test_validate_broken_manifest_and_a_missing_file():
+    missing = ROOT / "tests" / "data" / "no-such-rljob.yaml"
+    result = asyncrl("validate", EXAMPLES[0], BROKEN, missing)
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out
+    assert "Traceback" not in out
+    assert f"{EXAMPLES[0]}: valid" in out
+    assert f"{BROKEN}: invalid (8 problems)" in out
+    for path in ("metadata.name", "spec.algorithm.clipEpsilon", "spec.algorithm.groupSize",
+                 "spec.rollout.resources.requests.cpu", "spec.dataset.path"):
+        assert f": {path}: " in out, path
+    assert "did you mean `clipEps`?" in out
+    assert f"{missing}: no such file" in out
+
+
+def test_validate_yaml_syntax_error(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("apiVersion: asyncrl.io/v1alpha1\nspec: [unclosed\n")
+    result = asyncrl("validate", path)
+    out = result.stdout + result.stderr
+    assert result.returncode == 1 and "Traceback" not in out
+    assert f"{path}: not valid YAML: line 3" in out
+
+
+def test_crd_yaml_and_json():
+    as_yaml = asyncrl("crd")
+    assert as_yaml.returncode == 0, as_yaml.stderr
+    crd = yaml.safe_load(as_yaml.stdout)
+    assert crd["kind"] == "CustomResourceDefinition"
+    assert crd["metadata"]["name"] == "rljobs.asyncrl.io"
+    as_json = asyncrl("crd", "--output", "json")
+    assert as_json.returncode == 0, as_json.stderr
+    assert json.loads(as_json.stdout) == crd

@@ -1,0 +1,67 @@
+import pytest
+import torch
+
+from asyncrl.models import (
+    SMOLLM2,
+    TinyModelConfig,
+    build_tiny_model,
+    load_model,
+    load_tokenizer,
+    packed_token_logprobs,
+)
+
+
+def _single(model, ids):
+    return packed_token_logprobs(model, ids, torch.arange(ids.numel()), torch.tensor([0, ids.numel()]))
+
+
+def test_packed_logprobs_match_each_sequence_alone():
+    model = build_tiny_model(TinyModelConfig(), vocab_size=300).eval()
+    sequences = [torch.randint(0, 300, (n,)) for n in (5, 1, 9, 3)]
+    ids = torch.cat(sequences)
+    positions = torch.cat([torch.arange(s.numel()) for s in sequences])
+    cu_seqlens = torch.tensor([0, 5, 6, 15, 18])
+    with torch.no_grad():
+        packed = packed_token_logprobs(model, ids, positions, cu_seqlens)
+        alone = torch.cat([_single(model, s) for s in sequences])
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+    # First token of every sequence has no prefix.
+    assert packed[cu_seqlens[:-1]].abs().sum() == 0
+
+
+def test_logprobs_are_log_softmax_of_the_next_token_with_temperature():
+    model = build_tiny_model(TinyModelConfig(), vocab_size=300).eval()
+    ids = torch.randint(0, 300, (6,))
+    with torch.no_grad():
+        logits = model(ids[None]).logits[0] / 0.7
+        expected = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None]).squeeze(-1)
+        got = packed_token_logprobs(model, ids, torch.arange(6), torch.tensor([0, 6]), 0.7)
+    torch.testing.assert_close(got[1:], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_tiny_model_is_deterministic_by_seed():
+    a = build_tiny_model(TinyModelConfig(seed=3), vocab_size=100)
+    b = build_tiny_model(TinyModelConfig(seed=3), vocab_size=100)
+    c = build_tiny_model(TinyModelConfig(seed=4), vocab_size=100)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+    assert not torch.equal(next(a.parameters()), next(c.parameters()))
+
+
+def test_unknown_source_and_dtype_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model.source"):
+        load_model(str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="model.dtype"):
+        load_model("tiny-random", dtype="float8")
+
+
+@pytest.mark.slow
+def test_smollm2_loads_from_the_packaged_gguf_and_answers():
+    tokenizer = load_tokenizer(SMOLLM2)
+    model = load_model(SMOLLM2).eval()
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
+    out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert "5" in tokenizer.decode(out[0, ids.shape[1]:])

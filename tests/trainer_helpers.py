@@ -1,0 +1,32 @@
+"""Shared builders for trainer tests: a tiny model and a reproducible batch."""
+
+from __future__ import annotations
+
+import torch
+
+from asyncrl.models import TinyModelConfig, build_tiny_model
+from asyncrl.trainer.step import TrainSample
+
+VOCAB = 512
+
+
+def tiny_model() -> torch.nn.Module:
+    return build_tiny_model(TinyModelConfig(seed=7), vocab_size=VOCAB)
+
+
+def make_samples(count: int, seed: int = 0, behaviour_noise: float = 0.1) -> list[TrainSample]:
+    """Prompt + response samples of mixed lengths with made-up behaviour log-probs and
+    advantages (what a rollout would produce, minus the generation)."""
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(count):
+        prompt = int(torch.randint(2, 6, (1,), generator=generator))
+        response = int(torch.randint(1, 9, (1,), generator=generator))
+        ids = torch.randint(0, VOCAB, (prompt + response,), generator=generator)
+        mask = torch.zeros(prompt + response, dtype=torch.bool)
+        mask[prompt:] = True
+        behaviour = torch.zeros(prompt + response)
+        behaviour[prompt:] = -6.2 + behaviour_noise * torch.randn(response, generator=generator)
+        advantage = float(torch.randn(1, generator=generator))
+        samples.append(TrainSample(ids, mask, behaviour, advantage))
+    return samples
