@@ -74,6 +74,59 @@ def validate(
         raise typer.Exit(code=1)
 
 
+@app.command("train-demo")
+def train_demo(
+    file: Annotated[Path, typer.Argument(help="RLJob manifest with dataset.kind arith.")],
+    steps: Annotated[
+        int, typer.Option(min=1, help="Training steps (default: the job's algorithm.maxSteps).")
+    ] = 0,
+) -> None:
+    """Train synchronously in one process (generate, score, update) to see the trainer learn."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    from asyncrl.trainer.demo import run_demo
+
+    job = _load_or_exit(file)
+    total = steps or job.spec.algorithm.max_steps
+    console = Console()
+    console.print(f"[bold]{job.metadata.name}[/]: {total} synchronous steps of "
+                  f"{job.spec.algorithm.batch_size} prompts x {job.spec.algorithm.group_size} "
+                  f"responses, model {job.spec.model.source}")
+    columns = (*Progress.get_default_columns()[:2], MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("training", total=total)
+
+        def report(result) -> None:
+            s = result.stats
+            progress.console.print(
+                f"step {result.step:>3}  reward {result.reward_mean:.3f}  loss {s['loss']:+.4f}  "
+                f"clip {s['clip_fraction']:.3f}  generate {result.generate_seconds:5.1f}s  "
+                f"train {s['step_seconds']:5.1f}s ({s['trained_tokens'] / s['step_seconds']:.0f} tok/s)"
+            )
+            progress.advance(task)
+
+        run_demo(job.spec, total, report)
+
+
+def _load_or_exit(path: Path):
+    """The manifest at `path`, or its errors printed and exit code 1."""
+    from pydantic import ValidationError
+
+    from asyncrl.spec import ManifestError, parse_manifest, read_manifest
+    from asyncrl.spec_errors import format_errors, yaml_lines
+
+    try:
+        return parse_manifest(read_manifest(path))
+    except ManifestError as exc:
+        typer.secho(str(exc), fg=typer.colors.RED, err=True)
+    except ValidationError as exc:
+        typer.secho(f"{path}: invalid", fg=typer.colors.RED, err=True)
+        for problem in format_errors(exc, lines=yaml_lines(path.read_text(encoding="utf-8"))):
+            typer.echo(f"  {problem}", err=True)
+    raise typer.Exit(code=1)
+
+
 class OutputFormat(str, enum.Enum):
     yaml = "yaml"
     json = "json"

@@ -59,9 +59,9 @@ def smollm2_gguf_path() -> Path:
 def load_tokenizer(source: str = SMOLLM2):
     """The tokenizer for a model source; tiny-random shares SmolLM2's vocabulary."""
     if source in BUILTIN_SOURCES:
-        directory = _smollm2_converted_dir()
-        return AutoTokenizer.from_pretrained(directory)
-    return AutoTokenizer.from_pretrained(_local_dir(source))
+        return AutoTokenizer.from_pretrained(_smollm2_converted_dir())
+    directory, gguf_file = _local_source(source)
+    return AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
 
 
 def load_model(
@@ -76,8 +76,18 @@ def load_model(
         return build_tiny_model(tiny or TinyModelConfig(), vocab_size=len(load_tokenizer())).to(
             _DTYPES[dtype]
         )
-    directory = _smollm2_converted_dir() if source == SMOLLM2 else _local_dir(source)
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=_DTYPES[dtype])
+    if source == SMOLLM2:
+        return AutoModelForCausalLM.from_pretrained(_smollm2_converted_dir(), dtype=_DTYPES[dtype])
+    directory, gguf_file = _local_source(source)
+    return AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=gguf_file, dtype=_DTYPES[dtype]
+    )
+
+
+def load_policy(model_spec) -> tuple[LlamaForCausalLM, object]:
+    """(model, tokenizer) for the RLJob's `spec.model` section."""
+    tiny = TinyModelConfig(**model_spec.tiny.model_dump())
+    return load_model(model_spec.source, model_spec.dtype, tiny), load_tokenizer(model_spec.source)
 
 
 def build_tiny_model(config: TinyModelConfig, vocab_size: int) -> LlamaForCausalLM:
@@ -101,14 +111,17 @@ def build_tiny_model(config: TinyModelConfig, vocab_size: int) -> LlamaForCausal
         return LlamaForCausalLM(llama)
 
 
-def _local_dir(source: str) -> Path:
+def _local_source(source: str) -> tuple[Path, str | None]:
+    """(directory, GGUF file name or None) for a local model path."""
     path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path.parent, path.name
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"model.source {source!r} is neither a builtin model {BUILTIN_SOURCES} nor a "
-            "directory with config.json (a Hugging Face model saved with save_pretrained)"
+            f"model.source {source!r} is neither a builtin model {BUILTIN_SOURCES}, a .gguf "
+            "file, nor a directory with config.json (a model saved with save_pretrained)"
         )
-    return path
+    return path, None
 
 
 def _smollm2_converted_dir() -> Path:
