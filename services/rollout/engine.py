@@ -1,0 +1,420 @@
+"""The torch rollout engine: continuous batching over a slot KV cache, interruptible by
+weight updates.
+
+One background thread runs the loop: admit waiting requests (prefill each into a free slot),
+then one decode step for every running request, each with its own sampling settings. Requests
+join and leave at every step. Every generated token records its log-probability and the policy
+version that produced it.
+
+A weight update happens between two steps: the new weights are copied in, the KV cache is
+dropped, and every unfinished request is prefilled again from prompt + tokens so far under the
+new weights, then continues. Nothing is lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import uuid
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import Tensor
+
+from asyncrl.rollout.kv_cache import SlotKVCache
+from asyncrl.rollout.sampling import sample_tokens
+from asyncrl.rollout.types import (
+    EngineStatus,
+    GenerationResult,
+    RequestError,
+    SamplingParams,
+    WeightUpdate,
+)
+
+
+@dataclass(eq=False)
+class _Request:
+    result: GenerationResult
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    future: Future = field(default_factory=Future)
+    cached: int = 0  # tokens whose keys/values are in the cache
+    pending: int | None = None  # sampled token not yet fed to the model
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.result.prompt_ids + self.result.output_ids
+
+
+class TorchEngine:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_running_requests: int = 32,
+        max_sequence_length: int = 1024,
+        eos_token_ids: tuple[int, ...] = (),
+        version: int = 0,
+        seed: int | None = None,
+    ):
+        config = model.config
+        self._model = model.eval().requires_grad_(False)
+        parameter = next(model.parameters())
+        self._device = parameter.device
+        self._cache = SlotKVCache(
+            num_layers=config.num_hidden_layers,
+            num_slots=max_running_requests,
+            num_kv_heads=config.num_key_value_heads,
+            max_length=max_sequence_length,
+            head_dim=getattr(config, "head_dim", None)
+            or config.hidden_size // config.num_attention_heads,
+            dtype=parameter.dtype,
+            device=self._device,
+        )
+        self._eos = frozenset(eos_token_ids)
+        self._version = version
+        self._generator = torch.Generator(device=self._device)
+        self._generator.manual_seed(seed if seed is not None else torch.seed())
+
+        # _wake guards the queues and flags; _step_lock is held while the model runs, so a
+        # weight update (which takes it) always lands between two steps.
+        self._wake = threading.Condition()
+        self._step_lock = threading.Lock()
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []  # request i lives in cache row i
+        self._requests: dict[str, _Request] = {}
+        self._paused = False
+        self._idle = True
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._generated_total = 0
+        self._interrupted_total = 0
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def vocab_size(self) -> int:
+        return self._model.config.vocab_size
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> TorchEngine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        self.abort()
+
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Future:
+        """Queues a request; its future resolves to a GenerationResult. Bad input raises
+        RequestError here, before anything is queued."""
+        params.check()
+        prompt_ids = self._check_prompt(prompt_ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        stop_ids = frozenset(params.stop_token_ids) | self._eos
+        request = _Request(GenerationResult(request_id, prompt_ids), params, stop_ids)
+        with self._wake:
+            if request_id in self._requests:
+                raise RequestError(f"rid {request_id!r} is already running; use a unique rid")
+            self._requests[request_id] = request
+            if params.max_new_tokens == 0:
+                self._finish(request, "length")
+            else:
+                self._waiting.append(request)
+                self._wake.notify_all()
+        return request.future
+
+    def pause(self) -> None:
+        """Stops decoding at the next step boundary; returns once the engine is there."""
+        with self._wake:
+            self._paused = True
+            self._wake.notify_all()
+            while not self._idle and self.alive:
+                self._wake.wait()
+
+    def resume(self) -> None:
+        with self._wake:
+            self._paused = False
+            self._wake.notify_all()
+
+    def abort(self, request_ids: list[str] | None = None) -> list[str]:
+        """Ends the named requests (all when None) with finish reason "abort" and the tokens
+        generated so far. Unknown ids are ignored; the ids actually aborted are returned."""
+        with self._step_lock, self._wake:
+            chosen = [
+                r for r in list(self._waiting) + self._running
+                if request_ids is None or r.result.request_id in request_ids
+            ]
+            for request in chosen:
+                if request in self._waiting:
+                    self._waiting.remove(request)
+                else:
+                    self._release_row(self._running.index(request))
+                self._finish(request, "abort")
+            return [r.result.request_id for r in chosen]
+
+    def update_weights(self, path: str | Path, version: int) -> WeightUpdate:
+        """Loads a safetensors snapshot (a file, or a directory holding model.safetensors) as
+        policy `version`. On any error the engine keeps serving with its current weights."""
+        started = time.perf_counter()
+        state = self._read_snapshot(Path(path), version)
+        return self._swap_weights(state, version, started)
+
+    def update_weights_from_state_dict(self, state: dict[str, Tensor], version: int) -> WeightUpdate:
+        started = time.perf_counter()
+        self._check_version(version)
+        return self._swap_weights(self._check_tensors(state, f"state dict for version {version}"),
+                                  version, started)
+
+    def status(self) -> EngineStatus:
+        with self._wake:
+            return EngineStatus(
+                version=self._version,
+                paused=self._paused,
+                running_requests=len(self._running),
+                waiting_requests=len(self._waiting),
+                generated_tokens_total=self._generated_total,
+                interrupted_requests_total=self._interrupted_total,
+                max_running_requests=self._cache.num_slots,
+                max_sequence_length=self._cache.max_length,
+            )
+
+    # ------------------------------------------------------------------ input checks
+
+    def _check_prompt(self, prompt_ids, params: SamplingParams) -> list[int]:
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+            raise RequestError("input_ids must be a non-empty list of token ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
+            raise RequestError("input_ids must contain only integers")
+        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(
+                f"input_ids contains token id {bad}, outside the vocabulary [0, {self.vocab_size})"
+            )
+        if len(prompt_ids) + params.max_new_tokens > self._cache.max_length:
+            raise RequestError(
+                f"input_ids ({len(prompt_ids)} tokens) + sampling_params.max_new_tokens "
+                f"({params.max_new_tokens}) exceeds the engine's max sequence length "
+                f"{self._cache.max_length}; shorten the prompt or lower max_new_tokens"
+            )
+        return list(prompt_ids)
+
+    def _check_version(self, version: int) -> None:
+        if version < self._version:
+            raise RequestError(
+                f"weight version {version} is older than the serving version {self._version}; "
+                "versions only move forward"
+            )
+
+    def _read_snapshot(self, path: Path, version: int) -> dict[str, Tensor]:
+        self._check_version(version)
+        file = path / "model.safetensors" if path.is_dir() else path
+        if not file.is_file():
+            raise RequestError(f"model_path {str(path)!r}: no safetensors snapshot there")
+        try:
+            state = load_file(file, device=str(self._device))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise RequestError(f"model_path {str(path)!r}: unreadable snapshot ({exc})") from exc
+        return self._check_tensors(state, f"snapshot {str(file)!r}")
+
+    def _check_tensors(self, state: dict[str, Tensor], what: str) -> dict[str, Tensor]:
+        """Every parameter must be present (tied weights may appear once) with its shape."""
+        current = self._model.state_dict()
+        unknown = sorted(set(state) - set(current))
+        if unknown:
+            raise RequestError(f"{what} has tensors this model does not: {unknown[:3]}")
+        by_storage: dict[int, list[str]] = {}
+        for name, tensor in current.items():
+            by_storage.setdefault(tensor.data_ptr(), []).append(name)
+        for names in by_storage.values():
+            if not any(n in state for n in names):
+                raise RequestError(f"{what} is missing tensor {names[0]!r}")
+        for name, tensor in state.items():
+            if tensor.shape != current[name].shape:
+                raise RequestError(
+                    f"{what}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(current[name].shape)}"
+                )
+        return state
+
+    def _swap_weights(self, state: dict[str, Tensor], version: int, started: float) -> WeightUpdate:
+        current = self._model.state_dict()
+        with self._step_lock:
+            self._check_version(version)
+            with torch.no_grad():
+                for name, tensor in state.items():
+                    current[name].copy_(tensor)
+            with self._wake:
+                self._version = version
+                # The cache holds keys/values of the old weights: drop it, and let every
+                # unfinished request prefill prompt + tokens so far under the new ones.
+                for request in self._running:
+                    request.cached = 0
+                    request.result.interruptions += 1
+                self._interrupted_total += len(self._running)
+                interrupted = len(self._running)
+        return WeightUpdate(version, interrupted, time.perf_counter() - started)
+
+    # ------------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._wake:
+                while not self._stopping and (
+                    self._paused or not (self._waiting or self._running)
+                ):
+                    self._idle = True
+                    self._wake.notify_all()
+                    self._wake.wait()
+                if self._stopping:
+                    self._idle = True
+                    self._wake.notify_all()
+                    return
+                self._idle = False
+            with self._step_lock:
+                try:
+                    self._step()
+                except Exception as exc:  # a bug must fail the requests, not hang them
+                    self._fail_all(exc)
+
+    def _step(self) -> None:
+        with self._wake:
+            while self._waiting and len(self._running) < self._cache.num_slots:
+                self._running.append(self._waiting.popleft())
+        for row, request in enumerate(self._running):
+            if request.cached == 0:
+                self._prefill(row, request)
+        self._finish_done()
+        if self._running:
+            self._decode()
+            self._finish_done()
+
+    def _prefill(self, row: int, request: _Request) -> None:
+        """Fills the request's cache row from its tokens. A fresh request samples its first
+        token here; a resumed one keeps its last sampled token pending for the next decode."""
+        tokens = request.tokens
+        if request.result.output_ids:
+            tokens = tokens[:-1]
+            request.pending = request.result.output_ids[-1]
+        length = len(tokens)
+        ids = torch.tensor([tokens], device=self._device)
+        positions = torch.arange(length, device=self._device)[None, :]
+        mask = torch.ones(length, length, dtype=torch.bool, device=self._device).tril()
+        logits = self._forward(ids, positions, slice(row, row + 1), length, mask[None, None])
+        request.cached = length
+        if not request.result.output_ids:
+            self._append(request, *self._sample([request], logits))
+
+    def _decode(self) -> None:
+        """One token for every running request."""
+        running = self._running
+        ids = torch.tensor([[r.pending] for r in running], device=self._device)
+        positions = torch.tensor([[r.cached] for r in running], device=self._device)
+        read_length = max(r.cached for r in running) + 1
+        span = torch.arange(read_length, device=self._device)[None, :]
+        mask = (span <= positions)[:, None, None, :]  # [n, 1, 1, read_length]
+        logits = self._forward(ids, positions, slice(0, len(running)), read_length, mask)
+        tokens, logprobs = self._sample(running, logits)
+        for index, request in enumerate(running):
+            request.cached += 1
+            self._append(request, tokens[index : index + 1], logprobs[index : index + 1])
+
+    def _forward(
+        self, ids: Tensor, positions: Tensor, rows: slice, read_length: int, mask: Tensor
+    ) -> Tensor:
+        """Logits of the last position of each row, through the model's own decoder layers."""
+        self._cache.prepare(rows, positions, read_length)
+        hidden = self._model.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=mask,
+            past_key_values=self._cache,
+            use_cache=True,
+        ).last_hidden_state
+        return self._model.lm_head(hidden[:, -1])
+
+    def _sample(self, requests: list[_Request], logits: Tensor) -> tuple[Tensor, Tensor]:
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=self._device)
+
+        return sample_tokens(
+            logits,
+            column([r.params.temperature for r in requests], torch.float32),
+            column([r.params.top_p for r in requests], torch.float32),
+            column([r.params.top_k for r in requests], torch.long),
+            self._generator,
+        )
+
+    def _append(self, request: _Request, token: Tensor, logprob: Tensor) -> None:
+        token_id = int(token[0])
+        result = request.result
+        result.output_ids.append(token_id)
+        result.output_logprobs.append(float(logprob[0]))
+        result.output_versions.append(self._version)
+        request.pending = token_id
+        self._generated_total += 1
+
+    def _finish_done(self) -> None:
+        """Retires requests that hit a stop token, their token budget or the cache length."""
+        for row in reversed(range(len(self._running))):
+            request = self._running[row]
+            result = request.result
+            if result.output_ids and result.output_ids[-1] in request.stop_ids:
+                result.matched_stop = result.output_ids[-1]
+                reason = "stop"
+            elif len(result.output_ids) >= request.params.max_new_tokens:
+                reason = "length"
+            elif len(request.tokens) >= self._cache.max_length:
+                reason = "length"
+            else:
+                continue
+            self._release_row(row)
+            with self._wake:
+                self._finish(request, reason)
+
+    def _release_row(self, row: int) -> None:
+        """Removes the request in `row`, moving the last running request into its place."""
+        last = len(self._running) - 1
+        if row != last:
+            moved = self._running[last]
+            if moved.cached:
+                self._cache.move(last, row, moved.cached)
+            self._running[row] = moved
+        self._running.pop()
+
+    def _finish(self, request: _Request, reason: str) -> None:
+        request.result.finish_reason = reason
+        self._requests.pop(request.result.request_id, None)
+        if not request.future.done():
+            request.future.set_result(request.result)
+
+    def _fail_all(self, exc: Exception) -> None:
+        with self._wake:
+            for request in itertools.chain(self._waiting, self._running):
+                self._requests.pop(request.result.request_id, None)
+                if not request.future.done():
+                    request.future.set_exception(exc)
+            self._waiting.clear()
+            self._running.clear()

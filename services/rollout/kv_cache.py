@@ -1,0 +1,72 @@
+"""A slot-based key/value cache for continuous batching.
+
+Each running request owns one row ("slot") of a preallocated tensor per layer, so requests of
+different lengths decode together without copying caches every step. Rows are kept compact
+(requests 0..n-1 occupy rows 0..n-1): when one finishes, the last row moves into its place, so
+attention always reads a contiguous view.
+
+The cache is handed to the Hugging Face decoder layers as `past_key_values`: they call
+`update(key, value, layer_idx)` and attend over what it returns, so the layer code is exactly
+the trainer's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class SlotKVCache:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        max_length: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        shape = (num_slots, num_kv_heads, max_length, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_slots = num_slots
+        self.max_length = max_length
+        self._rows = slice(0, 0)
+        self._row_index: Tensor | None = None
+        self._positions: Tensor | None = None
+        self._read_length = 0
+
+    def prepare(self, rows: slice, positions: Tensor, read_length: int) -> None:
+        """Sets where the next forward pass writes (`positions[b, t]` for row `rows.start + b`)
+        and how much of each row it attends over (`[:read_length]`)."""
+        self._rows = rows
+        self._row_index = torch.arange(rows.start, rows.stop, device=positions.device)[:, None]
+        self._positions = positions
+        self._read_length = read_length
+
+    def update(self, key: Tensor, value: Tensor, layer_idx: int, *_, **__) -> tuple[Tensor, Tensor]:
+        """Called by each attention layer with its new keys/values `[B, kv_heads, T, head_dim]`;
+        returns the keys/values to attend over."""
+        rows, positions = self._row_index, self._positions
+        # Advanced indices on dims 0 and 2 put the indexed dims first: [B, T, kv_heads, dim].
+        self.keys[layer_idx][rows, :, positions] = key.transpose(1, 2)
+        self.values[layer_idx][rows, :, positions] = value.transpose(1, 2)
+        view = (self._rows, slice(None), slice(0, self._read_length))
+        return self.keys[layer_idx][view], self.values[layer_idx][view]
+
+    def move(self, source: int, target: int, length: int) -> None:
+        """Copies the first `length` positions of row `source` into row `target`."""
+        for tensors in (self.keys, self.values):
+            for layer in tensors:
+                layer[target, :, :length] = layer[source, :, :length]
+
+    # Transformers asks a cache these questions; the engine always passes explicit positions
+    # and a full 4-D mask, so the answers only need to be consistent.
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._read_length
+
+    @property
+    def is_compileable(self) -> bool:
+        return False

@@ -1,0 +1,46 @@
+"""Per-row sampling for a continuous batch: every request keeps its own temperature,
+top-k and top-p, and gets the log-probability of the token under the distribution it was
+actually drawn from."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def sample_tokens(
+    logits: Tensor,
+    temperature: Tensor,
+    top_p: Tensor,
+    top_k: Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(tokens [n], logprobs [n]) for logits [n, V] and per-row settings [n].
+
+    temperature 0 is greedy: the argmax, with its log-probability under the unscaled logits.
+    Otherwise logits are divided by the temperature, cut to the top-k tokens and the top-p
+    nucleus, renormalised, and sampled; the log-probability is taken from that distribution.
+    """
+    logits = logits.float()
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    vocab = logits.shape[-1]
+    k = torch.where((top_k > 0) & ~greedy, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    p = torch.where(greedy, torch.ones_like(top_p), top_p)
+    if bool((k < vocab).any()) or bool((p < 1).any()):
+        scaled = _truncate(scaled, k, p)
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    sampled = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _truncate(scaled: Tensor, k: Tensor, p: Tensor) -> Tensor:
+    """Masks (to -inf) tokens outside each row's top-k and top-p nucleus."""
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
+    drop = ranks >= k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # Keep a token while the mass before it is below top_p (so the top token always stays).
+    drop |= (probs.cumsum(dim=-1) - probs) >= p[:, None]
+    return scaled.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))

@@ -1,0 +1,86 @@
+"""What the rollout engine takes and returns; shared by the engine, its HTTP and gRPC fronts,
+the SGLang client and the rollout workflow."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message names the field and the fix (HTTP 400)."""
+
+
+class UnknownRequestError(KeyError):
+    """A request id the engine does not know (HTTP 404)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (SGLang's names). temperature 0 means greedy."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+
+    def check(self) -> None:
+        if self.max_new_tokens < 0:
+            raise RequestError(
+                f"sampling_params.max_new_tokens must be >= 0, got {self.max_new_tokens}"
+            )
+        if self.temperature < 0:
+            raise RequestError(
+                f"sampling_params.temperature must be >= 0 (0 is greedy), got {self.temperature}"
+            )
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"sampling_params.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise RequestError(
+                f"sampling_params.top_k must be -1 (off) or >= 1, got {self.top_k}"
+            )
+
+
+@dataclass
+class GenerationResult:
+    """A finished (or aborted) request.
+
+    `output_logprobs[i]` is the log-probability of `output_ids[i]` under the distribution it
+    was sampled from (temperature-scaled, renormalised after top-k/top-p); for greedy
+    requests, under the unscaled distribution. `output_versions[i]` is the policy version of
+    the weights that generated token i.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[int] = field(default_factory=list)
+    finish_reason: FinishReason = "length"
+    matched_stop: int | None = None
+    # How many times a weight update interrupted this request (each resumed by a prefill).
+    interruptions: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    version: int
+    paused: bool
+    running_requests: int
+    waiting_requests: int
+    generated_tokens_total: int
+    interrupted_requests_total: int
+    max_running_requests: int
+    max_sequence_length: int
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """What one weight update did."""
+
+    version: int
+    interrupted_requests: int
+    seconds: float
