@@ -56,7 +56,7 @@ def _value(field, index):
     return -index if field.type in (FieldDescriptor.TYPE_INT32, FieldDescriptor.TYPE_INT64) else index
 
 
-@pytest.mark.parametrize("message_type", _messages())
+@pytest.mark.parametrize("message_type", list(_messages()))
 def test_round_trip_preserves_every_field(message_type):
     original = _fill(message_type())
     decoded = message_type.FromString(original.SerializeToString())
