@@ -198,6 +198,10 @@ class TorchEngine:
                 interrupted_requests_total=self._interrupted_total,
                 max_running_requests=self._cache.num_slots,
                 max_sequence_length=self._cache.max_length,
+                stale_requests=sum(
+                    1 for r in self._running
+                    if r.result.output_versions and r.result.output_versions[-1] < self._version
+                ),
             )
 
     # ------------------------------------------------------------------ input checks

@@ -34,26 +34,34 @@ class SlotKVCache:
         self.num_slots = num_slots
         self.max_length = max_length
         self._rows = slice(0, 0)
-        self._row_index: Tensor | None = None
-        self._positions: Tensor | None = None
+        self._scatter_index: Tensor | None = None
         self._read_length = 0
 
     def prepare(self, rows: slice, positions: Tensor, read_length: int) -> None:
         """Sets where the next forward pass writes (`positions[b, t]` for row `rows.start + b`)
         and how much of each row it attends over (`[:read_length]`)."""
         self._rows = rows
-        self._row_index = torch.arange(rows.start, rows.stop, device=positions.device)[:, None]
-        self._positions = positions
         self._read_length = read_length
+        self._scatter_index = None
+        if positions.shape[1] == 1:
+            # Decode: one new position per row, written with one scatter per layer.
+            kv_heads, head_dim = self.keys[0].shape[1], self.keys[0].shape[3]
+            self._scatter_index = positions[:, None, :, None].expand(-1, kv_heads, 1, head_dim)
+        elif rows.stop - rows.start != 1:
+            raise ValueError("multi-token writes (prefill) fill one row at a time")
+        else:
+            self._prefill_span = slice(int(positions[0, 0]), int(positions[0, -1]) + 1)
 
     def update(self, key: Tensor, value: Tensor, layer_idx: int, *_, **__) -> tuple[Tensor, Tensor]:
         """Called by each attention layer with its new keys/values `[B, kv_heads, T, head_dim]`;
         returns the keys/values to attend over."""
-        rows, positions = self._row_index, self._positions
-        # Advanced indices on dims 0 and 2 put the indexed dims first: [B, T, kv_heads, dim].
-        self.keys[layer_idx][rows, :, positions] = key.transpose(1, 2)
-        self.values[layer_idx][rows, :, positions] = value.transpose(1, 2)
-        view = (self._rows, slice(None), slice(0, self._read_length))
+        rows = self._rows
+        for cache, new in ((self.keys[layer_idx], key), (self.values[layer_idx], value)):
+            if self._scatter_index is not None:
+                cache[rows].scatter_(2, self._scatter_index, new)
+            else:
+                cache[rows.start, :, self._prefill_span] = new[0]
+        view = (rows, slice(None), slice(0, self._read_length))
         return self.keys[layer_idx][view], self.values[layer_idx][view]
 
     def move(self, source: int, target: int, length: int) -> None:

@@ -75,6 +75,9 @@ class EngineStatus:
     interrupted_requests_total: int
     max_running_requests: int
     max_sequence_length: int
+    # Running requests whose newest token came from an older version (resuming after an
+    # update); 0 once every running request generates with the current weights.
+    stale_requests: int = 0
 
 
 @dataclass(frozen=True)

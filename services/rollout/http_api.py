@@ -1,0 +1,470 @@
+"""The torch engine behind an SGLang-compatible HTTP API.
+
+The rollout service's SGLang client drives a real SGLang server on GPUs and this app on CPUs,
+so routes, request bodies and response shapes follow SGLang's native API
+(python/sglang/srt/entrypoints/http_server.py and managers/io_struct.py):
+
+- `POST /generate` with `input_ids` (a list of token ids, or a list of lists for a batch),
+  `sampling_params`, `return_logprob` and `rid`. The engine is token-in/token-out, as SGLang is
+  with `skip_tokenizer_init`: no `text` in, only `output_ids` out. Each response is
+  `{"output_ids": [...], "meta_info": {...}}`; `meta_info` carries SGLang's `id`,
+  `finish_reason` (`{"type": "stop", "matched": <token id>}`, `{"type": "length", ...}` or
+  `{"type": "abort", ...}`), `prompt_tokens`, `completion_tokens`, `cached_tokens`,
+  `e2e_latency`, `weight_version` (a string, as SGLang reports it) and, with
+  `return_logprob`, `output_token_logprobs` as `[logprob, token_id, null]` triples.
+  `output_token_versions` (the integer policy version of each output token) is **our
+  extension**: SGLang has no per-token versions, so the SGLang client must not rely on it.
+- `POST /pause_generation`, `POST /continue_generation`, `POST /update_weights_from_disk`,
+  `POST /abort_request`, `GET /health` (also `/health_generate`), `GET /get_model_info`,
+  `GET /get_weight_version`, and `GET /metrics` (Prometheus text).
+
+Errors use SGLang's body, `{"error": {"message": ...}}`: a request the engine refuses and a
+body that fails validation are 400 (not FastAPI's 422), an unknown request id is 404. A bad
+request is refused before anything of it is queued, so it never disturbs other requests.
+Handlers never block the event loop: results are awaited as futures, and engine calls that
+wait (pause, weight loading, abort) run in worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from concurrent.futures import Future
+from typing import Annotated, Any, Literal
+
+from fastapi import Body, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
+
+from asyncrl.rollout.metrics import RolloutMetrics
+from asyncrl.rollout.types import (
+    GenerationResult,
+    RequestError,
+    SamplingParams,
+    UnknownRequestError,
+)
+
+# SGLang treats a temperature below this as greedy.
+_GREEDY_BELOW = 1e-6
+
+
+# ---------------------------------------------------------------------------- request bodies
+
+
+def _token_ids(value: Any) -> Any:
+    """input_ids: a list of ints (one prompt) or a list of lists of ints (a batch)."""
+    if value is None:
+        return None
+
+    def is_int(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if isinstance(value, list):
+        if all(is_int(x) for x in value):
+            return value
+        if all(isinstance(row, list) and all(is_int(x) for x in row) for row in value):
+            return value
+    raise ValueError("must be a list of token ids (ints), or a list of such lists for a batch")
+
+
+def _as_list(value: Any) -> Any:
+    return [value] if isinstance(value, dict) else value
+
+
+class SamplingParamsBody(BaseModel):
+    """SGLang's `sampling_params`. Keys SGLang does not know are refused, like SGLang does;
+    keys it knows that this engine cannot honour are accepted only at their no-op values."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    max_new_tokens: int | None = 128  # None: up to the engine's max sequence length
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    top_k: int | None = -1
+    stop_token_ids: list[int] | None = None
+    # Accepted by SGLang; honoured here only at their defaults (see _check_no_ops).
+    stop: str | list[str] | None = None
+    stop_regex: str | list[str] | None = None
+    min_p: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
+    repetition_penalty: float | None = 1.0
+    min_new_tokens: int | None = 0
+    n: int | None = 1
+    ignore_eos: bool | None = False
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    logit_bias: dict[str, float] | None = None
+    sampling_seed: int | None = None
+    custom_params: dict[str, Any] | None = None
+    # Shape only the detokenised text, which this engine never produces: ignored.
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    no_stop_trim: bool | None = False
+    stream_interval: int | None = None
+
+    @model_validator(mode="after")
+    def _check_no_ops(self) -> SamplingParamsBody:
+        no_op_defaults = {
+            "stop": None, "stop_regex": None, "min_p": 0.0, "frequency_penalty": 0.0,
+            "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0, "n": 1,
+            "ignore_eos": False, "json_schema": None, "regex": None, "ebnf": None,
+            "structural_tag": None, "logit_bias": None, "sampling_seed": None,
+            "custom_params": None,
+        }
+        for name, default in no_op_defaults.items():
+            value = getattr(self, name)
+            if value is not None and value != default and value not in ("", [], {}):
+                raise ValueError(
+                    f"sampling_params.{name}={value!r} is not supported by the torch engine "
+                    f"(it supports max_new_tokens, temperature, top_p, top_k, stop_token_ids); "
+                    f"omit it or send {default!r}"
+                )
+        return self
+
+    def to_engine(self, prompt_length: int, max_sequence_length: int) -> SamplingParams:
+        temperature = 1.0 if self.temperature is None else self.temperature
+        if 0 <= temperature < _GREEDY_BELOW:
+            temperature = 0.0
+        max_new_tokens = self.max_new_tokens
+        if max_new_tokens is None:
+            max_new_tokens = max(max_sequence_length - prompt_length, 0)
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+        )
+
+
+class GenerateRequest(BaseModel):
+    """SGLang's GenerateReqInput, as far as a token-in/token-out engine supports it. Other
+    top-level keys SGLang accepts are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    input_ids: Annotated[Any, BeforeValidator(_token_ids)] = None
+    # A dict applies to every prompt of a batch; a list gives one per prompt.
+    sampling_params: Annotated[
+        list[SamplingParamsBody] | None, BeforeValidator(_as_list)
+    ] = None
+    return_logprob: StrictBool | list[StrictBool] | None = None
+    rid: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    # Refused with a message saying what to send instead.
+    text: Any = None
+    input_embeds: Any = None
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+
+    @model_validator(mode="after")
+    def _check_inputs(self) -> GenerateRequest:
+        if self.text is not None:
+            raise ValueError(
+                "text input is not supported: this engine is token-in/token-out; "
+                "tokenize the prompt and send input_ids"
+            )
+        for name in ("input_embeds", "image_data", "video_data", "audio_data"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is not supported by the torch engine; send input_ids")
+        if self.input_ids is None:
+            raise ValueError("input_ids is required (a list of token ids, or a list of lists)")
+        if self.stream:
+            raise ValueError("stream=true is not supported by the torch engine; send stream=false")
+        return self
+
+    @property
+    def is_batch(self) -> bool:
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+    def prompts(self) -> list[list[int]]:
+        return self.input_ids if self.is_batch else [self.input_ids]
+
+    def per_prompt(self, n: int) -> tuple[list[str], list[SamplingParamsBody], list[bool]]:
+        """rids, sampling params and return_logprob flags, one each per prompt (SGLang's
+        normalize_batch_and_arguments: a missing rid is a fresh uuid, a string rid of a
+        batch becomes `{rid}_{i}`)."""
+        if self.rid is None:
+            rids = [uuid.uuid4().hex for _ in range(n)]
+        elif isinstance(self.rid, str):
+            rids = [self.rid] if not self.is_batch else [f"{self.rid}_{i}" for i in range(n)]
+        else:
+            rids = list(self.rid)
+        params = self.sampling_params or [SamplingParamsBody()]
+        if len(params) == 1:
+            params = params * n
+        flags = self.return_logprob
+        flags = [bool(flags)] * n if not isinstance(flags, list) else flags
+        for name, values in (("rid", rids), ("sampling_params", params),
+                             ("return_logprob", flags)):
+            if len(values) != n:
+                raise RequestError(
+                    f"{name} has {len(values)} entries but input_ids has {n} prompts; "
+                    "give one per prompt (or a single value for all)"
+                )
+        return rids, params, flags
+
+
+class PauseRequest(BaseModel):
+    """SGLang's PauseGenerationReqInput. "in_place" and "retract" both keep requests (the
+    engine drops nothing and resumes them on continue); "abort" ends them first. The default
+    is "in_place", so a body-less pause keeps requests; SGLang's own default differs between
+    releases, so a client should always send the mode it means."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    mode: Literal["abort", "retract", "in_place"] = "in_place"
+
+
+class UpdateWeightsFromDiskRequest(BaseModel):
+    """SGLang's UpdateWeightFromDiskReqInput. `weight_version` is a string in SGLang; here
+    it must name an integer policy version (`version` is accepted as an integer alias).
+    Without either, the version after the current one is loaded."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model_path: StrictStr
+    weight_version: StrictStr | StrictInt | None = None
+    version: StrictInt | None = None
+    load_format: str | None = None
+    abort_all_requests: StrictBool = False
+
+    def target_version(self, current: int) -> int:
+        versions = set()
+        if self.version is not None:
+            versions.add(self.version)
+        if self.weight_version is not None:
+            try:
+                versions.add(int(self.weight_version))
+            except ValueError:
+                raise RequestError(
+                    f"weight_version must be an integer policy version, got {self.weight_version!r}"
+                ) from None
+        if len(versions) > 1:
+            raise RequestError(
+                f"weight_version {self.weight_version!r} and version {self.version} disagree"
+            )
+        return versions.pop() if versions else current + 1
+
+
+class AbortRequestBody(BaseModel):
+    """SGLang's AbortReq: one rid (a list is accepted too), or abort_all."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    rid: StrictStr | list[StrictStr] | None = ""
+    abort_all: StrictBool = False
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def _finish_reason(result: GenerationResult) -> dict[str, Any]:
+    reason: dict[str, Any] = {"type": result.finish_reason, "matched": result.matched_stop}
+    if result.finish_reason == "length":
+        reason["length"] = len(result.output_ids)
+    elif result.finish_reason == "abort":
+        reason["message"] = "Request aborted (abort_request, or pause_generation with mode abort)."
+    return reason
+
+
+def generate_response(
+    result: GenerationResult, *, return_logprob: bool, weight_version: int, seconds: float
+) -> dict[str, Any]:
+    """SGLang's /generate output for one request."""
+    meta: dict[str, Any] = {
+        "id": result.request_id,
+        "finish_reason": _finish_reason(result),
+        "prompt_tokens": len(result.prompt_ids),
+        "completion_tokens": len(result.output_ids),
+        "cached_tokens": 0,
+        "e2e_latency": seconds,
+        "weight_version": str(weight_version),
+        # Our extension: the policy version that generated each output token.
+        "output_token_versions": list(result.output_versions),
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [
+            [logprob, token, None]
+            for logprob, token in zip(result.output_logprobs, result.output_ids)
+        ]
+    return {"output_ids": list(result.output_ids), "meta_info": meta}
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        loc = [p for p in error.get("loc", ()) if p != "body"]
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+        message = error.get("msg", "invalid").removeprefix("Value error, ")
+        parts.append(f"{path}: {message}" if path else message)
+    return "; ".join(parts) or "invalid request body"
+
+
+# ---------------------------------------------------------------------------- the app
+
+
+def create_app(engine, *, model_path: str, metrics: RolloutMetrics) -> FastAPI:
+    """The HTTP front of one engine (a started TorchEngine or anything with its interface)."""
+    app = FastAPI(title="asyncrl rollout (SGLang-compatible)")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(400, _validation_message(exc))
+
+    @app.exception_handler(RequestError)
+    async def _refused(_: Request, exc: RequestError) -> JSONResponse:
+        return _error(400, str(exc))
+
+    @app.exception_handler(UnknownRequestError)
+    async def _unknown(_: Request, exc: UnknownRequestError) -> JSONResponse:
+        return _error(404, exc.args[0] if exc.args else "unknown request id")
+
+    def submit(prompt: list[int], params: SamplingParams, rid: str) -> Future:
+        started = time.perf_counter()
+        future = engine.submit(prompt, params, rid)
+
+        def observe(done: Future) -> None:
+            if not done.cancelled() and done.exception() is None:
+                metrics.observe_result(done.result(), time.perf_counter() - started)
+
+        future.add_done_callback(observe)
+        return future
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(body: GenerateRequest):
+        prompts = body.prompts()
+        rids, bodies, logprob_flags = body.per_prompt(len(prompts))
+        max_length = engine.status().max_sequence_length
+        params = [b.to_engine(len(p), max_length) for b, p in zip(bodies, prompts)]
+        for index, p in enumerate(params):
+            _checked(p.check, index, body.is_batch)
+        started = time.perf_counter()
+        futures: list[Future] = []
+        try:
+            for index, (prompt, p, rid) in enumerate(zip(prompts, params, rids)):
+                futures.append(_checked(lambda: submit(prompt, p, rid), index, body.is_batch))
+        except RequestError:
+            # All or nothing: a batch with one bad prompt leaves nothing of it queued.
+            if futures:
+                await asyncio.to_thread(engine.abort, rids[: len(futures)])
+            raise
+        try:
+            # shield: a cancelled handler must not cancel the engine's futures.
+            results = await asyncio.gather(
+                *(asyncio.shield(asyncio.wrap_future(f)) for f in futures)
+            )
+        except asyncio.CancelledError:
+            # The client is gone: free the slots (in a worker thread, without waiting).
+            asyncio.get_running_loop().run_in_executor(None, engine.abort, rids)
+            raise
+        seconds = time.perf_counter() - started
+        version = engine.version
+        outputs = [
+            generate_response(r, return_logprob=flag, weight_version=version, seconds=seconds)
+            for r, flag in zip(results, logprob_flags)
+        ]
+        return outputs if body.is_batch else outputs[0]
+
+    @app.post("/pause_generation")
+    async def pause_generation(body: Annotated[PauseRequest | None, Body()] = None):
+        mode = (body or PauseRequest()).mode
+        if mode == "abort":
+            await asyncio.to_thread(engine.abort, None)
+        await asyncio.to_thread(engine.pause)
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        engine.resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest):
+        try:
+            version = body.target_version(engine.version)
+            if body.abort_all_requests:
+                await asyncio.to_thread(engine.abort, None)
+            update = await asyncio.to_thread(engine.update_weights, body.model_path, version)
+        except RequestError as exc:
+            metrics.observe_weight_update_failure()
+            return JSONResponse(
+                {"success": False, "message": str(exc), "num_paused_requests": 0},
+                status_code=400,
+            )
+        metrics.observe_weight_update(update)
+        return {
+            "success": True,
+            "message": f"Succeeded to update model weights. "
+                       f"Weight version updated to {update.version}.",
+            "num_paused_requests": update.interrupted_requests,
+            "weight_version": str(update.version),
+            "seconds": update.seconds,
+        }
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortRequestBody):
+        if body.abort_all:
+            aborted = await asyncio.to_thread(engine.abort, None)
+        elif body.rid:
+            rids = [body.rid] if isinstance(body.rid, str) else body.rid
+            aborted = await asyncio.to_thread(engine.abort, rids)
+        else:
+            raise RequestError("abort_request needs rid (a request id) or abort_all: true")
+        # SGLang answers 200 with no body; the ids actually aborted are our addition.
+        return {"success": True, "aborted_rids": aborted}
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health():
+        return Response(status_code=200 if engine.alive else 503)
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return {
+            "model_path": model_path,
+            "tokenizer_path": None,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": str(engine.version),
+        }
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": str(engine.version)}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        metrics.refresh(engine.status())
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    return app
+
+
+def _checked(call, index: int, is_batch: bool):
+    """Runs `call`, naming the batch item in a RequestError's message."""
+    try:
+        return call()
+    except RequestError as exc:
+        if is_batch:
+            raise RequestError(f"batch item {index}: {exc}") from None
+        raise
