@@ -80,14 +80,17 @@ def test_continuous_batching_greedy_equals_unbatched_generate():
             futures.append(engine.submit(prompt, SamplingParams(max_new_tokens=5 + 4 * index,
                                                                 temperature=0)))
             wait_for_tokens(engine, 2 * index)  # the next one joins a running batch
+        distinct = set()
         for prompt, future in zip(batch, futures):
             result = future.result(timeout=60)
+            distinct.add(tuple(result.output_ids))
             with torch.no_grad():
                 reference = model.generate(
                     torch.tensor([prompt]), max_new_tokens=len(result.output_ids), do_sample=False,
                     eos_token_id=None, pad_token_id=0,
                 )[0, len(prompt):].tolist()
             assert result.output_ids == reference
+        assert len(distinct) == len(batch)  # a model that ignored its input would fail here
     finally:
         engine.stop()
 

@@ -1,0 +1,235 @@
+"""The rollout workflow: prompt -> slot -> n responses -> scores -> a group in the buffer.
+
+Each group runs as its own asyncio task, so many groups (and the n responses inside each) are
+generated concurrently; the engine batches them. The staleness gate decides how many groups
+may be in flight: a group starts only when the gate grants it a slot.
+
+The workflow meets the rest of the system at three small interfaces, so the same loop drives
+the torch engine or SGLang, scores in-process or through the reward service, and talks to the
+Redis-backed buffer or (in unit tests only) an in-process gate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Protocol
+
+from asyncrl.algorithms.staleness import rollout_capacity
+from asyncrl.rollout.types import GenerationResult, SamplingParams
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    prompt_id: str
+    prompt_ids: list[int]
+    # What the scorer checks responses against (an answer, unit tests...).
+    reference: Any
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One response as the trainer consumes it (the protobuf Trajectory, as Python)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_logprobs: list[float]
+    token_versions: list[int]
+    reward: float
+    finish_reason: str
+    generate_seconds: float
+    reward_seconds: float
+
+    @property
+    def loss_mask(self) -> list[int]:
+        """1 on generated tokens, 0 on the prompt, over prompt + response."""
+        return [0] * len(self.prompt_ids) + [1] * len(self.response_ids)
+
+
+@dataclass(frozen=True)
+class Group:
+    group_id: str
+    prompt_id: str
+    samples: list[Trajectory]
+    started_unix_ms: int
+
+
+@dataclass(frozen=True)
+class Slot:
+    slot_id: str
+
+
+class Generator(Protocol):
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult: ...
+
+
+class Scorer(Protocol):
+    async def score(self, item: PromptItem, responses: list[list[int]]) -> list[float]: ...
+
+
+class SlotGate(Protocol):
+    """The buffer as the rollout side sees it."""
+
+    async def acquire(self) -> Slot:
+        """Waits until the staleness gate grants a slot."""
+
+    async def put(self, slot: Slot, group: Group) -> None: ...
+
+    async def release(self, slot: Slot, reason: str) -> None: ...
+
+
+class EngineGenerator:
+    """Generator over an in-process TorchEngine (its futures become awaitables)."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        return await asyncio.wrap_future(self._engine.submit(prompt_ids, params))
+
+
+@dataclass
+class WorkflowStats:
+    groups_put: int = 0
+    groups_failed: int = 0
+    samples: int = 0
+    generated_tokens: int = 0
+    rewards: list[float] = field(default_factory=list)
+
+
+class RolloutWorkflow:
+    def __init__(
+        self,
+        prompts: Iterable[PromptItem],
+        *,
+        generator: Generator,
+        scorer: Scorer,
+        gate: SlotGate,
+        group_size: int,
+        params: SamplingParams,
+        on_group: Callable[[Group], None] = lambda _: None,
+    ):
+        self._prompts = iter(prompts)
+        self._generator = generator
+        self._scorer = scorer
+        self._gate = gate
+        self._group_size = group_size
+        self._params = params
+        self._on_group = on_group
+        self._ids = itertools.count()
+        self.stats = WorkflowStats()
+
+    async def run(self, max_groups: int | None = None) -> WorkflowStats:
+        """Starts a group whenever the gate grants a slot, until `max_groups` groups were put
+        (or the prompts run out); cancelling it abandons in-flight groups' slots cleanly."""
+        tasks: set[asyncio.Task] = set()
+        started = 0
+        try:
+            while max_groups is None or started < max_groups:
+                item = next(self._prompts, None)
+                if item is None:
+                    break
+                slot = await self._gate.acquire()
+                started += 1
+                task = asyncio.create_task(self._run_group(slot, item))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+        return self.stats
+
+    async def _run_group(self, slot: Slot, item: PromptItem) -> None:
+        started_ms = int(time.time() * 1000)
+        try:
+            group = await self._generate_group(item, started_ms)
+        except BaseException:
+            self.stats.groups_failed += 1
+            await asyncio.shield(self._gate.release(slot, "generation failed"))
+            raise
+        await self._gate.put(slot, group)
+        self.stats.groups_put += 1
+        self.stats.samples += len(group.samples)
+        self.stats.generated_tokens += sum(len(s.response_ids) for s in group.samples)
+        self.stats.rewards.extend(s.reward for s in group.samples)
+        self._on_group(group)
+
+    async def _generate_group(self, item: PromptItem, started_ms: int) -> Group:
+        began = time.perf_counter()
+        results = await asyncio.gather(
+            *(self._generator.generate(item.prompt_ids, self._params) for _ in range(self._group_size))
+        )
+        generated = time.perf_counter()
+        rewards = await self._scorer.score(item, [r.output_ids for r in results])
+        scored = time.perf_counter()
+        samples = [
+            Trajectory(
+                prompt_ids=list(item.prompt_ids),
+                response_ids=r.output_ids,
+                behaviour_logprobs=r.output_logprobs,
+                token_versions=r.output_versions,
+                reward=float(reward),
+                finish_reason=r.finish_reason,
+                generate_seconds=generated - began,
+                reward_seconds=scored - generated,
+            )
+            for r, reward in zip(results, rewards)
+        ]
+        return Group(f"{item.prompt_id}#{next(self._ids)}", item.prompt_id, samples, started_ms)
+
+
+class InProcessGate:
+    """The staleness gate in one process, for unit tests of the workflow only; the job uses
+    the Redis-backed buffer service, which enforces the same rule across replicas."""
+
+    def __init__(self, *, max_staleness: int, batch_size: int, max_concurrent: int | None = None):
+        self.max_staleness = max_staleness
+        self.batch_size = batch_size
+        self.max_concurrent = max_concurrent
+        self.trainer_version = 0
+        self.accepted = 0
+        self.running = 0
+        self.groups: list[Group] = []
+        self.peak_in_flight = 0
+        self._changed = asyncio.Condition()
+        self._ids = itertools.count()
+
+    def capacity(self) -> int:
+        return rollout_capacity(
+            max_staleness=self.max_staleness,
+            trainer_version=self.trainer_version,
+            batch_size=self.batch_size,
+            accepted=self.accepted,
+            running=self.running,
+            max_concurrent=self.max_concurrent,
+        )
+
+    async def acquire(self) -> Slot:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.capacity() > 0)
+            self.running += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.accepted + self.running)
+            return Slot(f"slot-{next(self._ids)}")
+
+    async def put(self, slot: Slot, group: Group) -> None:
+        async with self._changed:
+            self.running -= 1
+            self.accepted += 1
+            self.groups.append(group)
+            self._changed.notify_all()
+
+    async def release(self, slot: Slot, reason: str) -> None:
+        async with self._changed:
+            self.running -= 1
+            self._changed.notify_all()
+
+    async def set_version(self, version: int) -> None:
+        async with self._changed:
+            self.trainer_version = version
+            self._changed.notify_all()

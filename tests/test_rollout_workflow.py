@@ -1,0 +1,91 @@
+"""The rollout workflow with a real engine and tiny model, and the in-process gate."""
+
+import asyncio
+
+import pytest
+
+from asyncrl.models import TinyModelConfig, build_tiny_model
+from asyncrl.rollout.engine import TorchEngine
+from asyncrl.rollout.types import SamplingParams
+from asyncrl.rollout.workflow import EngineGenerator, InProcessGate, PromptItem, RolloutWorkflow
+
+
+class CountingScorer:
+    """Rewards a response by whether it contains the reference token (deterministic)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    async def score(self, item, responses):
+        self.calls += 1
+        return [1.0 if item.reference in r else 0.0 for r in responses]
+
+
+def items(count):
+    return [PromptItem(f"p{i}", [1 + i, 2 + i, 3 + i], reference=7) for i in range(count)]
+
+
+@pytest.fixture
+def engine():
+    model = build_tiny_model(TinyModelConfig(), vocab_size=64)
+    engine = TorchEngine(model, max_running_requests=8, max_sequence_length=64, seed=0).start()
+    yield engine
+    engine.stop()
+
+
+def test_workflow_puts_scored_groups_with_complete_records(engine):
+    gate = InProcessGate(max_staleness=10, batch_size=2)
+    scorer = CountingScorer()
+    workflow = RolloutWorkflow(
+        items(5), generator=EngineGenerator(engine), scorer=scorer, gate=gate, group_size=3,
+        params=SamplingParams(max_new_tokens=6),
+    )
+    stats = asyncio.run(workflow.run())
+    assert stats.groups_put == 5 and scorer.calls == 5 and gate.running == 0
+    assert sorted(g.prompt_id for g in gate.groups) == [f"p{i}" for i in range(5)]
+    for group in gate.groups:
+        assert len(group.samples) == 3
+        for sample in group.samples:
+            n = len(sample.response_ids)
+            assert n == 6 and len(sample.behaviour_logprobs) == n and sample.token_versions == [0] * n
+            assert sample.loss_mask == [0] * 3 + [1] * 6
+            assert sample.reward == (1.0 if 7 in sample.response_ids else 0.0)
+            assert sample.generate_seconds > 0 and sample.reward_seconds >= 0
+
+
+def test_gate_holds_rollouts_until_the_trainer_advances(engine):
+    """η = 0, batch 2: only 2 groups may exist before version 1, 4 before version 2."""
+    gate = InProcessGate(max_staleness=0, batch_size=2)
+
+    async def scenario():
+        workflow = RolloutWorkflow(
+            items(6), generator=EngineGenerator(engine), scorer=CountingScorer(), gate=gate,
+            group_size=2, params=SamplingParams(max_new_tokens=3),
+        )
+        run = asyncio.create_task(workflow.run())
+        await asyncio.sleep(1.0)
+        assert gate.accepted == 2 and gate.running == 0
+        await gate.set_version(1)
+        await asyncio.sleep(1.0)
+        assert gate.accepted == 4
+        await gate.set_version(2)
+        await asyncio.wait_for(run, 30)
+
+    asyncio.run(scenario())
+    assert gate.accepted == 6 and gate.peak_in_flight <= 6
+
+
+def test_failed_generation_releases_its_slot(engine):
+    gate = InProcessGate(max_staleness=4, batch_size=2)
+
+    class Broken:
+        async def generate(self, prompt_ids, params):
+            raise RuntimeError("engine went away")
+
+    workflow = RolloutWorkflow(
+        items(1), generator=Broken(), scorer=CountingScorer(), gate=gate, group_size=2,
+        params=SamplingParams(max_new_tokens=3),
+    )
+    with pytest.raises(RuntimeError, match="went away"):
+        asyncio.run(workflow.run())
+    assert gate.running == 0 and gate.accepted == 0 and workflow.stats.groups_failed == 1
