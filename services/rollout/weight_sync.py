@@ -1,0 +1,102 @@
+"""Keeps a rollout worker on the newest policy version announced in Redis.
+
+The worker subscribes to the job's weights channel, then reads the weights hash: whatever was
+announced before the subscription is caught up at once, and every later announcement arrives
+as a message. Messages only say "look again"; the hash is the truth, re-read on every message,
+every `poll_seconds` without one, and after reconnecting, so lost messages cost at most one
+poll interval and never a version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+from pathlib import Path
+from typing import Awaitable, Callable
+from urllib.parse import urlparse
+
+import httpx
+import redis.asyncio as redis
+
+from asyncrl.weights import WeightVersion, weights_channel, weights_key
+
+log = logging.getLogger(__name__)
+
+ApplyWeights = Callable[[WeightVersion], Awaitable[None]]
+
+
+class WeightWatcher:
+    def __init__(
+        self,
+        client: redis.Redis,
+        job: str,
+        apply: ApplyWeights,
+        *,
+        current_version: int = 0,
+        poll_seconds: float = 5.0,
+    ):
+        self._client = client
+        self._job = job
+        self._apply = apply
+        self.version = current_version
+        self._poll_seconds = poll_seconds
+        self.updates = 0
+
+    async def run(self) -> None:
+        """Runs until cancelled, reconnecting (with backoff) when Redis goes away."""
+        backoff = 0.1
+        while True:
+            try:
+                await self._watch()
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                log.warning("weights watcher lost Redis (%s); retrying in %.1fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    async def _watch(self) -> None:
+        async with self._client.pubsub() as pubsub:
+            await pubsub.subscribe(weights_channel(self._job))
+            await self.catch_up()
+            while True:
+                await pubsub.get_message(ignore_subscribe_messages=True,
+                                         timeout=self._poll_seconds)
+                await self.catch_up()
+
+    async def catch_up(self) -> None:
+        """Applies the announced version if it is newer than the one being served."""
+        announced = WeightVersion.from_hash(await self._client.hgetall(weights_key(self._job)))
+        if announced is None or announced.version <= self.version:
+            return
+        await self._apply(announced)
+        self.version = announced.version
+        self.updates += 1
+
+
+async def fetch_snapshot(uri: str, cache_dir: Path) -> Path:
+    """A local path for a snapshot URI: a path or file:// as is, http(s) downloaded once."""
+    parsed = urlparse(uri)
+    if parsed.scheme in ("", "file"):
+        return Path(parsed.path if parsed.scheme else uri)
+    if parsed.scheme not in ("http", "https"):
+        raise ValueError(f"weights uri {uri!r}: use a path, file://, http:// or https://")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    target = cache_dir / (Path(parsed.path).name or "model.safetensors")
+    with tempfile.NamedTemporaryFile(dir=cache_dir, delete=False) as partial:
+        async with httpx.AsyncClient(timeout=None) as http:
+            async with http.stream("GET", uri) as response:
+                response.raise_for_status()
+                async for chunk in response.aiter_bytes(1 << 20):
+                    partial.write(chunk)
+    Path(partial.name).replace(target)
+    return target
+
+
+def engine_applier(engine, cache_dir: Path) -> ApplyWeights:
+    """Applies announced versions to an in-process TorchEngine (off the event loop)."""
+
+    async def apply(announced: WeightVersion) -> None:
+        path = await fetch_snapshot(announced.uri, cache_dir)
+        await asyncio.to_thread(engine.update_weights, path, announced.version)
+
+    return apply
