@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -125,6 +125,45 @@ def _load_or_exit(path: Path):
         for problem in format_errors(exc, lines=yaml_lines(path.read_text(encoding="utf-8"))):
             typer.echo(f"  {problem}", err=True)
     raise typer.Exit(code=1)
+
+
+serve_app = typer.Typer(
+    help="Run one service process (the command the operator puts in each pod).",
+    no_args_is_help=True,
+)
+app.add_typer(serve_app, name="serve")
+
+
+@serve_app.command("rollout")
+def serve_rollout(
+    job_file: Annotated[Path, typer.Option(envvar="ASYNCRL_JOB_FILE", help="RLJob manifest.")],
+    http_port: Annotated[int, typer.Option(envvar="ASYNCRL_HTTP_PORT")] = 30000,
+    grpc_port: Annotated[int, typer.Option(envvar="ASYNCRL_GRPC_PORT")] = 50061,
+    redis_url: Annotated[Optional[str], typer.Option(envvar="ASYNCRL_REDIS_URL")] = None,
+    threads: Annotated[Optional[int], typer.Option(envvar="ASYNCRL_THREADS")] = None,
+    host: Annotated[str, typer.Option(envvar="ASYNCRL_HOST")] = "127.0.0.1",
+) -> None:
+    """The rollout worker: torch engine, SGLang-compatible HTTP API, gRPC control."""
+    from asyncrl.rollout.server import RolloutSettings, serve
+
+    settings = _settings_or_exit(
+        RolloutSettings, job_file=job_file, http_port=http_port, grpc_port=grpc_port,
+        redis_url=redis_url, threads=threads, host=host,
+    )
+    serve(settings)
+
+
+def _settings_or_exit(settings_class, **values):
+    """Typed, checked service settings, or every problem printed and exit code 2."""
+    from pydantic import ValidationError
+
+    try:
+        return settings_class(**values)
+    except ValidationError as exc:
+        for error in exc.errors():
+            field = ".".join(str(part) for part in error["loc"])
+            typer.secho(f"--{field.replace('_', '-')}: {error['msg']}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=2)
 
 
 class OutputFormat(str, enum.Enum):
