@@ -153,6 +153,29 @@ def serve_rollout(
     serve(settings)
 
 
+@serve_app.command("buffer")
+def serve_buffer(
+    job_file: Annotated[Path, typer.Option(envvar="ASYNCRL_JOB_FILE", help="RLJob manifest.")],
+    redis_url: Annotated[str, typer.Option(envvar="ASYNCRL_REDIS_URL")],
+    grpc_port: Annotated[int, typer.Option(envvar="ASYNCRL_GRPC_PORT")] = 50051,
+    metrics_port: Annotated[int, typer.Option(envvar="ASYNCRL_METRICS_PORT",
+                                              help="Prometheus port; 0 turns it off.")] = 9101,
+    host: Annotated[str, typer.Option(envvar="ASYNCRL_HOST")] = "127.0.0.1",
+) -> None:
+    """The buffer: staleness gate, batches and versions, all state in Redis.
+    The Redis password, if any, is read from ASYNCRL_REDIS_PASSWORD (a Secret in Kubernetes)."""
+    import os
+
+    from asyncrl.buffer.server import BufferSettings, serve
+
+    settings = _settings_or_exit(
+        BufferSettings, job_file=job_file, redis_url=redis_url, grpc_port=grpc_port,
+        metrics_port=metrics_port, host=host,
+        redis_password=os.environ.get("ASYNCRL_REDIS_PASSWORD"),
+    )
+    serve(settings)
+
+
 def _settings_or_exit(settings_class, **values):
     """Typed, checked service settings, or every problem printed and exit code 2."""
     from pydantic import ValidationError

@@ -126,7 +126,11 @@ class SGLangServer:
         return "\n".join(self._log)
 
     def _check_installed(self) -> None:
+        """A clear error, before anything starts, when the command runs SGLang's launcher
+        with an interpreter that has no sglang."""
         python = self.command[0]
+        if self.command[1:3] != ["-m", "sglang.launch_server"]:
+            return
         if python == sys.executable:
             found = importlib.util.find_spec("sglang") is not None
         else:

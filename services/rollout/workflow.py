@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
 from asyncrl.algorithms.staleness import rollout_capacity
 from asyncrl.rollout.types import GenerationResult, SamplingParams
+from asyncrl.v1 import common_pb2
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,24 @@ class Trajectory:
         """1 on generated tokens, 0 on the prompt, over prompt + response."""
         return [0] * len(self.prompt_ids) + [1] * len(self.response_ids)
 
+    def to_pb(self) -> common_pb2.Trajectory:
+        return common_pb2.Trajectory(
+            prompt_ids=self.prompt_ids, response_ids=self.response_ids,
+            behaviour_logprobs=self.behaviour_logprobs, token_versions=self.token_versions,
+            reward=self.reward, finish_reason=self.finish_reason,
+            generate_seconds=self.generate_seconds, reward_seconds=self.reward_seconds,
+        )
+
+    @classmethod
+    def from_pb(cls, message: common_pb2.Trajectory) -> Trajectory:
+        return cls(
+            prompt_ids=list(message.prompt_ids), response_ids=list(message.response_ids),
+            behaviour_logprobs=list(message.behaviour_logprobs),
+            token_versions=list(message.token_versions), reward=message.reward,
+            finish_reason=message.finish_reason, generate_seconds=message.generate_seconds,
+            reward_seconds=message.reward_seconds,
+        )
+
 
 @dataclass(frozen=True)
 class Group:
@@ -54,6 +76,17 @@ class Group:
     prompt_id: str
     samples: list[Trajectory]
     started_unix_ms: int
+
+    def to_pb(self) -> common_pb2.Group:
+        return common_pb2.Group(
+            group_id=self.group_id, prompt_id=self.prompt_id,
+            samples=[s.to_pb() for s in self.samples], started_unix_ms=self.started_unix_ms,
+        )
+
+    @classmethod
+    def from_pb(cls, message: common_pb2.Group) -> Group:
+        return cls(message.group_id, message.prompt_id,
+                   [Trajectory.from_pb(s) for s in message.samples], message.started_unix_ms)
 
 
 @dataclass(frozen=True)
@@ -153,7 +186,12 @@ class RolloutWorkflow:
             self.stats.groups_failed += 1
             await asyncio.shield(self._gate.release(slot, "generation failed"))
             raise
-        await self._gate.put(slot, group)
+        try:
+            await self._gate.put(slot, group)
+        except Exception:  # e.g. the slot's lease expired: the group is lost, the worker is not
+            self.stats.groups_failed += 1
+            log.warning("group %s was not accepted by the buffer", group.group_id, exc_info=True)
+            return
         self.stats.groups_put += 1
         self.stats.samples += len(group.samples)
         self.stats.generated_tokens += sum(len(s.response_ids) for s in group.samples)

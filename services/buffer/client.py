@@ -1,0 +1,113 @@
+"""Clients of the buffer service: the rollout side (a SlotGate for the workflow, with lease
+heartbeats) and the trainer side (batches, acknowledgements, versions)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from asyncrl.rollout.workflow import Group, Slot
+from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
+
+log = logging.getLogger(__name__)
+
+# Calls that are safe to repeat (puts are idempotent per slot, acks per batch).
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+async def _with_retries(call, *, attempts: int = 60, delay: float = 0.25):
+    """Retries a call while the buffer or its Redis is briefly unavailable (a restart)."""
+    for attempt in range(attempts):
+        try:
+            return await call()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in _RETRYABLE or attempt == attempts - 1:
+                raise
+            await asyncio.sleep(delay)
+
+
+class BufferClient:
+    def __init__(self, address: str, job: str, worker: str = "worker", *, lease_seconds: float = 30):
+        self._channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", 256 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+        ])
+        self.stub = buffer_pb2_grpc.BufferStub(self._channel)
+        self.job = job
+        self.worker = worker
+        self._heartbeat_every = max(lease_seconds / 3, 0.05)
+        self._heartbeats: dict[str, asyncio.Task] = {}
+
+    async def close(self) -> None:
+        for task in self._heartbeats.values():
+            task.cancel()
+        await self._channel.close()
+
+    # ------------------------------------------------------------------ rollout side (SlotGate)
+
+    async def acquire(self) -> Slot:
+        """Waits (politely) until the staleness gate grants a slot, then keeps its lease alive."""
+        while True:
+            reply = await _with_retries(lambda: self.stub.AcquireSlot(
+                buffer_pb2.AcquireSlotRequest(job=self.job, worker=self.worker), timeout=10))
+            if reply.granted:
+                self._heartbeats[reply.slot_id] = asyncio.create_task(self._keep_alive(reply.slot_id))
+                return Slot(reply.slot_id)
+            await asyncio.sleep(max(reply.retry_after_ms, 20) / 1000)
+
+    async def put(self, slot: Slot, group: Group) -> None:
+        message = group.to_pb() if isinstance(group, Group) else group
+        await _with_retries(lambda: self.stub.PutGroup(
+            buffer_pb2.PutGroupRequest(job=self.job, slot_id=slot.slot_id, group=message),
+            timeout=30))
+        self._stop_heartbeat(slot)
+
+    async def release(self, slot: Slot, reason: str) -> None:
+        self._stop_heartbeat(slot)
+        await _with_retries(lambda: self.stub.ReleaseSlot(
+            buffer_pb2.ReleaseSlotRequest(job=self.job, slot_id=slot.slot_id, reason=reason),
+            timeout=10))
+
+    async def _keep_alive(self, slot_id: str) -> None:
+        while True:
+            await asyncio.sleep(self._heartbeat_every)
+            try:
+                reply = await self.stub.Heartbeat(
+                    buffer_pb2.HeartbeatRequest(job=self.job, slot_id=slot_id), timeout=5)
+                if not reply.alive:
+                    log.warning("slot %s expired before its group was put", slot_id)
+                    return
+            except grpc.aio.AioRpcError as exc:
+                log.warning("heartbeat for %s failed: %s", slot_id, exc.details())
+
+    def _stop_heartbeat(self, slot: Slot) -> None:
+        task = self._heartbeats.pop(slot.slot_id, None)
+        if task:
+            task.cancel()
+
+    # ------------------------------------------------------------------ trainer side
+
+    async def get_batch(self, consumer: str, num_groups: int, wait_ms: int = 1000) -> buffer_pb2.Batch:
+        return await _with_retries(lambda: self.stub.GetBatch(buffer_pb2.GetBatchRequest(
+            job=self.job, consumer=consumer, num_groups=num_groups, wait_ms=wait_ms),
+            timeout=wait_ms / 1000 + 30))
+
+    async def ack(self, batch_id: str) -> None:
+        await _with_retries(lambda: self.stub.AckBatch(
+            buffer_pb2.AckBatchRequest(job=self.job, batch_id=batch_id), timeout=30))
+
+    async def set_version(self, version: int, weights_uri: str) -> buffer_pb2.VersionInfo:
+        return await _with_retries(lambda: self.stub.SetVersion(buffer_pb2.SetVersionRequest(
+            job=self.job, version=version, weights_uri=weights_uri), timeout=30))
+
+    async def stats(self) -> buffer_pb2.BufferStats:
+        return await _with_retries(lambda: self.stub.GetStats(
+            buffer_pb2.GetStatsRequest(job=self.job), timeout=10))
+
+    async def healthy(self) -> bool:
+        try:
+            return (await self.stub.Health(common_pb2.HealthRequest(), timeout=2)).serving
+        except grpc.aio.AioRpcError:
+            return False

@@ -1,0 +1,277 @@
+"""`asyncrl serve buffer`: the gRPC Buffer service over Redis.
+
+The servicer only checks and translates protobuf; `BufferStore` does the work. Errors are
+mapped to status codes in one place (`_status_for`), and a bad request changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+import redis.asyncio as redis
+from pydantic import Field
+
+from asyncrl.buffer.metrics import BufferMetrics
+from asyncrl.buffer.store import (
+    BufferError,
+    BufferStore,
+    FailedPrecondition,
+    InvalidArgument,
+    JobConfig,
+    NotFound,
+    ResourceExhausted,
+)
+from asyncrl.settings import ServiceSettings
+from asyncrl.spec import load_manifest
+from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
+from asyncrl.weights import WeightVersion, weights_channel
+
+log = logging.getLogger(__name__)
+
+_STATUS = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+def _status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, BufferError):
+        return _STATUS.get(type(exc), grpc.StatusCode.INVALID_ARGUMENT), str(exc)
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+        return grpc.StatusCode.UNAVAILABLE, f"Redis is unavailable: {exc}"
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+def _mapped(method):
+    """Turns domain errors into gRPC status codes with their message."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status, never a crash
+            code, message = _status_for(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("buffer %s failed", method.__name__)
+            await context.abort(code, message)
+
+    return wrapper
+
+
+def validate_group(group: common_pb2.Group, job: JobConfig) -> int:
+    """Checks a put group is well formed; returns its oldest token version."""
+    if not group.group_id:
+        raise InvalidArgument("group.group_id is empty")
+    if len(group.samples) != job.group_size:
+        raise InvalidArgument(
+            f"group has {len(group.samples)} samples; job {job.name!r} has algorithm.groupSize "
+            f"{job.group_size}: put whole groups"
+        )
+    oldest = None
+    for index, sample in enumerate(group.samples):
+        where = f"group.samples[{index}]"
+        if not sample.prompt_ids:
+            raise InvalidArgument(f"{where}.prompt_ids is empty")
+        n = len(sample.response_ids)
+        if len(sample.behaviour_logprobs) != n or len(sample.token_versions) != n:
+            raise InvalidArgument(
+                f"{where}: response_ids, behaviour_logprobs and token_versions need one entry "
+                f"per response token (got {n}, {len(sample.behaviour_logprobs)}, "
+                f"{len(sample.token_versions)})"
+            )
+        if any(v < 0 for v in sample.token_versions):
+            raise InvalidArgument(f"{where}.token_versions has a negative version")
+        if any(t < 0 for t in sample.prompt_ids) or any(t < 0 for t in sample.response_ids):
+            raise InvalidArgument(f"{where} has a negative token id")
+        if sample.token_versions:
+            low = min(sample.token_versions)
+            oldest = low if oldest is None else min(oldest, low)
+    return oldest or 0
+
+
+class BufferServicer(buffer_pb2_grpc.BufferServicer):
+    def __init__(self, store: BufferStore, client: redis.Redis, metrics: BufferMetrics):
+        self._store = store
+        self._client = client
+        self._metrics = metrics
+
+    @_mapped
+    async def AcquireSlot(self, request, context):
+        grant = await self._store.acquire_slot(request.job, request.worker)
+        return buffer_pb2.AcquireSlotResponse(
+            granted=grant.granted, slot_id=grant.slot_id,
+            lease_expires_unix_ms=grant.lease_expires_unix_ms, reason=grant.reason,
+            retry_after_ms=0 if grant.granted else 100,
+        )
+
+    @_mapped
+    async def Heartbeat(self, request, context):
+        alive, expires = await self._store.heartbeat(request.job, request.slot_id)
+        return buffer_pb2.HeartbeatResponse(alive=alive, lease_expires_unix_ms=expires)
+
+    @_mapped
+    async def ReleaseSlot(self, request, context):
+        released = await self._store.release_slot(request.job, request.slot_id)
+        return buffer_pb2.ReleaseSlotResponse(released=released)
+
+    @_mapped
+    async def PutGroup(self, request, context):
+        job = self._store.job(request.job)
+        oldest = validate_group(request.group, job)
+        _, accepted = await self._store.put_group(
+            request.job, request.slot_id, request.group.group_id, oldest,
+            request.group.SerializeToString(),
+        )
+        self._metrics.observe_put(request.group)
+        return buffer_pb2.PutGroupResponse(accepted=True, accepted_total=accepted)
+
+    @_mapped
+    async def GetBatch(self, request, context):
+        batch = await self._store.get_batch(
+            request.job, request.consumer, request.num_groups, request.wait_ms
+        )
+        self._metrics.observe_batch(batch)
+        return buffer_pb2.Batch(
+            batch_id=batch.batch_id,
+            groups=[common_pb2.Group.FromString(e.group_bytes) for e in batch.entries],
+            dropped_stale=batch.dropped_stale,
+            redelivered=batch.redelivered,
+        )
+
+    @_mapped
+    async def AckBatch(self, request, context):
+        return buffer_pb2.AckBatchResponse(
+            acknowledged=await self._store.ack_batch(request.job, request.batch_id)
+        )
+
+    @_mapped
+    async def SetVersion(self, request, context):
+        announced = await self._store.set_version(request.job, request.version, request.weights_uri)
+        return _version_pb(announced)
+
+    @_mapped
+    async def GetVersion(self, request, context):
+        return _version_pb(await self._store.get_version(request.job))
+
+    @_mapped
+    async def WatchVersion(self, request, context):
+        job = self._store.job(request.job)
+        async with self._client.pubsub() as pubsub:
+            await pubsub.subscribe(weights_channel(job.name))
+            last = -1
+            while True:
+                current = await self._store.get_version(job.name)
+                if current.version > last:
+                    last = current.version
+                    await context.write(_version_pb(current))
+                # The message only says "look again"; the hash is re-read either way.
+                await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0)
+
+    @_mapped
+    async def GetStats(self, request, context):
+        stats = await self._store.stats(request.job)
+        self._metrics.observe_stats(request.job, stats)
+        return buffer_pb2.BufferStats(**stats.__dict__)
+
+    async def Health(self, request, context):
+        try:
+            await self._client.ping()
+            return common_pb2.HealthResponse(serving=True)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            return common_pb2.HealthResponse(serving=False, detail=f"Redis: {exc}")
+
+
+def _version_pb(announced: WeightVersion) -> buffer_pb2.VersionInfo:
+    return buffer_pb2.VersionInfo(
+        version=announced.version, weights_uri=announced.uri,
+        updated_unix_ms=announced.updated_unix_ms,
+    )
+
+
+class BufferSettings(ServiceSettings):
+    grpc_port: int = Field(default=50051, ge=1, le=65535, description="Buffer gRPC API.")
+    metrics_port: int = Field(default=9101, ge=0, le=65535, description="Prometheus; 0 = off.")
+    redis_url: str = Field(description="Redis of the job (redis:// or rediss://).")
+    redis_password: str | None = Field(default=None, description="From a Secret, never a flag.")
+
+
+@dataclass
+class RunningBuffer:
+    server: grpc.aio.Server
+    client: redis.Redis
+    store: BufferStore
+    metrics: BufferMetrics
+    job: str
+
+    async def close(self) -> None:
+        await self.server.stop(grace=2)
+        await self.client.aclose()
+
+
+async def start_server(settings: BufferSettings) -> RunningBuffer:
+    job = load_manifest(settings.job_file)
+    client = redis.from_url(settings.redis_url, password=settings.redis_password)
+    store = BufferStore(client, [JobConfig.from_job(job)])
+    await _retry_until_ready(store.register)
+    metrics = BufferMetrics()
+    server = await create_server(store, client, metrics, f"{settings.host}:{settings.grpc_port}")
+    return RunningBuffer(server, client, store, metrics, job.metadata.name)
+
+
+async def create_server(
+    store: BufferStore, client: redis.Redis, metrics: BufferMetrics, address: str
+) -> grpc.aio.Server:
+    """A started gRPC server for `store` on `address` (host:port)."""
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.max_send_message_length", 256 << 20),
+    ])
+    buffer_pb2_grpc.add_BufferServicer_to_server(BufferServicer(store, client, metrics), server)
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"buffer: cannot listen on {address}")
+    await server.start()
+    return server
+
+
+async def _retry_until_ready(call, timeout: float = 60.0) -> None:
+    """Redis may still be starting (a pod, or a restart): wait for it rather than crash."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await call()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"Redis did not answer within {timeout:.0f}s: {exc}") from exc
+            await asyncio.sleep(0.5)
+
+
+async def _refresh_metrics(running: RunningBuffer, every: float = 2.0) -> None:
+    """Keeps the exported totals fresh even when nobody calls GetStats."""
+    while True:
+        try:
+            running.metrics.observe_stats(running.job, await running.store.stats(running.job))
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("buffer stats refresh failed: %s", exc)
+        await asyncio.sleep(every)
+
+
+def serve(settings: BufferSettings) -> None:
+    async def run() -> None:
+        running = await start_server(settings)
+        if settings.metrics_port:
+            running.metrics.serve(settings.metrics_port, settings.host)
+        refresher = asyncio.create_task(_refresh_metrics(running))
+        try:
+            await running.server.wait_for_termination()
+        finally:
+            refresher.cancel()
+            await running.close()
+
+    asyncio.run(run())

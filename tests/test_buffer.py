@@ -1,0 +1,227 @@
+"""The buffer service over a real redis-server and real gRPC."""
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from asyncrl.algorithms.staleness import rollout_capacity
+from asyncrl.buffer.store import JobConfig
+from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc
+from buffer_helpers import BufferThread, make_group
+
+GROUP = 2
+BATCH = 3
+
+
+@pytest.fixture
+def buffer(redis_server):
+    jobs = [
+        JobConfig(name=f"eta{eta}", max_staleness=eta, batch_size=BATCH, group_size=GROUP,
+                  lease_seconds=30, ack_timeout_seconds=1.0)
+        for eta in (0, 1, 4)
+    ] + [JobConfig(name="short-lease", max_staleness=1, batch_size=1, group_size=GROUP,
+                   lease_seconds=0.4), JobConfig(name="capped", max_staleness=4, batch_size=2,
+                                                 group_size=GROUP, max_concurrent=3),
+         JobConfig(name="tiny-records", max_staleness=1, batch_size=1, group_size=GROUP,
+                   max_group_bytes=200)]
+    server = BufferThread(redis_server.url, jobs).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def stub(buffer):
+    with grpc.insecure_channel(buffer.address) as channel:
+        yield buffer_pb2_grpc.BufferStub(channel)
+
+
+def acquire(stub, job, worker="w"):
+    return stub.AcquireSlot(buffer_pb2.AcquireSlotRequest(job=job, worker=worker), timeout=10)
+
+
+def put(stub, job, slot_id, group_id, version=0):
+    return stub.PutGroup(buffer_pb2.PutGroupRequest(
+        job=job, slot_id=slot_id, group=make_group(group_id, GROUP, version)), timeout=10)
+
+
+def stats(stub, job):
+    return stub.GetStats(buffer_pb2.GetStatsRequest(job=job), timeout=10)
+
+
+def hammer(address, job, threads=12):
+    """Threads race for slots until the gate says no; returns the granted slot ids."""
+    granted, lock = [], threading.Lock()
+
+    def worker(index):
+        with grpc.insecure_channel(address) as channel:
+            stub = buffer_pb2_grpc.BufferStub(channel)
+            while True:
+                reply = acquire(stub, job, f"w{index}")
+                if not reply.granted:
+                    return
+                with lock:
+                    granted.append(reply.slot_id)
+
+    pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    return granted
+
+
+@pytest.mark.parametrize("eta", [0, 1, 4])
+def test_gate_grants_exactly_the_bound_under_concurrent_workers(buffer, stub, eta):
+    job = f"eta{eta}"
+    bound = (eta + 0 + 1) * BATCH
+    granted = hammer(buffer.address, job)
+    assert len(granted) == len(set(granted)) == bound
+    assert rollout_capacity(max_staleness=eta, trainer_version=0, batch_size=BATCH,
+                            accepted=0, running=len(granted)) == 0
+    for index, slot in enumerate(granted):
+        put(stub, job, slot, f"g{index}")
+    snapshot = stats(stub, job)
+    assert (snapshot.accepted_total, snapshot.running_slots) == (bound, 0)
+    assert hammer(buffer.address, job) == []  # accepted groups still count against the bound
+    stub.SetVersion(buffer_pb2.SetVersionRequest(job=job, version=1, weights_uri="/w/1"), timeout=10)
+    assert len(hammer(buffer.address, job)) == BATCH  # one more step's worth
+
+
+def test_concurrency_limit(stub):
+    slots = [acquire(stub, "capped") for _ in range(5)]
+    assert [s.granted for s in slots] == [True, True, True, False, False]
+    assert slots[3].reason == "concurrency" and slots[3].retry_after_ms > 0
+    stub.ReleaseSlot(buffer_pb2.ReleaseSlotRequest(job="capped", slot_id=slots[0].slot_id), timeout=10)
+    assert acquire(stub, "capped").granted
+
+
+def test_batches_are_whole_groups_oldest_first_and_acknowledged(stub):
+    job = "eta4"
+    for index in range(7):
+        put(stub, job, acquire(stub, job).slot_id, f"g{index}")
+    batch = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t0", num_groups=BATCH), timeout=10)
+    assert [g.group_id for g in batch.groups] == ["g0", "g1", "g2"]
+    assert all(len(g.samples) == GROUP for g in batch.groups) and not batch.redelivered
+    assert batch.groups[0].samples[0].behaviour_logprobs == [-0.5] * 4
+    stub.AckBatch(buffer_pb2.AckBatchRequest(job=job, batch_id=batch.batch_id), timeout=10)
+    # A retried ack is harmless; an unknown batch is NOT_FOUND.
+    stub.AckBatch(buffer_pb2.AckBatchRequest(job=job, batch_id=batch.batch_id), timeout=10)
+    with pytest.raises(grpc.RpcError) as error:
+        stub.AckBatch(buffer_pb2.AckBatchRequest(job=job, batch_id="nope"), timeout=10)
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+    second = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t0", num_groups=BATCH), timeout=10)
+    assert [g.group_id for g in second.groups] == ["g3", "g4", "g5"]
+    snapshot = stats(stub, job)
+    assert (snapshot.consumed_total, snapshot.depth_groups) == (3, 1)
+    assert list(snapshot.staleness_counts) == [6]
+
+
+def test_short_buffer_waits_and_returns_an_empty_batch(stub):
+    put(stub, "eta4", acquire(stub, "eta4").slot_id, "only")
+    started = time.monotonic()
+    batch = stub.GetBatch(buffer_pb2.GetBatchRequest(job="eta4", consumer="t0", num_groups=BATCH,
+                                                     wait_ms=300), timeout=10)
+    assert batch.batch_id == "" and not batch.groups and time.monotonic() - started >= 0.3
+    assert stats(stub, "eta4").depth_groups == 1  # still there for the next call
+
+
+def test_unacknowledged_batch_is_redelivered(stub):
+    job = "eta4"
+    for index in range(BATCH):
+        put(stub, job, acquire(stub, job).slot_id, f"g{index}")
+    first = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t0", num_groups=BATCH), timeout=10)
+    # The same trainer restarted: it gets its batch back at once.
+    again = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t0", num_groups=BATCH), timeout=10)
+    assert again.redelivered and again.batch_id == first.batch_id
+    assert [g.group_id for g in again.groups] == [g.group_id for g in first.groups]
+    # Another trainer takes it over once the ack timeout (1 s) passed.
+    time.sleep(1.1)
+    other = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t1", num_groups=BATCH), timeout=10)
+    assert other.redelivered and other.batch_id == first.batch_id
+    stub.AckBatch(buffer_pb2.AckBatchRequest(job=job, batch_id=other.batch_id), timeout=10)
+    assert stats(stub, job).redelivered_total == 2
+
+
+def test_stale_groups_are_dropped_and_counted(stub):
+    job = "eta1"
+    for index in range(BATCH):
+        put(stub, job, acquire(stub, job).slot_id, f"old{index}", version=0)
+    stub.SetVersion(buffer_pb2.SetVersionRequest(job=job, version=2, weights_uri="/w/2"), timeout=10)
+    for index in range(BATCH):
+        put(stub, job, acquire(stub, job).slot_id, f"new{index}", version=2)
+    batch = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t", num_groups=BATCH), timeout=10)
+    assert [g.group_id for g in batch.groups] == ["new0", "new1", "new2"]
+    assert batch.dropped_stale == 3 and stats(stub, job).dropped_stale_total == 3
+
+
+def test_lease_expiry_frees_a_dead_workers_slot(stub):
+    job = "short-lease"  # bound (1 + 0 + 1) * 1 = 2 slots
+    dead, alive = acquire(stub, job, "dead"), acquire(stub, job, "alive")
+    assert dead.granted and alive.granted and not acquire(stub, job).granted
+    for _ in range(4):  # the live worker heart-beats; the dead one does not
+        time.sleep(0.2)
+        assert stub.Heartbeat(buffer_pb2.HeartbeatRequest(job=job, slot_id=alive.slot_id), timeout=10).alive
+    assert acquire(stub, job).granted
+    assert stats(stub, job).expired_slots_total == 1
+    with pytest.raises(grpc.RpcError) as error:
+        put(stub, job, dead.slot_id, "too-late")
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "lease expired" in error.value.details()
+
+
+def test_put_retry_is_idempotent(stub):
+    slot = acquire(stub, "eta4").slot_id
+    put(stub, "eta4", slot, "g0")
+    put(stub, "eta4", slot, "g0")  # the reply of the first was lost; the client retries
+    assert stats(stub, "eta4").accepted_total == 1
+
+
+def test_version_watch_streams_changes(stub):
+    stream = stub.WatchVersion(buffer_pb2.GetVersionRequest(job="eta4"), timeout=10)
+    assert next(stream).version == 0
+    stub.SetVersion(buffer_pb2.SetVersionRequest(job="eta4", version=3, weights_uri="/w/3"), timeout=10)
+    update = next(stream)
+    assert (update.version, update.weights_uri) == (3, "/w/3")
+    stream.cancel()
+    info = stub.GetVersion(buffer_pb2.GetVersionRequest(job="eta4"), timeout=10)
+    assert info.version == 3 and info.updated_unix_ms > 0
+
+
+@pytest.mark.parametrize(
+    ("call", "code", "message"),
+    [
+        (lambda s: acquire(s, "no-such-job"), grpc.StatusCode.NOT_FOUND, "unknown job"),
+        (lambda s: acquire(s, "eta4", worker=""), grpc.StatusCode.INVALID_ARGUMENT, "worker"),
+        (lambda s: s.PutGroup(buffer_pb2.PutGroupRequest(
+            job="eta4", slot_id=acquire(s, "eta4").slot_id, group=make_group("g", GROUP + 1)), timeout=10),
+         grpc.StatusCode.INVALID_ARGUMENT, "groupSize"),
+        (lambda s: s.PutGroup(buffer_pb2.PutGroupRequest(
+            job="eta4", slot_id=acquire(s, "eta4").slot_id, group=_mismatched()), timeout=10),
+         grpc.StatusCode.INVALID_ARGUMENT, "one entry per response token"),
+        (lambda s: s.PutGroup(buffer_pb2.PutGroupRequest(
+            job="tiny-records", slot_id=acquire(s, "tiny-records").slot_id,
+            group=make_group("g", GROUP, tokens=50)), timeout=10),
+         grpc.StatusCode.RESOURCE_EXHAUSTED, "byte limit"),
+        (lambda s: s.SetVersion(buffer_pb2.SetVersionRequest(job="eta4", version=-1), timeout=10),
+         grpc.StatusCode.INVALID_ARGUMENT, "version must be >= 0"),
+        (lambda s: s.PutGroup(buffer_pb2.PutGroupRequest(
+            job="eta4", slot_id="never-granted", group=make_group("g", GROUP)), timeout=10),
+         grpc.StatusCode.FAILED_PRECONDITION, "never granted"),
+    ],
+)
+def test_bad_requests_get_clear_errors_and_change_nothing(stub, call, code, message):
+    before = stats(stub, "eta4")
+    with pytest.raises(grpc.RpcError) as error:
+        call(stub)
+    assert error.value.code() == code and message in error.value.details()
+    after = stats(stub, "eta4")
+    assert (after.accepted_total, after.depth_groups, after.trainer_version) == (
+        before.accepted_total, before.depth_groups, before.trainer_version)
+
+
+def _mismatched():
+    group = make_group("g", GROUP)
+    group.samples[1].token_versions.append(0)
+    return group
