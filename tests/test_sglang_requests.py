@@ -190,7 +190,7 @@ def test_launch_flags_parse_with_sglangs_own_parser(verdict):
         ("max_new_tokens as a string", 'invalid type: string "16"'),
         ("top_k 0", "top_k must be -1 (disable) or at least 1"),
         ("top_p 0", "top_p must be in (0, 1]"),
-        ("token ids as strings", "input_ids"),
+        ("token ids as strings", 'invalid type: string "1"'),
         ("integer weight_version", "weight_version"),
         ("unknown pause mode", "mode"),
         ("unknown launch flag", "unrecognized arguments: --enable-weight-sync"),
