@@ -74,6 +74,67 @@ def validate(
         raise typer.Exit(code=1)
 
 
+@app.command()
+def run(
+    file: Annotated[Path, typer.Argument(help="RLJob manifest (the one kubectl apply takes).")],
+    run_dir: Annotated[Optional[Path], typer.Option(
+        help="Run folder (default runs/<job name>); rerun with the same folder to resume.")] = None,
+    sync: Annotated[bool, typer.Option(
+        "--sync", help="Synchronous baseline: η = 0, generation waits for training.")] = False,
+    steps: Annotated[Optional[int], typer.Option(min=1, help="Override algorithm.maxSteps.")] = None,
+    trainer_threads: Annotated[Optional[int], typer.Option(min=1)] = None,
+    rollout_threads: Annotated[Optional[int], typer.Option(min=1)] = None,
+) -> None:
+    """Run a whole job on this machine: Redis, buffer, trainer and rollout as processes."""
+    import time
+
+    import yaml
+    from rich.console import Console
+    from rich.live import Live
+
+    from asyncrl.progress import RunProgress
+    from asyncrl.report import read_metrics, write_plots, write_report
+    from asyncrl.runner import LocalJob, RunOptions, ServiceFailed
+
+    job = _load_or_exit(file)
+    options = RunOptions(run_dir=run_dir or Path("runs") / job.metadata.name, sync=sync,
+                         max_steps=steps, trainer_threads=trainer_threads,
+                         rollout_threads=rollout_threads)
+    local = LocalJob(job, yaml.safe_load(file.read_text()), options)
+    max_steps = local.manifest["spec"]["algorithm"].get("maxSteps", job.spec.algorithm.max_steps)
+    console = Console()
+    console.print(f"[bold]{job.metadata.name}[/]: {'sync' if sync else 'async'} run in "
+                  f"{options.run_dir} (trainer {local.trainer_threads} / rollout "
+                  f"{local.rollout_threads} threads); logs in {options.run_dir / 'logs'}")
+    progress = RunProgress(job.metadata.name, max_steps, job.spec.algorithm.group_size)
+    code = 0
+    try:
+        local.start()
+        with Live(progress.table(None, None), console=console, refresh_per_second=2) as live:
+            while not local.trainer_done():
+                local.check()
+                live.update(progress.table(local.trainer_status(), local.buffer_stats()))
+                time.sleep(1.0)
+    except KeyboardInterrupt:
+        console.print(f"[yellow]stopped[/]; rerun the same command to resume from the last "
+                      f"checkpoint in {options.run_dir}")
+        code = 130
+    except ServiceFailed as failure:
+        console.print(f"[red]{failure}[/]; last lines of its log:\n{failure.log_tail}")
+        code = 1
+    except TimeoutError as exc:
+        console.print(f"[red]{exc}[/]")
+        code = 1
+    finally:
+        local.stop()
+    records = read_metrics(options.run_dir)
+    if records:
+        write_plots(options.run_dir, records)
+        report = write_report(options.run_dir, job.metadata.name, records, sync)
+        console.print(report.read_text())
+    raise typer.Exit(code)
+
+
 @app.command("train-demo")
 def train_demo(
     file: Annotated[Path, typer.Argument(help="RLJob manifest with dataset.kind arith.")],
@@ -142,13 +203,17 @@ def serve_rollout(
     redis_url: Annotated[Optional[str], typer.Option(envvar="ASYNCRL_REDIS_URL")] = None,
     threads: Annotated[Optional[int], typer.Option(envvar="ASYNCRL_THREADS")] = None,
     host: Annotated[str, typer.Option(envvar="ASYNCRL_HOST")] = "127.0.0.1",
+    buffer_address: Annotated[Optional[str], typer.Option(
+        envvar="ASYNCRL_BUFFER_ADDRESS", help="Run the rollout workflow against this buffer.")] = None,
+    worker: Annotated[str, typer.Option(envvar="ASYNCRL_WORKER")] = "rollout-0",
 ) -> None:
     """The rollout worker: torch engine, SGLang-compatible HTTP API, gRPC control."""
     from asyncrl.rollout.server import RolloutSettings, serve
 
     settings = _settings_or_exit(
         RolloutSettings, job_file=job_file, http_port=http_port, grpc_port=grpc_port,
-        redis_url=redis_url, threads=threads, host=host,
+        redis_url=redis_url, threads=threads, host=host, buffer_address=buffer_address,
+        worker=worker,
     )
     serve(settings)
 
@@ -172,6 +237,30 @@ def serve_buffer(
         BufferSettings, job_file=job_file, redis_url=redis_url, grpc_port=grpc_port,
         metrics_port=metrics_port, host=host,
         redis_password=os.environ.get("ASYNCRL_REDIS_PASSWORD"),
+    )
+    serve(settings)
+
+
+@serve_app.command("trainer")
+def serve_trainer(
+    job_file: Annotated[Path, typer.Option(envvar="ASYNCRL_JOB_FILE", help="RLJob manifest.")],
+    buffer_address: Annotated[str, typer.Option(envvar="ASYNCRL_BUFFER_ADDRESS",
+                                                help="host:port of the buffer.")],
+    run_dir: Annotated[Path, typer.Option(envvar="ASYNCRL_RUN_DIR",
+                                          help="Checkpoints, weights and metrics.jsonl.")],
+    grpc_port: Annotated[int, typer.Option(envvar="ASYNCRL_GRPC_PORT")] = 50071,
+    metrics_port: Annotated[int, typer.Option(envvar="ASYNCRL_METRICS_PORT")] = 0,
+    threads: Annotated[Optional[int], typer.Option(envvar="ASYNCRL_THREADS")] = None,
+    consumer: Annotated[str, typer.Option(envvar="ASYNCRL_CONSUMER")] = "trainer-0",
+    host: Annotated[str, typer.Option(envvar="ASYNCRL_HOST")] = "127.0.0.1",
+) -> None:
+    """The trainer: batches from the buffer, decoupled PPO updates, published weights."""
+    from asyncrl.trainer.service import TrainerSettings, serve
+
+    settings = _settings_or_exit(
+        TrainerSettings, job_file=job_file, buffer_address=buffer_address, run_dir=run_dir,
+        grpc_port=grpc_port, metrics_port=metrics_port, threads=threads, consumer=consumer,
+        host=host,
     )
     serve(settings)
 

@@ -7,6 +7,7 @@ control API, and follows the policy versions the trainer announces in Redis.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from pathlib import Path
 
@@ -15,12 +16,16 @@ import torch
 import uvicorn
 from pydantic import Field
 
+from asyncrl.buffer.client import BufferClient
 from asyncrl.models import load_policy
+from asyncrl.prompts import ArithScorer, build_prompts
 from asyncrl.rollout.engine import TorchEngine
 from asyncrl.rollout.grpc_control import serve_control
 from asyncrl.rollout.http_api import create_app
 from asyncrl.rollout.metrics import RolloutMetrics
+from asyncrl.rollout.types import SamplingParams
 from asyncrl.rollout.weight_sync import WeightWatcher, engine_applier
+from asyncrl.rollout.workflow import EngineGenerator, RolloutWorkflow
 from asyncrl.settings import ServiceSettings
 from asyncrl.spec import load_manifest
 
@@ -36,6 +41,11 @@ class RolloutSettings(ServiceSettings):
         default=Path("/tmp/asyncrl-weights"), description="Where HTTP weight snapshots land."
     )
     poll_seconds: float = Field(default=5.0, gt=0, description="Version re-read interval.")
+    buffer_address: str | None = Field(
+        default=None, description="host:port of the buffer; when set, the worker runs the "
+        "rollout workflow (prompts -> groups -> buffer), otherwise it only serves requests."
+    )
+    worker: str = Field(default="rollout-0", description="Stable worker name (the pod's name).")
 
 
 def serve(settings: RolloutSettings) -> None:
@@ -58,14 +68,46 @@ def serve(settings: RolloutSettings) -> None:
     metrics = RolloutMetrics(job.metadata.name)
     control = serve_control(engine, settings.grpc_port, metrics, host=settings.host)
     app = create_app(engine, model_path=job.spec.model.source, metrics=metrics)
+    workflow = _workflow_factory(settings, job, engine, tokenizer) if settings.buffer_address else None
     try:
-        asyncio.run(_serve_async(settings, job.metadata.name, engine, app))
+        asyncio.run(_serve_async(settings, job.metadata.name, engine, app, workflow))
     finally:
         control.stop(grace=2)
         engine.stop()
 
 
-async def _serve_async(settings: RolloutSettings, job: str, engine, app) -> None:
+def _workflow_factory(settings: RolloutSettings, job, engine, tokenizer):
+    """The workflow coroutine: training prompts, round and round, from where the job was."""
+
+    async def run() -> None:
+        spec = job.spec
+        client = BufferClient(settings.buffer_address, job.metadata.name, settings.worker,
+                              lease_seconds=spec.buffer.lease_seconds)
+        train, _ = build_prompts(spec, tokenizer)
+        # Prompts already used = groups accepted so far (a restart continues the sequence).
+        start = (await client.stats()).accepted_total % len(train)
+        prompts = itertools.islice(itertools.cycle(train), start, None)
+        rollout = spec.rollout
+        workflow = RolloutWorkflow(
+            prompts,
+            generator=EngineGenerator(engine),
+            scorer=ArithScorer(tokenizer, spec.reward.math.extract),
+            gate=client,
+            group_size=spec.algorithm.group_size,
+            params=SamplingParams(
+                max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
+                top_p=rollout.top_p, top_k=rollout.top_k,
+            ),
+        )
+        try:
+            await workflow.run()
+        finally:
+            await client.close()
+
+    return run
+
+
+async def _serve_async(settings: RolloutSettings, job: str, engine, app, workflow=None) -> None:
     server = uvicorn.Server(
         uvicorn.Config(app, host=settings.host, port=settings.http_port, log_level="warning")
     )
@@ -78,9 +120,20 @@ async def _serve_async(settings: RolloutSettings, job: str, engine, app) -> None
             current_version=engine.version, poll_seconds=settings.poll_seconds,
         )
         watcher_task = asyncio.create_task(watcher.run())
+    serving = asyncio.create_task(server.serve())
+    tasks = {serving}
+    if workflow is not None:
+        tasks.add(asyncio.create_task(workflow()))
     try:
-        await server.serve()
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            task.result()  # a failed workflow stops the worker with its error
     finally:
+        server.should_exit = True
+        for task in tasks:
+            if not task.done() and task is not serving:
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if watcher_task:
             watcher_task.cancel()
         if client:

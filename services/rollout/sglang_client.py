@@ -319,7 +319,8 @@ class SGLangClient:
         """Generates one response. A request aborted by `abort` (or by a pause in mode
         "abort") returns with finish_reason "abort" and the tokens it had."""
         rid = rid or uuid.uuid4().hex
-        response = await self._request("POST", "/generate", generate_payload(input_ids, params, rid))
+        body = generate_payload(input_ids, params, rid)
+        response = await self._request("POST", "/generate", body)
         return self._parse(self._json(response, "/generate"), input_ids, rid)
 
     async def generate_batch(

@@ -88,7 +88,8 @@ class SGLangUnavailableError(RuntimeError):
 
 class SGLangServer:
     """An SGLang server as a child process: `start()` launches `command` and waits for
-    /health; `stop()` ends it and the processes it forked (SIGTERM to its process group, then SIGKILL). Usable as a context manager.
+    /health; `stop()` ends it and the processes it forked (SIGTERM to its process group, then
+    SIGKILL). Usable as a context manager.
 
     The child's output is kept (the last `log_lines` lines) and quoted when it fails to come
     up, so the cause is in the error.

@@ -16,21 +16,14 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from asyncrl.algorithms.staleness import rollout_capacity
+from asyncrl.prompts import PromptItem
 from asyncrl.rollout.types import GenerationResult, SamplingParams
 from asyncrl.v1 import common_pb2
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PromptItem:
-    prompt_id: str
-    prompt_ids: list[int]
-    # What the scorer checks responses against (an answer, unit tests...).
-    reference: Any
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,59 @@
+"""The live view of a local run: one table, refreshed from the trainer's status and the
+buffer's stats (the same figures Grafana shows in a cluster)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from rich.table import Table
+
+
+class RunProgress:
+    def __init__(self, name: str, max_steps: int, group_size: int):
+        self.name = name
+        self.max_steps = max_steps
+        self.group_size = group_size
+        self._accepted = deque(maxlen=30)  # (time, accepted groups) for a moving rate
+        self._steps = deque(maxlen=30)
+
+    def table(self, status, stats) -> Table:
+        now = time.monotonic()
+        table = Table(title=f"asyncrl run: {self.name}", show_header=False, min_width=60)
+        table.add_column(style="bold")
+        table.add_column()
+        step = status.step if status else 0
+        table.add_row("phase", status.phase if status else "starting")
+        table.add_row("step", f"{step} / {self.max_steps}")
+        table.add_row("policy version", str(status.version) if status else "-")
+        if stats is not None:
+            self._accepted.append((now, stats.accepted_total))
+        self._steps.append((now, step))
+        samples_per_s = _rate(self._accepted) * self.group_size
+        table.add_row("samples/s (rollout)", f"{samples_per_s:.2f}")
+        if status:
+            table.add_row("trained tokens/s", f"{status.trained_tokens_per_second:.1f}")
+            table.add_row("reward mean (last batch)", f"{status.reward_mean:.3f}")
+            table.add_row("staleness mean (last batch)", f"{status.staleness_mean:.2f}")
+            if status.eval_accuracy >= 0:
+                table.add_row("eval accuracy", f"{status.eval_accuracy:.3f}")
+        if stats is not None:
+            table.add_row("buffer depth (groups)", str(stats.depth_groups))
+            table.add_row("rollouts in flight", str(stats.running_slots))
+            table.add_row("dropped stale", str(stats.dropped_stale_total))
+        step_rate = _rate(self._steps)
+        eta = (self.max_steps - step) / step_rate if step_rate > 0 else None
+        table.add_row("ETA", _duration(eta) if eta is not None else "-")
+        return table
+
+
+def _rate(points: deque) -> float:
+    if len(points) < 2 or points[-1][0] == points[0][0]:
+        return 0.0
+    return (points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"

@@ -1,0 +1,198 @@
+"""`asyncrl run`: the whole job on one machine, as separate service processes on loopback.
+
+    redis-server (unless the job names one) -> buffer -> trainer -> rollout worker
+
+Each service is the same `asyncrl serve ...` command the operator runs in a pod. The runner
+splits the CPU cores between the trainer and the rollout worker, waits for each to be healthy,
+shows live progress, and stops everything cleanly on completion, Ctrl-C or a crash (with the
+crashed service's log tail). The run folder holds everything needed to resume.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import yaml
+
+from asyncrl.redis_server import RedisServer, free_port
+from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2, trainer_pb2, trainer_pb2_grpc
+
+
+class ServiceFailed(RuntimeError):
+    def __init__(self, name: str, returncode: int | None, log_tail: str):
+        super().__init__(f"{name} exited with code {returncode}")
+        self.name, self.returncode, self.log_tail = name, returncode, log_tail
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    args: list[str]
+    log_path: Path
+    env: dict[str, str]
+    process: subprocess.Popen | None = None
+
+    def start(self) -> ServiceProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("a")
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(self.args)}\n")
+        log.flush()
+        # Own process group: Ctrl-C in the terminal reaches the runner only, which then stops
+        # each service in order.
+        self.process = subprocess.Popen(
+            self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+        return self
+
+    def check(self) -> None:
+        if self.process is not None and self.process.poll() is not None:
+            raise ServiceFailed(self.name, self.process.returncode, self.log_tail())
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def log_tail(self, lines: int = 30) -> str:
+        if not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    run_dir: Path
+    sync: bool = False
+    max_steps: int | None = None
+    trainer_threads: int | None = None
+    rollout_threads: int | None = None
+
+
+def resolve_manifest(manifest: dict, options: RunOptions) -> dict:
+    """The job as this run executes it: --sync means η = 0 (generation waits for training)."""
+    resolved = yaml.safe_load(yaml.safe_dump(manifest))
+    algorithm = resolved.setdefault("spec", {}).setdefault("algorithm", {})
+    if options.sync:
+        algorithm["maxStaleness"] = 0
+    if options.max_steps:
+        algorithm["maxSteps"] = options.max_steps
+    return resolved
+
+
+def thread_split(options: RunOptions) -> tuple[int, int]:
+    """(trainer, rollout) torch threads. Async: the cores are shared, half each. Sync: the two
+    alternate, so each may use every core."""
+    cores = os.cpu_count() or 1
+    if options.sync:
+        default = (cores, cores)
+    else:
+        rollout = max(1, cores // 2)
+        default = (max(1, cores - rollout), rollout)
+    return options.trainer_threads or default[0], options.rollout_threads or default[1]
+
+
+class LocalJob:
+    def __init__(self, job, manifest: dict, options: RunOptions):
+        self.job = job
+        self.options = options
+        self.run_dir = options.run_dir
+        self.manifest = resolve_manifest(manifest, options)
+        self.config_path = self.run_dir / "config.yaml"
+        self.services: list[ServiceProcess] = []
+        self.redis: RedisServer | None = None
+        self.ports = {name: free_port() for name in ("buffer", "trainer", "rollout_http", "rollout_grpc")}
+        self.trainer_threads, self.rollout_threads = thread_split(options)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(yaml.safe_dump(self.manifest, sort_keys=False))
+        redis_url = self.job.spec.buffer.redis.url
+        if redis_url is None:
+            self.redis = RedisServer(self.run_dir / "redis", append_only=True).start()
+            redis_url = self.redis.url
+        exe = str(Path(sys.executable).parent / "asyncrl")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        common = ["--job-file", str(self.config_path)]
+        buffer_address = f"127.0.0.1:{self.ports['buffer']}"
+        self._launch("buffer", [exe, "serve", "buffer", *common, "--redis-url", redis_url,
+                                "--grpc-port", str(self.ports["buffer"]), "--metrics-port", "0"], env)
+        self._wait(lambda: self._buffer_healthy(buffer_address), "buffer")
+        self._launch("trainer", [exe, "serve", "trainer", *common, "--buffer-address", buffer_address,
+                                 "--run-dir", str(self.run_dir), "--grpc-port", str(self.ports["trainer"]),
+                                 "--threads", str(self.trainer_threads)], env)
+        self._launch("rollout", [exe, "serve", "rollout", *common, "--buffer-address", buffer_address,
+                                 "--redis-url", redis_url, "--http-port", str(self.ports["rollout_http"]),
+                                 "--grpc-port", str(self.ports["rollout_grpc"]),
+                                 "--threads", str(self.rollout_threads)], env)
+        self._wait(lambda: self.trainer_status() is not None, "trainer", timeout=600)
+
+    def _launch(self, name: str, args: list[str], env: dict[str, str]) -> None:
+        self.services.append(ServiceProcess(name, args, self.run_dir / "logs" / f"{name}.log", env).start())
+
+    def _wait(self, ready, what: str, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            self.check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} did not become ready within {timeout:.0f}s; "
+                                   f"see {self.run_dir / 'logs'}")
+            time.sleep(0.2)
+
+    def check(self) -> None:
+        """Raises ServiceFailed for the first service that exited, the trainer excepted once it
+        finished its steps."""
+        for service in self.services:
+            if service.name == "trainer" and service.process.poll() == 0:
+                continue
+            service.check()
+
+    def trainer_done(self) -> bool:
+        trainer = next(s for s in self.services if s.name == "trainer")
+        return trainer.process.poll() == 0
+
+    def stop(self) -> None:
+        # The rollout side first (it writes into the buffer), then trainer, buffer, Redis.
+        for service in sorted(self.services, key=lambda s: ["rollout", "trainer", "buffer"].index(s.name)):
+            service.stop()
+        if self.redis is not None:
+            self.redis.stop()
+
+    # ------------------------------------------------------------------ observation
+
+    def trainer_status(self) -> trainer_pb2.TrainerStatus | None:
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{self.ports['trainer']}") as channel:
+                stub = trainer_pb2_grpc.TrainerStatusServiceStub(channel)
+                return stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=2)
+        except grpc.RpcError:
+            return None
+
+    def buffer_stats(self) -> buffer_pb2.BufferStats | None:
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{self.ports['buffer']}") as channel:
+                stub = buffer_pb2_grpc.BufferStub(channel)
+                return stub.GetStats(buffer_pb2.GetStatsRequest(job=self.job.metadata.name), timeout=2)
+        except grpc.RpcError:
+            return None
+
+    def _buffer_healthy(self, address: str) -> bool:
+        try:
+            with grpc.insecure_channel(address) as channel:
+                stub = buffer_pb2_grpc.BufferStub(channel)
+                return stub.Health(common_pb2.HealthRequest(), timeout=2).serving
+        except grpc.RpcError:
+            return False
