@@ -195,6 +195,16 @@ serve_app = typer.Typer(
 app.add_typer(serve_app, name="serve")
 
 
+@serve_app.callback()
+def _service_logging() -> None:
+    """Services log one line per event to stderr (the pod log, or the run folder's logs/)."""
+    import logging
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
 @serve_app.command("rollout")
 def serve_rollout(
     job_file: Annotated[Path, typer.Option(envvar="ASYNCRL_JOB_FILE", help="RLJob manifest.")],

@@ -99,7 +99,9 @@ def check_all(request: dict) -> dict:
         except argparse.ArgumentError as exc:
             raise ValueError(str(exc)) from None
         except SystemExit:
-            raise ValueError(messages.getvalue().strip() or "argument parsing failed") from None
+            # argparse prints the whole usage first; its last line is the error.
+            lines = messages.getvalue().strip().splitlines() or ["argument parsing failed"]
+            raise ValueError(lines[-1]) from None
         names = ("model_path", "host", "port", "tp_size", "dtype", "max_running_requests",
                  "skip_tokenizer_init", "weight_version", "random_seed", "mem_fraction_static")
         return {name: getattr(args, name) for name in names}
@@ -122,7 +124,8 @@ def check_all(request: dict) -> dict:
 
 
 def _plain(value):
-    return value if isinstance(value, (str, int, float, bool, type(None), list, dict)) else repr(value)
+    plain = (str, int, float, bool, type(None), list, dict)
+    return value if isinstance(value, plain) else repr(value)
 
 
 if __name__ == "__main__":
