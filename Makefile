@@ -5,7 +5,7 @@ setup:
 	bash scripts/setup.sh
 
 run: setup
-	.venv/bin/asyncrl train-demo examples/arith.yaml
+	.venv/bin/asyncrl run examples/arith.yaml --steps 10
 
 test: setup
 	bash scripts/test.sh

@@ -19,13 +19,18 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def write_plots(run_dir: Path, records: list[dict]) -> list[Path]:
+def train_records(records: list[dict]) -> list[dict]:
+    return [r for r in records if r.get("kind", "train") == "train"]
+
+
+def write_plots(run_dir: Path, all_records: list[dict]) -> list[Path]:
     """reward/eval vs step and vs wall time, throughput, staleness histogram."""
+    records = train_records(all_records)
+    evaluated = [r for r in all_records if r.get("eval_accuracy", -1) >= 0]
     plots = run_dir / "plots"
     plots.mkdir(exist_ok=True)
     steps = [r["step"] for r in records]
     minutes = [r["elapsed"] / 60 for r in records]
-    evaluated = [r for r in records if r.get("eval_accuracy", -1) >= 0]
     written = []
 
     for x_name, xs, eval_xs in (
@@ -67,8 +72,9 @@ def _save(figure, path: Path) -> Path:
     return path
 
 
-def write_report(run_dir: Path, job_name: str, records: list[dict], sync: bool) -> Path:
-    evaluated = [r for r in records if r.get("eval_accuracy", -1) >= 0]
+def write_report(run_dir: Path, job_name: str, all_records: list[dict], sync: bool) -> Path:
+    records = train_records(all_records)
+    evaluated = [r for r in all_records if r.get("eval_accuracy", -1) >= 0]
     elapsed = records[-1]["elapsed"] if records else 0.0
     trained = sum(r["trained_tokens"] for r in records)
     lines = [

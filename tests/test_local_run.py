@@ -24,8 +24,9 @@ def run(run_dir, *extra, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def metrics(run_dir, kind="train"):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["kind"] == kind]
 
 
 @pytest.mark.slow
@@ -44,6 +45,7 @@ def test_run_trains_writes_a_complete_run_folder_and_resumes(tmp_path):
     eta = load_manifest(TINY).spec.algorithm.max_staleness
     assert all(s <= eta for r in records for s in r["staleness"])
     assert any("eval_accuracy" in r for r in records)
+    assert [r["step"] for r in metrics(run_dir, "eval")] == [0]  # the starting point
     assert "Run report: tiny" in (run_dir / "report.md").read_text()
 
     # The same command with a larger budget continues from the checkpoint at step 3.

@@ -123,6 +123,12 @@ class Trainer:
         self.status.version, self.status.step = version, step
         log.info("trainer starts at step %d, version %d", step, version)
         started = time.perf_counter()
+        if restored is None and self.eval_items:
+            # The starting point every later evaluation is compared with.
+            self.status.phase = "evaluating"
+            self.status.eval_accuracy = await self.evaluate()
+            self._write({"kind": "eval", "step": 0, "version": version, "time": time.time(),
+                         "elapsed": 0.0, "eval_accuracy": self.status.eval_accuracy})
         trained_tokens = 0.0
         try:
             while step < spec.algorithm.max_steps:
@@ -141,7 +147,7 @@ class Trainer:
                 await self._publish(client, version)
                 trained_tokens += stats["trained_tokens"]
                 record = {
-                    "step": step, "version": version, "time": time.time(),
+                    "kind": "train", "step": step, "version": version, "time": time.time(),
                     "elapsed": time.perf_counter() - started,
                     "reward_mean": float(rewards.mean()), "staleness": stale,
                     "staleness_mean": sum(stale) / len(stale), "dropped_stale": batch.dropped_stale,
@@ -195,6 +201,9 @@ class Trainer:
         status.loss, status.reward_mean = record["loss"], record["reward_mean"]
         status.staleness_mean = record["staleness_mean"]
         self.metrics.observe_step(record)
+        self._write(record)
+
+    def _write(self, record: dict) -> None:
         with self.metrics_file.open("a") as out:
             out.write(json.dumps(record) + "\n")
 
