@@ -114,6 +114,7 @@ def run(
             while not local.trainer_done():
                 local.check()
                 live.update(progress.table(local.trainer_status(), local.buffer_stats()))
+                local.record_rollout_status()
                 time.sleep(1.0)
     except KeyboardInterrupt:
         console.print(f"[yellow]stopped[/]; rerun the same command to resume from the last "

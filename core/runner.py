@@ -10,6 +10,7 @@ crashed service's log tail). The run folder holds everything needed to resume.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -20,9 +21,18 @@ from pathlib import Path
 
 import grpc
 import yaml
+from google.protobuf.json_format import MessageToDict
 
 from asyncrl.redis_server import RedisServer, free_port
-from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2, trainer_pb2, trainer_pb2_grpc
+from asyncrl.v1 import (
+    buffer_pb2,
+    buffer_pb2_grpc,
+    common_pb2,
+    rollout_pb2,
+    rollout_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
 
 
 class ServiceFailed(RuntimeError):
@@ -188,6 +198,20 @@ class LocalJob:
                 return stub.GetStats(buffer_pb2.GetStatsRequest(job=self.job.metadata.name), timeout=2)
         except grpc.RpcError:
             return None
+
+    def record_rollout_status(self) -> None:
+        """Appends the rollout engine's counters to rollout_status.jsonl (occupancy, idle time,
+        interruptions over the run: what the async-vs-sync comparison is explained with)."""
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{self.ports['rollout_grpc']}") as channel:
+                stub = rollout_pb2_grpc.RolloutControlStub(channel)
+                status = stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=2)
+        except grpc.RpcError:
+            return
+        record = {"time": time.time(), **MessageToDict(status, preserving_proto_field_name=True,
+                                                       always_print_fields_with_no_presence=True)}
+        with (self.run_dir / "rollout_status.jsonl").open("a") as out:
+            out.write(json.dumps(record) + "\n")
 
     def _buffer_healthy(self, address: str) -> bool:
         try:

@@ -1,7 +1,7 @@
 """The sandbox's first process: builds the cage, then starts the untrusted program inside it.
 
-Run by the reward service as `python -I -S sandbox_init.py CONFIG_JSON` (standard library only,
-single-threaded, so every step after fork is safe). The service has already written the
+Run by the reward service as `python -I -S sandbox_init.py CONFIG` (CONFIG: a marshalled dict, hex-encoded;
+standard library only, few imports, single-threaded, so every step after fork is safe). The service has already written the
 program's files into a fresh scratch directory and gives the program's stdin, stdout and
 stderr as this process's own.
 
@@ -28,12 +28,11 @@ Exit status: the program's exit code, 128 + N when a signal N killed it, and SET
 """
 
 import ctypes
-import json
+import marshal
 import os
 import resource
 import select
 import signal
-import subprocess
 import sys
 
 SETUP_FAILED = 125
@@ -126,24 +125,29 @@ def _build_file_system(config: dict) -> None:
         os.chmod(path, 0o444)
 
 
-def _limit_program(config: dict):
-    limits = config["limits"]
-
-    def apply() -> None:  # in the forked child, just before exec
-        for name, value in limits.items():
+def _exec_program(config: dict) -> None:
+    """In the forked child: limits, identity, working directory, then exec. Never returns."""
+    try:
+        for name, value in config["limits"].items():
             resource.setrlimit(getattr(resource, f"RLIMIT_{name.upper()}"), (value, value))
+        if config["uid"] is not None:
+            os.setgroups([])
+            os.setresgid(config["gid"], config["gid"], config["gid"])
+            os.setresuid(config["uid"], config["uid"], config["uid"])
         _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        os.chdir(config["scratch"])
+        os.closerange(3, 1 << 16)
+        os.execve(config["argv"][0], config["argv"], config["env"])
+    except BaseException as exc:  # noqa: BLE001 - any failure here is a setup failure
+        os.write(2, f"sandbox setup failed: cannot start the program: {exc}\n".encode())
+    os._exit(SETUP_FAILED)
 
-    return apply
 
-
-def _start_program(config: dict) -> subprocess.Popen:
-    uid, gid = config["uid"], config["gid"]
-    ids = {} if uid is None else {"user": uid, "group": gid, "extra_groups": []}
-    return subprocess.Popen(
-        config["argv"], cwd=config["scratch"], env=config["env"], close_fds=True,
-        preexec_fn=_limit_program(config), **ids,
-    )
+def _start_program(config: dict) -> int:
+    pid = os.fork()
+    if pid == 0:
+        _exec_program(config)
+    return pid
 
 
 def _status(returncode: int) -> int:
@@ -155,11 +159,8 @@ def _init(config: dict) -> int:
     _build_file_system(config)
     program = _start_program(config)
     while True:
-        try:
-            pid, status = os.wait()
-        except ChildProcessError:
-            return SETUP_FAILED
-        if pid == program.pid:
+        pid, status = os.wait()
+        if pid == program:
             return _status(os.waitstatus_to_exitcode(status))
 
 
@@ -172,11 +173,12 @@ def _relay(child: int) -> int:
 
 
 def main() -> int:
-    config = json.loads(sys.argv[1])
+    config = marshal.loads(bytes.fromhex(sys.argv[1]))
     _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # the program may not ptrace or read us
     try:
         if config["mode"] == "none":
-            return _status(_start_program(config).wait())
+            _, status = os.waitpid(_start_program(config), 0)
+            return _status(os.waitstatus_to_exitcode(status))
         _enter_namespaces(config)
         # The parent keeps `alive` open while it lives: the child sees EOF once it is gone.
         watch, alive = os.pipe()

@@ -95,6 +95,11 @@ class TorchEngine:
         self._thread: threading.Thread | None = None
         self._generated_total = 0
         self._interrupted_total = 0
+        self._decode_steps = 0
+        self._decode_rows = 0
+        self._busy_seconds = 0.0
+        self._swap_seconds = 0.0
+        self._resume_prefill_seconds = 0.0
 
     # ------------------------------------------------------------------ public API
 
@@ -202,6 +207,11 @@ class TorchEngine:
                     1 for r in self._running
                     if r.result.output_versions and r.result.output_versions[-1] < self._version
                 ),
+                decode_steps_total=self._decode_steps,
+                decode_rows_total=self._decode_rows,
+                busy_seconds_total=self._busy_seconds,
+                weight_swap_seconds_total=self._swap_seconds,
+                resume_prefill_seconds_total=self._resume_prefill_seconds,
             )
 
     # ------------------------------------------------------------------ input checks
@@ -265,6 +275,7 @@ class TorchEngine:
     def _swap_weights(self, state: dict[str, Tensor], version: int, started: float) -> WeightUpdate:
         current = self._model.state_dict()
         with self._step_lock:
+            swap_started = time.perf_counter()
             self._check_version(version)
             with torch.no_grad():
                 for name, tensor in state.items():
@@ -278,6 +289,7 @@ class TorchEngine:
                     request.result.interruptions += 1
                 self._interrupted_total += len(self._running)
                 interrupted = len(self._running)
+                self._swap_seconds += time.perf_counter() - swap_started
         return WeightUpdate(version, interrupted, time.perf_counter() - started)
 
     # ------------------------------------------------------------------ the loop
@@ -298,10 +310,12 @@ class TorchEngine:
                     return
                 self._idle = False
             with self._step_lock:
+                started = time.perf_counter()
                 try:
                     self._step()
                 except Exception as exc:  # a bug must fail the requests, not hang them
                     self._fail_all(exc)
+                self._busy_seconds += time.perf_counter() - started
 
     def _step(self) -> None:
         with self._wake:
@@ -318,8 +332,10 @@ class TorchEngine:
     def _prefill(self, row: int, request: _Request) -> None:
         """Fills the request's cache row from its tokens. A fresh request samples its first
         token here; a resumed one keeps its last sampled token pending for the next decode."""
+        started = time.perf_counter()
         tokens = request.tokens
-        if request.result.output_ids:
+        resumed = bool(request.result.output_ids)
+        if resumed:
             tokens = tokens[:-1]
             request.pending = request.result.output_ids[-1]
         length = len(tokens)
@@ -328,7 +344,9 @@ class TorchEngine:
         mask = torch.ones(length, length, dtype=torch.bool, device=self._device).tril()
         logits = self._forward(ids, positions, slice(row, row + 1), length, mask[None, None])
         request.cached = length
-        if not request.result.output_ids:
+        if resumed:
+            self._resume_prefill_seconds += time.perf_counter() - started
+        else:
             self._append(request, *self._sample([request], logits))
 
     def _decode(self) -> None:
@@ -341,6 +359,8 @@ class TorchEngine:
         mask = (span <= positions)[:, None, None, :]  # [n, 1, 1, read_length]
         logits = self._forward(ids, positions, slice(0, len(running)), read_length, mask)
         tokens, logprobs = self._sample(running, logits)
+        self._decode_steps += 1
+        self._decode_rows += len(running)
         for index, request in enumerate(running):
             request.cached += 1
             self._append(request, tokens[index : index + 1], logprobs[index : index + 1])

@@ -26,6 +26,11 @@ def status_to_pb(status: EngineStatus) -> rollout_pb2.RolloutStatus:
         waiting_requests=status.waiting_requests,
         generated_tokens_total=status.generated_tokens_total,
         interrupted_requests_total=status.interrupted_requests_total,
+        decode_steps_total=status.decode_steps_total,
+        decode_rows_total=status.decode_rows_total,
+        busy_seconds_total=status.busy_seconds_total,
+        weight_swap_seconds_total=status.weight_swap_seconds_total,
+        resume_prefill_seconds_total=status.resume_prefill_seconds_total,
     )
 
 

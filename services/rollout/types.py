@@ -78,6 +78,14 @@ class EngineStatus:
     # Running requests whose newest token came from an older version (resuming after an
     # update); 0 once every running request generates with the current weights.
     stale_requests: int = 0
+    # Occupancy: decode steps run, requests decoded over all of them (rows / steps is the mean
+    # batch), and seconds spent in steps (the rest of the engine's life it was idle).
+    decode_steps_total: int = 0
+    decode_rows_total: int = 0
+    busy_seconds_total: float = 0.0
+    # Cost of interruptions: swapping weights, and re-prefilling resumed requests.
+    weight_swap_seconds_total: float = 0.0
+    resume_prefill_seconds_total: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -122,20 +122,23 @@ class Trainer:
             await self._publish(client, version)
         self.status.version, self.status.step = version, step
         log.info("trainer starts at step %d, version %d", step, version)
-        started = time.perf_counter()
         if restored is None and self.eval_items:
             # The starting point every later evaluation is compared with.
             self.status.phase = "evaluating"
             self.status.eval_accuracy = await self.evaluate()
             self._write({"kind": "eval", "step": 0, "version": version, "time": time.time(),
                          "elapsed": 0.0, "eval_accuracy": self.status.eval_accuracy})
+        started = time.perf_counter()  # wall time of training, after the baseline evaluation
         trained_tokens = 0.0
         try:
             while step < spec.algorithm.max_steps:
                 self.status.phase = "waiting_for_batch"
+                waiting = time.perf_counter()
                 batch = await client.get_batch(settings.consumer, spec.algorithm.batch_size, wait_ms=2000)
-                if not batch.batch_id:
-                    continue
+                while not batch.batch_id:
+                    batch = await client.get_batch(settings.consumer, spec.algorithm.batch_size,
+                                                   wait_ms=2000)
+                wait_seconds = time.perf_counter() - waiting
                 self.status.phase = "training"
                 samples, rewards = samples_from_groups(batch.groups, spec.algorithm)
                 stale = [staleness(version, _versions(g)) for g in batch.groups]
@@ -151,7 +154,7 @@ class Trainer:
                     "elapsed": time.perf_counter() - started,
                     "reward_mean": float(rewards.mean()), "staleness": stale,
                     "staleness_mean": sum(stale) / len(stale), "dropped_stale": batch.dropped_stale,
-                    "redelivered": batch.redelivered, **stats,
+                    "redelivered": batch.redelivered, "wait_seconds": wait_seconds, **stats,
                 }
                 if step % spec.trainer.eval_every == 0 or step == spec.algorithm.max_steps:
                     self.status.phase = "evaluating"
