@@ -1,0 +1,89 @@
+"""Asynchronous vs synchronous RL on this machine: effective trained tokens/s of the same job.
+
+Runs `asyncrl run` twice on the same job and step budget: `--sync` (η = 0, generation waits
+for training: the classic alternation, each side gets every core while the other waits) and
+asynchronous (η from the job, cores split between trainer and rollout worker). Reports the
+ratio and explains it with measured components: the ideal-overlap bound from the sync run's
+busy times, decode batch occupancy, idle fractions, and time lost to interruptions.
+
+    .venv/bin/python bench/async_vs_sync.py [--job examples/arith.yaml] [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(job: Path, run_dir: Path, steps: int, sync: bool) -> None:
+    args = [str(Path(sys.executable).parent / "asyncrl"), "run", str(job), "--run-dir",
+            str(run_dir), "--steps", str(steps)] + (["--sync"] if sync else [])
+    # No evaluations: they would take trainer time in both modes alike and blur the comparison.
+    env = {**os.environ, "ASYNCRL_EVAL_PROMPTS": "0"}
+    result = subprocess.run(args, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(args)} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+
+
+def summarise(run_dir: Path) -> dict:
+    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r.get("kind") == "train"]
+    rollout = [json.loads(l) for l in (run_dir / "rollout_status.jsonl").read_text().splitlines()]
+    first, last = rollout[0], rollout[-1]
+
+    def delta(key: str) -> float:
+        return float(last[key]) - float(first[key])
+
+    wall = train[-1]["elapsed"]
+    span = last["time"] - first["time"]
+    return {
+        "wall": wall,
+        "trained_tokens": sum(r["trained_tokens"] for r in train),
+        "train_busy": sum(r["step_seconds"] for r in train),
+        "trainer_idle": sum(r["wait_seconds"] for r in train) / wall,
+        "occupancy": delta("decode_rows_total") / max(delta("decode_steps_total"), 1),
+        "rollout_busy": delta("busy_seconds_total"),
+        "rollout_idle": 1 - delta("busy_seconds_total") / max(span, 1e-9),
+        "interrupted": delta("interrupted_requests_total"),
+        "interruption_seconds": delta("weight_swap_seconds_total")
+        + delta("resume_prefill_seconds_total"),
+        "staleness": sum(r["staleness_mean"] for r in train) / len(train),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--job", type=Path, default=ROOT / "examples/arith.yaml")
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        run(args.job, Path(tmp) / "sync", args.steps, sync=True)
+        run(args.job, Path(tmp) / "async", args.steps, sync=False)
+        sync, asyn = summarise(Path(tmp) / "sync"), summarise(Path(tmp) / "async")
+    cores = os.cpu_count()
+    sync_rate = sync["trained_tokens"] / sync["wall"]
+    async_rate = asyn["trained_tokens"] / asyn["wall"]
+    bound = (sync["rollout_busy"] + sync["train_busy"]) / max(sync["rollout_busy"], sync["train_busy"])
+    print(f"job {args.job.name}, {args.steps} steps per mode, {cores} cores")
+    print(f"threads: sync = trainer {cores} + rollout {cores} (they alternate); "
+          f"async = trainer {cores - cores // 2} + rollout {max(1, cores // 2)}")
+    for name, s in (("sync", sync), ("async", asyn)):
+        print(f"{name:>5}: {s['trained_tokens'] / s['wall']:6.1f} trained tokens/s "
+              f"({s['trained_tokens']:.0f} tokens in {s['wall']:.0f} s); decode batch "
+              f"{s['occupancy']:.1f}; idle: trainer {s['trainer_idle']:.0%}, rollout "
+              f"{s['rollout_idle']:.0%}; interrupted requests {s['interrupted']:.0f} "
+              f"({s['interruption_seconds']:.1f} s); staleness {s['staleness']:.2f}")
+    print(f"async / sync = {async_rate / sync_rate:.2f}x; ideal-overlap bound from the sync "
+          f"run's busy times (rollout {sync['rollout_busy']:.0f} s, train {sync['train_busy']:.0f} s)"
+          f" = {bound:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
