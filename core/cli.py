@@ -107,6 +107,7 @@ def run(
                   f"{options.run_dir} (trainer {local.trainer_threads} / rollout "
                   f"{local.rollout_threads} threads); logs in {options.run_dir / 'logs'}")
     progress = RunProgress(job.metadata.name, max_steps, job.spec.algorithm.group_size)
+    _stop_on_sigterm()
     code = 0
     try:
         local.start()
@@ -134,6 +135,19 @@ def run(
         report = write_report(options.run_dir, job.metadata.name, records, sync)
         console.print(report.read_text())
     raise typer.Exit(code)
+
+
+def _stop_on_sigterm() -> None:
+    """`kill` (SIGTERM) stops a run like Ctrl-C does: services stopped, folder resumable.
+    Also makes Ctrl-C work when the shell started the run in the background with SIGINT
+    ignored."""
+    import signal
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
 
 
 @app.command("train-demo")
@@ -248,6 +262,30 @@ def serve_buffer(
         BufferSettings, job_file=job_file, redis_url=redis_url, grpc_port=grpc_port,
         metrics_port=metrics_port, host=host,
         redis_password=os.environ.get("ASYNCRL_REDIS_PASSWORD"),
+    )
+    serve(settings)
+
+
+@serve_app.command("reward")
+def serve_reward(
+    job_file: Annotated[Path, typer.Option(envvar="ASYNCRL_JOB_FILE", help="RLJob manifest.")],
+    grpc_port: Annotated[int, typer.Option(envvar="ASYNCRL_GRPC_PORT")] = 50081,
+    metrics_port: Annotated[int, typer.Option(envvar="ASYNCRL_METRICS_PORT",
+                                              help="Prometheus port; 0 turns it off.")] = 9102,
+    workers: Annotated[Optional[int], typer.Option(
+        envvar="ASYNCRL_WORKERS", help="Math verifier processes and sandbox slots "
+        "(default: the CPU count).")] = None,
+    sandbox_uid_base: Annotated[int, typer.Option(
+        envvar="ASYNCRL_SANDBOX_UID_BASE", help="When root, sandbox slot i runs tested code "
+        "as uid SANDBOX_UID_BASE + i.")] = 61000,
+    host: Annotated[str, typer.Option(envvar="ASYNCRL_HOST")] = "127.0.0.1",
+) -> None:
+    """The reward service: math answer verification and unit tests in a code sandbox."""
+    from asyncrl.reward.server import RewardSettings, serve
+
+    settings = _settings_or_exit(
+        RewardSettings, job_file=job_file, grpc_port=grpc_port, metrics_port=metrics_port,
+        workers=workers, sandbox_uid_base=sandbox_uid_base, host=host,
     )
     serve(settings)
 

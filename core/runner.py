@@ -10,6 +10,7 @@ crashed service's log tail). The run folder holds everything needed to resume.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -41,6 +42,14 @@ class ServiceFailed(RuntimeError):
         self.name, self.returncode, self.log_tail = name, returncode, log_tail
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM if the runner dies, even by kill -9, so a
+    service is never left running on its own."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 @dataclass
 class ServiceProcess:
     name: str
@@ -57,7 +66,8 @@ class ServiceProcess:
         # Own process group: Ctrl-C in the terminal reaches the runner only, which then stops
         # each service in order.
         self.process = subprocess.Popen(
-            self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         return self
 

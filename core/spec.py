@@ -506,6 +506,11 @@ class MathReward(SpecModel):
 class CodeReward(SpecModel):
     """Sandbox limits for running a response's program against the task's unit tests."""
 
+    extract: Literal["last_block", "first_block", "longest_block"] = Field(
+        default="last_block",
+        description="Which fenced code block of a response is the program: the last, the "
+        "first or the longest (blocks tagged with the task's language win over others).",
+    )
     timeout_seconds: float = Field(default=5.0, gt=0, description="Wall-clock limit per run.")
     memory_mb: int = Field(default=512, ge=16, description="Address-space limit per run, in MiB.")
     max_processes: int = Field(

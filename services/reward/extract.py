@@ -89,7 +89,8 @@ def _strip_delimiters(answer: str) -> str:
     while changed:
         changed = False
         for left, right in _MATH_DELIMITERS:
-            if answer.startswith(left) and answer.endswith(right) and len(answer) > len(left) + len(right):
+            wrapped = answer.startswith(left) and answer.endswith(right)
+            if wrapped and len(answer) > len(left) + len(right):
                 answer = answer[len(left):-len(right)].strip()
                 changed = True
         if answer.endswith(".") or answer.endswith(","):

@@ -66,11 +66,13 @@ class MathVerifierPool:
     """`workers` verifier processes; a request waits for an idle one. A worker that overruns
     its time limit or dies is killed and replaced in the background."""
 
-    def __init__(self, workers: int, python: str = sys.executable):
+    def __init__(self, workers: int, python: str = sys.executable, *,
+                 kill_grace: float = KILL_GRACE_SECONDS):
         if workers < 1:
             raise ValueError(f"a math verifier pool needs at least one worker, got {workers}")
         self.size = workers
         self._python = python
+        self._kill_grace = kill_grace
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
         self._all: set[_Worker] = set()
         self._starting: set[asyncio.Task] = set()
@@ -98,7 +100,7 @@ class MathVerifierPool:
         worker = await self._idle.get()
         request = {"answer": answer, "reference": reference, "timeout": timeout}
         try:
-            reply = await asyncio.wait_for(worker.ask(request), timeout + KILL_GRACE_SECONDS)
+            reply = await asyncio.wait_for(worker.ask(request), timeout + self._kill_grace)
         except asyncio.TimeoutError:
             self._replace(worker)
             return {"failure": "timeout",

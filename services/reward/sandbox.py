@@ -39,6 +39,8 @@ STARTUP_ALLOWANCE_SECONDS = 0.5
 STDERR_TAIL_BYTES = 8192
 _SYSTEM_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3")
 _PROBE = "import socket; print(len(socket.if_nameindex()))"
+# Directories that are readable by everyone but hold secrets: hidden from every run.
+HIDDEN_PATHS = ("/run/secrets", "/var/run/secrets")
 
 
 class Isolation(str, enum.Enum):
@@ -115,7 +117,8 @@ class _Output:
 class Sandbox:
     """A pool of `workers` sandbox slots. `await start()` probes the machine once; then
     `await run(...)` runs one program and always returns a `RunResult` (never raises for
-    anything the program does)."""
+    anything the program does). `isolation` restricts the probe to one mode (NONE: skip it,
+    which is unsafe and needs `allow_unsafe`)."""
 
     def __init__(
         self,
@@ -127,6 +130,8 @@ class Sandbox:
         python: str | None = None,
         root: str | Path | None = None,
         on_run: Callable[[RunResult], None] | None = None,
+        isolation: Isolation | None = None,
+        hidden_paths: Sequence[str] = HIDDEN_PATHS,
     ):
         self.limits = limits
         self.workers = workers or os.cpu_count() or 1
@@ -135,6 +140,11 @@ class Sandbox:
         self._python_choice = python
         self._root_parent = root
         self._on_run = on_run
+        if isolation is Isolation.USER_NAMESPACES and os.geteuid() == 0:
+            raise ValueError("user-namespace isolation would leave the program root on the "
+                             "host's files; as root the sandbox uses namespaces")
+        self._only = isolation
+        self._hidden = list(hidden_paths)
         self.isolation: Isolation | None = None
         self.unavailable: str | None = None
         self.python: str | None = None
@@ -157,8 +167,9 @@ class Sandbox:
             self._started = True
             root = os.geteuid() == 0
             self.python = self._python_choice or _sandbox_python(root)
+            best = Isolation.NAMESPACES if root else Isolation.USER_NAMESPACES
             tried = []
-            for mode in (Isolation.NAMESPACES if root else Isolation.USER_NAMESPACES,):
+            for mode in [best] if self._only in (None, best) else []:
                 problem = await self._probe(mode)
                 if problem is None:
                     self.isolation = mode
@@ -167,8 +178,11 @@ class Sandbox:
                     return self
                 tried.append(f"{mode.value}: {problem}")
             self.isolation = Isolation.NONE
-            reason = "; ".join(tried)
+            reason = "; ".join(tried) or "isolation none was asked for"
             if self.allow_unsafe:
+                if not root:
+                    # Programs run as our own user: at least keep them out of /proc/<us>/environ.
+                    _libc().prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
                 log.critical(
                     "CODE SANDBOX IS UNSAFE: no network namespace can be created here (%s). "
                     "Tested code runs WITH NETWORK ACCESS%s because "
@@ -234,8 +248,8 @@ class Sandbox:
 
     async def _run_in_slot(self, mode: Isolation, slot: int, files: Mapping[str, bytes],
                            argv: Sequence[str], stdin: bytes, *, timeout: float) -> RunResult:
-        uid = self.uid_base + slot if os.geteuid() == 0 and mode is not Isolation.USER_NAMESPACES \
-            else None
+        dedicated_uid = os.geteuid() == 0 and mode is not Isolation.USER_NAMESPACES
+        uid = self.uid_base + slot if dedicated_uid else None
         scratch = Path(tempfile.mkdtemp(prefix=f"run{slot}-", dir=self._root))
         start = time.perf_counter()
         process = None
@@ -249,7 +263,8 @@ class Sandbox:
             config = {
                 "mode": mode.value, "scratch": str(scratch), "scratch_mb": self.limits.scratch_mb,
                 "uid": uid, "gid": uid, "limits": self.limits.rlimits(timeout),
-                "argv": list(argv), "env": _program_env(scratch),
+                "argv": list(argv), "env": _program_env(scratch), "service_pid": os.getpid(),
+                "hide": self._hidden,
             }
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-I", "-S", str(INIT_SCRIPT), marshal.dumps(config).hex(),
@@ -257,18 +272,23 @@ class Sandbox:
                 stderr=asyncio.subprocess.PIPE, start_new_session=True,
                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
             )
-            return await self._supervise(process, stdin, timeout, start)
-        finally:
-            if process is not None:
+
+            async def clean_up() -> None:
+                """Once the sandbox's first process has exited: nothing of the run remains."""
                 if process.returncode is None or mode is Isolation.NONE:
                     _kill_group(process.pid)  # without a PID namespace, stragglers may remain
                 await process.wait()
-            if uid is not None:
-                await self._kill_uid(uid, mode)
+                if uid is not None:
+                    await self._kill_uid(uid, mode)
+
+            return await self._supervise(process, stdin, timeout, start, clean_up)
+        finally:
+            if process is not None:
+                await clean_up()
             shutil.rmtree(scratch, ignore_errors=True)
 
     async def _supervise(self, process: asyncio.subprocess.Process, stdin: bytes,
-                         timeout: float, start: float) -> RunResult:
+                         timeout: float, start: float, clean_up) -> RunResult:
         cap = self.limits.max_output_bytes
         stdout, stderr = _Output(), _Output()
         readers = [
@@ -279,17 +299,20 @@ class Sandbox:
         feeder = asyncio.ensure_future(_feed(process.stdin, stdin))
         timed_out = False
         try:
-            await asyncio.wait_for(process.wait(), timeout + STARTUP_ALLOWANCE_SECONDS)
-        except asyncio.TimeoutError:
-            timed_out = True
-            _kill_group(process.pid)
-            await process.wait()
-        wall = time.perf_counter() - start
-        # Every writer is gone once the sandbox's init has exited; give the pipes a moment.
-        _, pending = await asyncio.wait(readers, timeout=2.0)
-        for task in (*pending, feeder):
-            task.cancel()
-        await asyncio.gather(*readers, feeder, return_exceptions=True)
+            try:
+                await asyncio.wait_for(process.wait(), timeout + STARTUP_ALLOWANCE_SECONDS)
+            except asyncio.TimeoutError:
+                timed_out = True
+                _kill_group(process.pid)
+                await process.wait()
+            wall = time.perf_counter() - start
+            await clean_up()
+            # Every writer is gone now; give the pipes a moment to deliver the rest.
+            await asyncio.wait(readers, timeout=2.0)
+        finally:
+            for task in (*readers, feeder):
+                task.cancel()
+            await asyncio.gather(*readers, feeder, return_exceptions=True)
         code = process.returncode
         killed = timed_out or stdout.exceeded or stderr.exceeded
         setup_error = None
@@ -306,20 +329,31 @@ class Sandbox:
         """Makes sure no process of a slot's uid is left (it would count against the next
         run's process limit). In a PID namespace the kernel has already killed them all."""
         if mode is Isolation.NONE and _processes_of(uid):
-            killer = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", "-S", "-c", "import os; os.kill(-1, 9)",
-                user=uid, group=uid, extra_groups=[], env={}, stdin=asyncio.subprocess.DEVNULL,
-            )
-            await killer.wait()
+            # kill(-1) as the slot's uid reaches every process of that uid, in any session.
+            try:
+                killer = await asyncio.create_subprocess_exec(
+                    self.python, "-I", "-S", "-c", "import os; os.kill(-1, 9)",
+                    user=uid, group=uid, extra_groups=[], env={},
+                    stdin=asyncio.subprocess.DEVNULL,
+                )
+                await killer.wait()
+            except OSError as exc:
+                log.error("cannot kill the processes left by sandbox uid %d: %s", uid, exc)
         deadline = time.monotonic() + 5.0
         while _processes_of(uid) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
 
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def _program_env(scratch: Path) -> dict[str, str]:
     """All the program sees of an environment: no secrets, nothing of the service's."""
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(scratch), "TMPDIR": str(scratch),
-            "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
+            "LANG": "C.UTF-8"}
 
 
 def _sandbox_python(as_root: bool) -> str:
@@ -342,13 +376,17 @@ def _world_executable(path: str) -> bool:
 
 
 def _processes_of(uid: int) -> list[int]:
+    """Live (not zombie) processes of `uid`."""
     found = []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
                 if entry.stat().st_uid == uid:
-                    found.append(int(entry.name))
-            except FileNotFoundError:
+                    with open(f"/proc/{entry.name}/stat", "rb") as handle:
+                        state = handle.read().rsplit(b")", 1)[1].split()[0]
+                    if state != b"Z":
+                        found.append(int(entry.name))
+            except (FileNotFoundError, ProcessLookupError, IndexError):
                 pass
     return found
 

@@ -1,7 +1,8 @@
 """The sandbox's first process: builds the cage, then starts the untrusted program inside it.
 
-Run by the reward service as `python -I -S sandbox_init.py CONFIG` (CONFIG: a marshalled dict, hex-encoded;
-standard library only, few imports, single-threaded, so every step after fork is safe). The service has already written the
+Run by the reward service as `python -I -S sandbox_init.py CONFIG` (CONFIG: a marshalled dict,
+hex-encoded). Standard library only, few imports (start-up is paid on every run), and
+single-threaded, so every step after fork is safe. The service has already written the
 program's files into a fresh scratch directory and gives the program's stdin, stdout and
 stderr as this process's own.
 
@@ -12,16 +13,17 @@ stderr as this process's own.
 Isolation modes (chosen by the service's start-up probe):
 
 - "namespaces" (the service runs as root): new network, mount, PID, IPC and UTS namespaces;
-  the whole file system read-only, a private size-limited tmpfs as the scratch directory, a
-  fresh /proc that shows only the sandbox's processes; the program runs as a dedicated uid.
+  the whole file system read-only, a private size-limited tmpfs as the scratch directory
+  (and another as /dev/shm), a fresh /proc that shows only the sandbox's processes, secret directories (`hide`) covered by
+  empty mounts; the program runs as a dedicated uid.
 - "userns" (the service is not root): the same inside a new user namespace; the program keeps
   the service's uid on the host but holds no capabilities and sees a read-only file system.
 - "none" (explicitly allowed unsafe mode): rlimits, the dedicated uid when root, scratch cwd.
 
 When init exits, the kernel kills every process left in its PID namespace, so nothing the
 program started (even a daemonised grandchild in its own session) outlives the run. Init dies
-with this process (PR_SET_PDEATHSIG), so the service kills the whole sandbox by killing this
-process's process group.
+with this process and this process with the service (PR_SET_PDEATHSIG), so the service kills
+the whole sandbox by killing this process's process group, and a dying service leaves nothing.
 
 Exit status: the program's exit code, 128 + N when a signal N killed it, and SETUP_FAILED
 (with the reason on stderr) when the cage could not be built.
@@ -31,8 +33,6 @@ import ctypes
 import marshal
 import os
 import resource
-import select
-import signal
 import sys
 
 SETUP_FAILED = 125
@@ -44,14 +44,15 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 
-MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x2, 0x4, 0x8
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_REC, MS_PRIVATE = 0x4000, 0x40000
 
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
+SIGKILL = 9  # (the signal module imports enum: 5-10 ms of start-up per run)
 
 SYS_MOUNT_SETATTR = 442  # the same number on x86_64 and arm64 (asm-generic)
 AT_FDCWD, AT_RECURSIVE = -100, 0x8000
-MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV = 0x1, 0x2, 0x4
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 0x1, 0x2
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -79,8 +80,9 @@ def _mount(source, target, fstype, flags, data=None) -> None:
 
 
 def _read_only_everywhere() -> None:
-    """Every mount in this (private) mount namespace becomes read-only, nosuid and nodev."""
-    attr = _MountAttr(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, 0, 0, 0)
+    """Every mount in this (private) mount namespace becomes read-only and nosuid (device
+    nodes stay usable: /dev/null, /dev/urandom)."""
+    attr = _MountAttr(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, 0, 0)
     _check(_libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(attr),
                          ctypes.sizeof(attr)), "mount_setattr / read-only")
 
@@ -114,10 +116,17 @@ def _build_file_system(config: dict) -> None:
             raise  # the program has our own uid there: read-only is what protects our files
         # As root the dedicated uid already keeps the program out of the service's files.
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    # World-readable secrets (a Kubernetes service-account token) disappear under empty mounts.
+    for path in sorted({os.path.realpath(p) for p in config["hide"] if os.path.isdir(p)}):
+        _mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+               "size=4k,mode=0555")
     uid, gid = config["uid"], config["gid"]
     owner = "" if uid is None else f",uid={uid},gid={gid}"
     _mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={config['scratch_mb']}m,nr_inodes=4096,mode=0700{owner}")
+    if os.path.isdir("/dev/shm"):  # a private one: multiprocessing's semaphores live there
+        _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+               f"size={config['scratch_mb']}m,nr_inodes=1024,mode=1777")
     for name, data in files.items():
         path = os.path.join(scratch, name)
         with open(path, "wb") as handle:
@@ -128,8 +137,8 @@ def _build_file_system(config: dict) -> None:
 def _exec_program(config: dict) -> None:
     """In the forked child: limits, identity, working directory, then exec. Never returns."""
     try:
-        for name, value in config["limits"].items():
-            resource.setrlimit(getattr(resource, f"RLIMIT_{name.upper()}"), (value, value))
+        for name, (soft, hard) in config["limits"].items():
+            resource.setrlimit(getattr(resource, f"RLIMIT_{name.upper()}"), (soft, hard))
         if config["uid"] is not None:
             os.setgroups([])
             os.setresgid(config["gid"], config["gid"], config["gid"])
@@ -165,21 +174,23 @@ def _init(config: dict) -> int:
 
 
 def _relay(child: int) -> int:
-    # The service kills the sandbox with SIGKILL on the process group; a polite SIGTERM (e.g.
-    # the service shutting down) ends it the same way.
-    signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGKILL))
     _, status = os.waitpid(child, 0)
     return _status(os.waitstatus_to_exitcode(status))
 
 
 def main() -> int:
     config = marshal.loads(bytes.fromhex(sys.argv[1]))
-    _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # the program may not ptrace or read us
+    # If the service dies, so does the sandbox: nothing is left running without its timeout.
+    _libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
+    if os.getppid() != config["service_pid"]:
+        return SETUP_FAILED
     try:
         if config["mode"] == "none":
+            _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # the program may not ptrace or read us
             _, status = os.waitpid(_start_program(config), 0)
             return _status(os.waitstatus_to_exitcode(status))
         _enter_namespaces(config)
+        _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # (after writing our own uid_map)
         # The parent keeps `alive` open while it lives: the child sees EOF once it is gone.
         watch, alive = os.pipe()
         child = os.fork()
@@ -188,15 +199,19 @@ def main() -> int:
             return _relay(child)
         try:
             os.close(alive)
-            _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-            if select.select([watch], [], [], 0)[0]:  # the parent died before the line above
-                os._exit(SETUP_FAILED)
+            _libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
+            os.set_blocking(watch, False)
+            try:
+                os.read(watch, 1)
+                os._exit(SETUP_FAILED)  # EOF: the parent died before the line above
+            except BlockingIOError:
+                pass
             os.close(watch)
             os._exit(_init(config))
         except BaseException as exc:  # noqa: BLE001 - report, never run the program uncaged
             print(f"sandbox setup failed: {exc}", file=sys.stderr, flush=True)
             os._exit(SETUP_FAILED)
-    except SetupError as exc:
+    except (SetupError, OSError) as exc:
         print(f"sandbox setup failed: {exc}", file=sys.stderr, flush=True)
         return SETUP_FAILED
 

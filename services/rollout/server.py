@@ -35,8 +35,15 @@ log = logging.getLogger(__name__)
 class RolloutSettings(ServiceSettings):
     http_port: int = Field(default=30000, ge=1, le=65535, description="SGLang-compatible HTTP API.")
     grpc_port: int = Field(default=50061, ge=1, le=65535, description="RolloutControl gRPC API.")
-    max_running_requests: int = Field(default=64, ge=1, description="Engine batch slots.")
-    max_sequence_length: int = Field(default=2048, ge=16, description="Prompt + response cap.")
+    max_running_requests: int | None = Field(
+        default=None, ge=1,
+        description="Engine batch slots (default: this replica's share of "
+        "rollout.maxConcurrentRollouts x algorithm.groupSize).",
+    )
+    max_sequence_length: int | None = Field(
+        default=None, ge=16,
+        description="Prompt + response cap (default: longest prompt + rollout.maxNewTokens).",
+    )
     weights_cache: Path = Field(
         default=Path("/tmp/asyncrl-weights"), description="Where HTTP weight snapshots land."
     )
@@ -58,10 +65,19 @@ def serve(settings: RolloutSettings) -> None:
             "(asyncrl.rollout.sglang_launch), which needs a GPU"
         )
     model, tokenizer = load_policy(job.spec.model)
+    spec = job.spec
+    # The KV cache is preallocated: size it to what the job can ask of this replica.
+    slots = settings.max_running_requests or -(
+        -spec.rollout.max_concurrent_rollouts * spec.algorithm.group_size // spec.rollout.replicas
+    )
+    train, _ = build_prompts(spec, tokenizer)
+    length = settings.max_sequence_length or (
+        max(len(item.prompt_ids) for item in train) + spec.rollout.max_new_tokens
+    )
     engine = TorchEngine(
         model,
-        max_running_requests=settings.max_running_requests,
-        max_sequence_length=settings.max_sequence_length,
+        max_running_requests=slots,
+        max_sequence_length=length,
         eos_token_ids=tuple(t for t in (tokenizer.eos_token_id,) if t is not None),
         seed=job.spec.dataset.seed,
     ).start()

@@ -182,9 +182,10 @@ class Trainer:
             return -1.0
         evaluator, _ = load_policy(self.spec.model)
         evaluator.load_state_dict(self.model.state_dict())
+        longest = max(len(item.prompt_ids) for item in self.eval_items)
         engine = TorchEngine(evaluator, max_running_requests=len(self.eval_items),
-                             max_sequence_length=2048, eos_token_ids=(self.tokenizer.eos_token_id,),
-                             seed=0).start()
+                             max_sequence_length=longest + self.spec.rollout.max_new_tokens,
+                             eos_token_ids=(self.tokenizer.eos_token_id,), seed=0).start()
         try:
             params = SamplingParams(max_new_tokens=self.spec.rollout.max_new_tokens, temperature=0)
             futures = [engine.submit(item.prompt_ids, params) for item in self.eval_items]

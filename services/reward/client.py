@@ -1,0 +1,60 @@
+"""The reward service's client: `await RewardClient(address).score(tasks)`."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Sequence
+
+import grpc
+
+from asyncrl.reward.types import CodeReference, MathReference, ScoreResult, ScoreTask
+from asyncrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+
+# Scoring is idempotent, so a call may be repeated while the service restarts.
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
+
+
+class RewardClient:
+    def __init__(self, address: str, job: str = "", *, timeout: float = 600.0,
+                 attempts: int = 20, retry_delay: float = 0.25):
+        self._channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+        ])
+        self.stub = reward_pb2_grpc.RewardStub(self._channel)
+        self.job = job
+        self._timeout = timeout
+        self._attempts = attempts
+        self._retry_delay = retry_delay
+
+    async def score(self, tasks: Sequence[ScoreTask]) -> list[ScoreResult]:
+        """One result per task, in order."""
+        request = reward_pb2.ScoreBatchRequest(job=self.job, tasks=[t.to_pb() for t in tasks])
+        for attempt in range(self._attempts):
+            try:
+                reply = await self.stub.ScoreBatch(request, timeout=self._timeout)
+                return [ScoreResult.from_pb(r) for r in reply.results]
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _RETRYABLE or attempt == self._attempts - 1:
+                    raise
+                await asyncio.sleep(self._retry_delay)
+        raise AssertionError("unreachable")
+
+    async def score_group(self, reference: MathReference | CodeReference,
+                          responses: Sequence[str], group_id: str = "") -> list[ScoreResult]:
+        """The n responses to one prompt, all against the same reference."""
+        return await self.score([ScoreTask(f"{group_id}#{i}", response, reference)
+                                 for i, response in enumerate(responses)])
+
+    async def health(self) -> tuple[bool, str]:
+        reply = await self.stub.Health(common_pb2.HealthRequest(), timeout=10)
+        return reply.serving, reply.detail
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> RewardClient:
+        return self
+
+    async def __aexit__(self, *_) -> None:
+        await self.close()

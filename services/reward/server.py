@@ -1,0 +1,151 @@
+"""`asyncrl serve reward`: the gRPC Reward service.
+
+The servicer only translates protobuf to domain types and back; `RewardScorer` does the work.
+Errors are mapped to status codes in one place (`_status_for`): a malformed request is
+INVALID_ARGUMENT, a sandbox that refuses to run code FAILED_PRECONDITION. Anything a scored
+response does is a per-task `ScoreResult`, never an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+from pydantic import Field
+
+from asyncrl.reward.metrics import RewardMetrics
+from asyncrl.reward.sandbox import DEFAULT_UID_BASE, SandboxUnavailable
+from asyncrl.reward.scorer import RewardScorer
+from asyncrl.reward.types import ScoreTask
+from asyncrl.settings import ServiceSettings
+from asyncrl.spec import load_manifest
+from asyncrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# A batch is a few groups of responses; this bounds what one request may hold.
+MAX_TASKS_PER_BATCH = 4096
+
+
+class InvalidRequest(ValueError):
+    pass
+
+
+def _status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, SandboxUnavailable):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+def _mapped(method):
+    """Turns domain errors into gRPC status codes with their message."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status, never a crash
+            code, message = _status_for(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("reward %s failed", method.__name__)
+            await context.abort(code, message)
+
+    return wrapper
+
+
+def tasks_from_pb(request: reward_pb2.ScoreBatchRequest, job: str) -> list[ScoreTask]:
+    if request.job and request.job != job:
+        raise InvalidRequest(f"this reward service scores job {job!r}, not {request.job!r}")
+    if len(request.tasks) > MAX_TASKS_PER_BATCH:
+        raise InvalidRequest(f"{len(request.tasks)} tasks in one batch; send at most "
+                             f"{MAX_TASKS_PER_BATCH}")
+    try:
+        return [ScoreTask.from_pb(task) for task in request.tasks]
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+
+
+class RewardServicer(reward_pb2_grpc.RewardServicer):
+    def __init__(self, scorer: RewardScorer, job: str, kind: str):
+        self._scorer = scorer
+        self._job = job
+        self._kind = kind
+
+    @_mapped
+    async def ScoreBatch(self, request, context):
+        results = await self._scorer.score(tasks_from_pb(request, self._job))
+        return reward_pb2.ScoreBatchResponse(results=[r.to_pb() for r in results])
+
+    async def Health(self, request, context):
+        ok, detail = self._scorer.health()
+        # A job that scores math can be served while the code sandbox is unavailable.
+        return common_pb2.HealthResponse(serving=ok or self._kind != "code", detail=detail)
+
+
+class RewardSettings(ServiceSettings):
+    grpc_port: int = Field(default=50081, ge=1, le=65535, description="Reward gRPC API.")
+    metrics_port: int = Field(default=9102, ge=0, le=65535, description="Prometheus; 0 = off.")
+    workers: int | None = Field(
+        default=None, ge=1,
+        description="Math verifier processes and sandbox slots (default: the CPU count).")
+    sandbox_uid_base: int = Field(
+        default=DEFAULT_UID_BASE, ge=1000, le=2**31 - 70000,
+        description="When root, sandbox slot i runs programs as uid sandbox_uid_base + i.")
+
+
+@dataclass
+class RunningReward:
+    server: grpc.aio.Server
+    scorer: RewardScorer
+    metrics: RewardMetrics
+
+    async def close(self) -> None:
+        await self.server.stop(grace=2)
+        await self.scorer.close()
+
+
+async def start_server(settings: RewardSettings) -> RunningReward:
+    job = load_manifest(settings.job_file)
+    metrics = RewardMetrics()
+    scorer = RewardScorer.from_spec(job.spec.reward, workers=settings.workers, metrics=metrics,
+                                    uid_base=settings.sandbox_uid_base)
+    # The job's own kind is ready before the first request (and health tells the truth).
+    await scorer.start([job.spec.reward.kind])
+    server = await create_server(scorer, job.metadata.name, job.spec.reward.kind,
+                                 f"{settings.host}:{settings.grpc_port}")
+    return RunningReward(server, scorer, metrics)
+
+
+async def create_server(scorer: RewardScorer, job: str, kind: str, address: str) -> grpc.aio.Server:
+    """A started gRPC server for `scorer` on `address` (host:port)."""
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.max_send_message_length", 64 << 20),
+    ])
+    reward_pb2_grpc.add_RewardServicer_to_server(RewardServicer(scorer, job, kind), server)
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"reward: cannot listen on {address}")
+    await server.start()
+    return server
+
+
+def serve(settings: RewardSettings) -> None:
+    async def run() -> None:
+        running = await start_server(settings)
+        if settings.metrics_port:
+            running.metrics.serve(settings.metrics_port, settings.host)
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):  # stop cleanly: workers, sandboxes
+            loop.add_signal_handler(signum, lambda: loop.create_task(running.server.stop(grace=2)))
+        try:
+            await running.server.wait_for_termination()
+        finally:
+            await running.close()
+
+    asyncio.run(run())
