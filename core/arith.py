@@ -35,7 +35,7 @@ def generate(count: int, seed: int = 0, difficulty: int = 2) -> list[Problem]:
     return [_problem(rng, difficulty, f"arith-{seed}-{difficulty}-{i}") for i in range(count)]
 
 
-def split(problems: list[Problem], eval_fraction: float) -> tuple[list[Problem], list[Problem]]:
+def split(problems: list, eval_fraction: float) -> tuple[list, list]:
     """(train, eval): the last `eval_fraction` of the list is held out."""
     held_out = int(round(len(problems) * eval_fraction))
     cut = len(problems) - held_out

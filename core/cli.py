@@ -231,6 +231,8 @@ def serve_rollout(
     buffer_address: Annotated[Optional[str], typer.Option(
         envvar="ASYNCRL_BUFFER_ADDRESS", help="Run the rollout workflow against this buffer.")] = None,
     worker: Annotated[str, typer.Option(envvar="ASYNCRL_WORKER")] = "rollout-0",
+    reward_address: Annotated[Optional[str], typer.Option(
+        envvar="ASYNCRL_REWARD_ADDRESS", help="Score through this reward service.")] = None,
 ) -> None:
     """The rollout worker: torch engine, SGLang-compatible HTTP API, gRPC control."""
     from asyncrl.rollout.server import RolloutSettings, serve
@@ -238,7 +240,7 @@ def serve_rollout(
     settings = _settings_or_exit(
         RolloutSettings, job_file=job_file, http_port=http_port, grpc_port=grpc_port,
         redis_url=redis_url, threads=threads, host=host, buffer_address=buffer_address,
-        worker=worker,
+        worker=worker, reward_address=reward_address,
     )
     serve(settings)
 
@@ -302,6 +304,8 @@ def serve_trainer(
     threads: Annotated[Optional[int], typer.Option(envvar="ASYNCRL_THREADS")] = None,
     consumer: Annotated[str, typer.Option(envvar="ASYNCRL_CONSUMER")] = "trainer-0",
     host: Annotated[str, typer.Option(envvar="ASYNCRL_HOST")] = "127.0.0.1",
+    reward_address: Annotated[Optional[str], typer.Option(
+        envvar="ASYNCRL_REWARD_ADDRESS", help="Reward service used for evaluations.")] = None,
 ) -> None:
     """The trainer: batches from the buffer, decoupled PPO updates, published weights."""
     from asyncrl.trainer.service import TrainerSettings, serve
@@ -309,7 +313,7 @@ def serve_trainer(
     settings = _settings_or_exit(
         TrainerSettings, job_file=job_file, buffer_address=buffer_address, run_dir=run_dir,
         grpc_port=grpc_port, metrics_port=metrics_port, threads=threads, consumer=consumer,
-        host=host,
+        host=host, reward_address=reward_address,
     )
     serve(settings)
 

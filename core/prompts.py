@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl import arith
+from asyncrl import arith, code_tasks
 
 
 @dataclass(frozen=True)
@@ -23,21 +23,31 @@ class PromptItem:
 def build_prompts(spec, tokenizer) -> tuple[list[PromptItem], list[PromptItem]]:
     """(train, eval) prompt items for the job's dataset, in a fixed order."""
     dataset = spec.dataset
-    if dataset.kind != "arith":
+    if dataset.kind == "arith":
+        items = [
+            (p.prompt_id, p.prompt, p.answer)
+            for p in arith.generate(dataset.num_prompts, dataset.seed, dataset.difficulty)
+        ]
+    elif dataset.kind == "code":
+        items = [
+            (t.prompt_id, t.prompt, t)
+            for t in code_tasks.generate(dataset.num_prompts, dataset.seed, dataset.difficulty)
+        ]
+    else:
         raise NotImplementedError(
-            f"dataset.kind {dataset.kind!r} has no prompt builder yet; use kind arith"
+            f"dataset.kind {dataset.kind!r} has no prompt builder yet; use arith or code"
         )
-    problems = arith.generate(dataset.num_prompts, dataset.seed, dataset.difficulty)
-    train, held_out = arith.split(problems, dataset.eval_fraction)
-    return [_chat_item(p, tokenizer) for p in train], [_chat_item(p, tokenizer) for p in held_out]
+    train, held_out = arith.split(items, dataset.eval_fraction)
+    return [_chat_item(i, tokenizer) for i in train], [_chat_item(i, tokenizer) for i in held_out]
 
 
-def _chat_item(problem: arith.Problem, tokenizer) -> PromptItem:
+def _chat_item(item: tuple[str, str, Any], tokenizer) -> PromptItem:
+    prompt_id, prompt, reference = item
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": problem.prompt}], add_generation_prompt=True, tokenize=False
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
     )
     ids = tokenizer(text, add_special_tokens=False).input_ids
-    return PromptItem(problem.prompt_id, list(ids), problem.answer)
+    return PromptItem(prompt_id, list(ids), reference)
 
 
 class ArithScorer:

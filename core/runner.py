@@ -29,6 +29,7 @@ from asyncrl.v1 import (
     buffer_pb2,
     buffer_pb2_grpc,
     common_pb2,
+    reward_pb2_grpc,
     rollout_pb2,
     rollout_pb2_grpc,
     trainer_pb2,
@@ -132,7 +133,8 @@ class LocalJob:
         self.config_path = self.run_dir / "config.yaml"
         self.services: list[ServiceProcess] = []
         self.redis: RedisServer | None = None
-        self.ports = {name: free_port() for name in ("buffer", "trainer", "rollout_http", "rollout_grpc")}
+        self.ports = {name: free_port()
+                      for name in ("buffer", "reward", "trainer", "rollout_http", "rollout_grpc")}
         self.trainer_threads, self.rollout_threads = thread_split(options)
 
     # ------------------------------------------------------------------ lifecycle
@@ -151,10 +153,16 @@ class LocalJob:
         self._launch("buffer", [exe, "serve", "buffer", *common, "--redis-url", redis_url,
                                 "--grpc-port", str(self.ports["buffer"]), "--metrics-port", "0"], env)
         self._wait(lambda: self._buffer_healthy(buffer_address), "buffer")
+        reward_address = f"127.0.0.1:{self.ports['reward']}"
+        self._launch("reward", [exe, "serve", "reward", *common, "--grpc-port",
+                                str(self.ports["reward"]), "--metrics-port", "0", "--workers", "1"], env)
+        self._wait(lambda: self._healthy(reward_address, reward_pb2_grpc.RewardStub), "reward")
         self._launch("trainer", [exe, "serve", "trainer", *common, "--buffer-address", buffer_address,
+                                 "--reward-address", reward_address,
                                  "--run-dir", str(self.run_dir), "--grpc-port", str(self.ports["trainer"]),
                                  "--threads", str(self.trainer_threads)], env)
         self._launch("rollout", [exe, "serve", "rollout", *common, "--buffer-address", buffer_address,
+                                 "--reward-address", reward_address,
                                  "--redis-url", redis_url, "--http-port", str(self.ports["rollout_http"]),
                                  "--grpc-port", str(self.ports["rollout_grpc"]),
                                  "--threads", str(self.rollout_threads)], env)
@@ -186,7 +194,8 @@ class LocalJob:
 
     def stop(self) -> None:
         # The rollout side first (it writes into the buffer), then trainer, buffer, Redis.
-        for service in sorted(self.services, key=lambda s: ["rollout", "trainer", "buffer"].index(s.name)):
+        order = ["rollout", "trainer", "reward", "buffer"]
+        for service in sorted(self.services, key=lambda s: order.index(s.name)):
             service.stop()
         if self.redis is not None:
             self.redis.stop()
@@ -224,9 +233,12 @@ class LocalJob:
             out.write(json.dumps(record) + "\n")
 
     def _buffer_healthy(self, address: str) -> bool:
+        return self._healthy(address, buffer_pb2_grpc.BufferStub)
+
+    @staticmethod
+    def _healthy(address: str, stub_class) -> bool:
         try:
             with grpc.insecure_channel(address) as channel:
-                stub = buffer_pb2_grpc.BufferStub(channel)
-                return stub.Health(common_pb2.HealthRequest(), timeout=2).serving
+                return stub_class(channel).Health(common_pb2.HealthRequest(), timeout=2).serving
         except grpc.RpcError:
             return False

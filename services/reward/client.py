@@ -58,3 +58,30 @@ class RewardClient:
 
     async def __aexit__(self, *_) -> None:
         await self.close()
+
+
+class PromptScorer:
+    """Scores the token responses to a prompt through the reward service: the rollout
+    workflow's Scorer, and the trainer's evaluator. Dataset references become reward
+    references here (an arithmetic answer -> math, a code task -> its unit tests)."""
+
+    def __init__(self, client: RewardClient, tokenizer):
+        self._client = client
+        self._tokenizer = tokenizer
+
+    async def score(self, item, responses: list[list[int]]) -> list[float]:
+        texts = [self._tokenizer.decode(r, skip_special_tokens=True) for r in responses]
+        results = await self._client.score_group(reward_reference(item.reference), texts,
+                                                 item.prompt_id)
+        return [r.score for r in results]
+
+
+def reward_reference(reference) -> MathReference | CodeReference:
+    if isinstance(reference, (MathReference, CodeReference)):
+        return reference
+    if isinstance(reference, (int, float, str)):
+        return MathReference(str(reference))
+    test_code = getattr(reference, "test_code", None)
+    if test_code is not None:
+        return CodeReference(test_code=test_code)
+    raise TypeError(f"no reward reference for {type(reference).__name__}")

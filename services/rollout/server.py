@@ -19,6 +19,7 @@ from pydantic import Field
 from asyncrl.buffer.client import BufferClient
 from asyncrl.models import load_policy
 from asyncrl.prompts import ArithScorer, build_prompts
+from asyncrl.reward.client import PromptScorer, RewardClient
 from asyncrl.rollout.engine import TorchEngine
 from asyncrl.rollout.grpc_control import serve_control
 from asyncrl.rollout.http_api import create_app
@@ -53,6 +54,10 @@ class RolloutSettings(ServiceSettings):
         "rollout workflow (prompts -> groups -> buffer), otherwise it only serves requests."
     )
     worker: str = Field(default="rollout-0", description="Stable worker name (the pod's name).")
+    reward_address: str | None = Field(
+        default=None, description="host:port of the reward service; without it, arithmetic "
+        "answers are checked in-process (integer match) and code jobs cannot run."
+    )
 
 
 def serve(settings: RolloutSettings) -> None:
@@ -104,10 +109,12 @@ def _workflow_factory(settings: RolloutSettings, job, engine, tokenizer):
         start = (await client.stats()).accepted_total % len(train)
         prompts = itertools.islice(itertools.cycle(train), start, None)
         rollout = spec.rollout
+        reward = RewardClient(settings.reward_address, job.metadata.name) if settings.reward_address else None
+        scorer = PromptScorer(reward, tokenizer) if reward else ArithScorer(tokenizer, spec.reward.math.extract)
         workflow = RolloutWorkflow(
             prompts,
             generator=EngineGenerator(engine),
-            scorer=ArithScorer(tokenizer, spec.reward.math.extract),
+            scorer=scorer,
             gate=client,
             group_size=spec.algorithm.group_size,
             params=SamplingParams(
@@ -119,6 +126,8 @@ def _workflow_factory(settings: RolloutSettings, job, engine, tokenizer):
             await workflow.run()
         finally:
             await client.close()
+            if reward:
+                await reward.close()
 
     return run
 

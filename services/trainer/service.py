@@ -25,6 +25,7 @@ from asyncrl.algorithms.staleness import staleness
 from asyncrl.buffer.client import BufferClient
 from asyncrl.models import load_policy
 from asyncrl.prompts import ArithScorer, build_prompts
+from asyncrl.reward.client import PromptScorer, RewardClient
 from asyncrl.rollout.engine import TorchEngine
 from asyncrl.rollout.types import SamplingParams
 from asyncrl.settings import ServiceSettings
@@ -49,6 +50,10 @@ class TrainerSettings(ServiceSettings):
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus; 0 = off.")
     consumer: str = Field(default="trainer-0", description="Stable name (the pod's name).")
     eval_prompts: int = Field(default=32, ge=0, description="Held-out prompts per evaluation.")
+    reward_address: str | None = Field(
+        default=None, description="Reward service for evaluations (default: in-process "
+        "integer check, arithmetic only)."
+    )
 
 
 @dataclass
@@ -105,7 +110,10 @@ class Trainer:
         self.metrics = TrainerMetrics(self.job.metadata.name)
         _, held_out = build_prompts(spec, self.tokenizer)
         self.eval_items = held_out[: settings.eval_prompts]
-        self.scorer = ArithScorer(self.tokenizer, spec.reward.math.extract)
+        self.reward = RewardClient(settings.reward_address, self.job.metadata.name) if (
+            settings.reward_address) else None
+        self.scorer = PromptScorer(self.reward, self.tokenizer) if self.reward else ArithScorer(
+            self.tokenizer, spec.reward.math.extract)
         self.metrics_file = settings.run_dir / "metrics.jsonl"
 
     async def run(self) -> None:
@@ -170,6 +178,8 @@ class Trainer:
             raise
         finally:
             await client.close()
+            if self.reward:
+                await self.reward.close()
 
     async def _publish(self, client: BufferClient, version: int) -> None:
         path = await asyncio.to_thread(publish_weights, self.model, self.settings.run_dir, version)
