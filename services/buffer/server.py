@@ -7,7 +7,6 @@ mapped to status codes in one place (`_status_for`), and a bad request changes n
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from asyncrl.buffer.store import (
     NotFound,
     ResourceExhausted,
 )
+from asyncrl.grpc_errors import map_errors
 from asyncrl.settings import ServiceSettings
 from asyncrl.spec import load_manifest
 from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
@@ -49,20 +49,7 @@ def _status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
-def _mapped(method):
-    """Turns domain errors into gRPC status codes with their message."""
-
-    @functools.wraps(method)
-    async def wrapper(self, request, context):
-        try:
-            return await method(self, request, context)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a status, never a crash
-            code, message = _status_for(exc)
-            if code is grpc.StatusCode.INTERNAL:
-                log.exception("buffer %s failed", method.__name__)
-            await context.abort(code, message)
-
-    return wrapper
+_mapped = map_errors(_status_for, "buffer")
 
 
 def validate_group(group: common_pb2.Group, job: JobConfig) -> int:

@@ -9,7 +9,6 @@ response does is a per-task `ScoreResult`, never an error.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import signal
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from asyncrl.reward.metrics import RewardMetrics
 from asyncrl.reward.sandbox import DEFAULT_UID_BASE, SandboxUnavailable
 from asyncrl.reward.scorer import RewardScorer
 from asyncrl.reward.types import ScoreTask
+from asyncrl.grpc_errors import map_errors
 from asyncrl.settings import ServiceSettings
 from asyncrl.spec import load_manifest
 from asyncrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
@@ -43,20 +43,7 @@ def _status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
-def _mapped(method):
-    """Turns domain errors into gRPC status codes with their message."""
-
-    @functools.wraps(method)
-    async def wrapper(self, request, context):
-        try:
-            return await method(self, request, context)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a status, never a crash
-            code, message = _status_for(exc)
-            if code is grpc.StatusCode.INTERNAL:
-                log.exception("reward %s failed", method.__name__)
-            await context.abort(code, message)
-
-    return wrapper
+_mapped = map_errors(_status_for, "reward")
 
 
 def tasks_from_pb(request: reward_pb2.ScoreBatchRequest, job: str) -> list[ScoreTask]:
