@@ -105,3 +105,25 @@ def test_killing_the_trainer_mid_step_loses_no_accepted_sample(tmp_path):
     assert stats.accepted_total == (stats.consumed_total + stats.depth_groups
                                     + stats.dropped_stale_total)
     assert stats.consumed_total >= 6 * job.spec.algorithm.batch_size
+
+
+@pytest.mark.slow
+def test_a_crashed_service_stops_the_job_with_its_log_tail(tmp_path):
+    from asyncrl.runner import ServiceFailed
+
+    job = load_manifest(TINY)
+    local = LocalJob(job, yaml.safe_load(TINY.read_text()), RunOptions(run_dir=tmp_path / "run",
+                                                                        max_steps=50))
+    try:
+        local.start()
+        rollout = next(s for s in local.services if s.name == "rollout")
+        os.kill(rollout.process.pid, signal.SIGKILL)
+        rollout.process.wait()
+        with pytest.raises(ServiceFailed) as failure:
+            local.check()
+    finally:
+        local.stop()
+    assert failure.value.name == "rollout" and failure.value.returncode == -signal.SIGKILL
+    assert "serve rollout" in failure.value.log_tail
+    # Everything else was stopped with it.
+    assert all(s.process.poll() is not None for s in local.services)
