@@ -331,6 +331,48 @@ def _settings_or_exit(settings_class, **values):
         raise typer.Exit(code=2)
 
 
+@app.command("operator")
+def run_operator(
+    namespace: Annotated[list[str], typer.Option(
+        "--namespace", "-n", envvar="ASYNCRL_OPERATOR_NAMESPACES",
+        help="Watch only these namespaces (repeatable); default: the whole cluster.")] = [],
+    image: Annotated[str, typer.Option(envvar="ASYNCRL_IMAGE",
+                                       help="Image of the asyncrl services' pods.")] = "",
+    redis_image: Annotated[str, typer.Option(envvar="ASYNCRL_REDIS_IMAGE")] = "",
+    run_volume_size: Annotated[str, typer.Option(
+        envvar="ASYNCRL_RUN_VOLUME_SIZE", help="Size of each job's run volume (PVC).")] = "",
+    storage_class: Annotated[Optional[str], typer.Option(
+        envvar="ASYNCRL_STORAGE_CLASS", help="StorageClass of run volumes (ReadWriteMany); "
+        "default: the cluster's default.")] = None,
+    interval: Annotated[float, typer.Option(
+        envvar="ASYNCRL_OPERATOR_INTERVAL", min=0.5,
+        help="Seconds between resyncs of every RLJob (drift repair, status figures).")] = 10.0,
+    buffer_stats: Annotated[bool, typer.Option(
+        envvar="ASYNCRL_OPERATOR_BUFFER_STATS",
+        help="Read policy version, samples/s and staleness from each job's buffer "
+        "(reachable when the operator runs in the cluster).")] = True,
+    liveness: Annotated[Optional[str], typer.Option(
+        envvar="ASYNCRL_OPERATOR_LIVENESS",
+        help="Serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz.")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Run the RLJob operator (kopf) against the current kubeconfig or in-cluster."""
+    import kopf
+
+    from asyncrl.operator import handlers
+    from asyncrl.operator.builders import OperatorConfig
+
+    defaults = OperatorConfig()
+    handlers.configure_operator(OperatorConfig(
+        image=image or defaults.image, redis_image=redis_image or defaults.redis_image,
+        run_volume_size=run_volume_size or defaults.run_volume_size,
+        run_volume_storage_class=storage_class,
+    ), interval=interval, buffer_stats=buffer_stats)
+    kopf.configure(verbose=verbose)
+    kopf.run(standalone=True, clusterwide=not namespace, namespaces=namespace,
+             liveness_endpoint=liveness)
+
+
 class OutputFormat(str, enum.Enum):
     yaml = "yaml"
     json = "json"

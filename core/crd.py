@@ -42,6 +42,13 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
 ]
 
 
+#: `kubectl scale rljob/NAME --replicas=N` scales the rollout workers live.
+SCALE: dict[str, str] = {
+    "specReplicasPath": ".spec.rollout.replicas",
+    "statusReplicasPath": ".status.rolloutReplicas",
+}
+
+
 class SchemaError(ValueError):
     """A model uses a type that has no structural OpenAPI form."""
 
@@ -191,7 +198,7 @@ def build_crd() -> dict[str, Any]:
                     "served": True,
                     "storage": True,
                     "schema": {"openAPIV3Schema": openapi_schema()},
-                    "subresources": {"status": {}},
+                    "subresources": {"status": {}, "scale": copy.deepcopy(SCALE)},
                     "additionalPrinterColumns": copy.deepcopy(PRINTER_COLUMNS),
                 }
             ],

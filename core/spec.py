@@ -222,6 +222,16 @@ class Toleration(SpecModel):
 class Placement(SpecModel):
     """Where a component's pods run: node pool selection and GPUs."""
 
+    # The same rule as _gpus_need_a_pool, for the API server (a CEL rule in the CRD).
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": "!has(self.gpus) || self.gpus == 0 || "
+                "(has(self.nodeSelector) && size(self.nodeSelector) > 0)",
+        "message": "GPUs are requested (gpus > 0) but no GPU node pool is selected: "
+                   "set nodeSelector",
+        "fieldPath": ".nodeSelector",
+        "reason": "FieldValueRequired",
+    }]})
+
     node_selector: dict[str, str] = Field(
         default_factory=dict,
         description="Node labels the pods require, e.g. {cloud.google.com/gke-nodepool: gpu}.",
@@ -235,6 +245,17 @@ class Placement(SpecModel):
         description=f"GPUs per pod; requested as the {GPU_RESOURCE} resource (requests and "
         "limits). 0 runs on CPU.",
     )
+
+    @model_validator(mode="after")
+    def _gpus_need_a_pool(self) -> Placement:
+        if self.gpus > 0 and not self.node_selector:
+            raise rule_error(
+                f"{self.gpus} GPUs per pod are requested, but no GPU node pool is selected",
+                field="nodeSelector",
+                fix="add nodeSelector with the GPU pool's node label (e.g. node-pool: gpu) "
+                "and tolerations for its taint",
+            )
+        return self
 
 
 def _check_gpu_placement(resources: Resources) -> None:
@@ -705,8 +726,10 @@ class RLJobStatus(SpecModel):
     # Written by the system, not by users; tolerate fields other tools (kopf) keep here.
     model_config = ConfigDict(extra="ignore")
 
-    phase: Literal["Pending", "Running", "Suspended", "Succeeded", "Failed"] = Field(
-        default="Pending", description="Lifecycle phase of the job."
+    phase: Literal["Pending", "Starting", "Running", "Suspended", "Succeeded", "Failed"] = Field(
+        default="Pending",
+        description="Lifecycle phase of the job: Pending (nothing created yet), Starting "
+        "(children created, not all ready), Running, Suspended, Succeeded or Failed.",
     )
     conditions: list[Condition] = Field(
         default_factory=list,
@@ -718,6 +741,13 @@ class RLJobStatus(SpecModel):
     )
     policy_version: int | None = Field(
         default=None, description="Policy version the trainer has published."
+    )
+    rollout_replicas: int | None = Field(
+        default=None,
+        description="Rollout worker pods that exist (the scale subresource's status replicas).",
+    )
+    rollout_ready_replicas: int | None = Field(
+        default=None, description="Rollout worker pods that are ready."
     )
     trainer_step: int | None = Field(default=None, description="Training steps completed.")
     tokens_per_second: float | None = Field(

@@ -41,7 +41,9 @@ def test_names_scope_and_version(crd):
                              "singular": "rljob", "shortNames": ["rlj"], "categories": ["asyncrl"]}
     (version,) = body["versions"]
     assert (version["name"], version["served"], version["storage"]) == ("v1alpha1", True, True)
-    assert version["subresources"] == {"status": {}}
+    assert version["subresources"] == {"status": {}, "scale": {
+        "specReplicasPath": ".spec.rollout.replicas",
+        "statusReplicasPath": ".status.rolloutReplicas"}}
 
 
 # --------------------------------------------------------------------------- structural

@@ -199,12 +199,19 @@ def test_cross_field_rules(spec_fields, path, fix):
     assert fix in line.split("; fix: ", 1)[1], line
 
 
+def test_gpus_need_a_node_pool():
+    line = only_error(manifest(trainer={"placement": {"gpus": 2}}))
+    assert line.startswith("spec.trainer.placement.nodeSelector: 2 GPUs per pod"), line
+    assert "nodeSelector" in line.split("; fix: ", 1)[1], line
+
+
 def test_rules_that_hold():
     job = parse_manifest(manifest(
         dataset={"kind": "jsonl", "path": "/data/p.jsonl"},
         reward={"kind": "code"},  # jsonl may be scored either way
-        rollout={"engine": "sglang", "placement": {"gpus": 1}},
-        trainer={"backend": "megatron", "placement": {"gpus": 8}},
+        rollout={"engine": "sglang", "placement": {"gpus": 1, "nodeSelector": {"pool": "gpu"}}},
+        trainer={"backend": "megatron",
+                 "placement": {"gpus": 8, "nodeSelector": {"pool": "gpu"}}},
         algorithm={"clipEps": 0.2, "clipEpsHigh": 0.1},  # clipEpsHigh < clipEps is allowed
     ))
     assert job.spec.algorithm.effective_clip_eps_high == 0.1

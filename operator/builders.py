@@ -1,0 +1,527 @@
+"""Child objects of an RLJob, as pure functions from the validated job to Kubernetes dicts.
+
+Every builder takes the parsed `RLJob` (and the operator's `OperatorConfig`) and returns one
+plain dict, the object the operator applies (server-side apply, so applying the same dict again
+changes nothing). Builders never talk to the API server; the handlers add owner references
+(`kopf.adopt`) and apply what `build_children` returns. Names are `<job>-<component>`.
+
+What runs where:
+
+    <job>-config    ConfigMap        the resolved job (every default filled in), job.yaml
+    <job>-redis     Secret           generated Redis password (managed Redis without a secret)
+    <job>-redis     StatefulSet+Svc  managed Redis (absent when spec.buffer.redis.url is set)
+    <job>-buffer    Deployment+Svc   staleness gate and batches (gRPC 50051, metrics 9101)
+    <job>-reward    Deployment+Svc   scoring, hardened pods (gRPC 50081, metrics 9102)
+    <job>-rollout   Deployment+Svc   generation; GPUs, node pool, tolerations (HTTP 30000, gRPC 50061)
+    <job>-trainer   StatefulSet      PPO updates, nodes x processes via torchrun (gRPC 50071)
+    <job>-trainer-headless  Service  stable pod DNS for torch rendezvous (29400)
+    <job>-run       PVC              checkpoints and weight snapshots: trainer writes, rollout reads
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+import asyncrl
+from asyncrl.spec import GPU_RESOURCE, RLJob
+
+MANAGED_BY = "asyncrl-operator"
+JOB_LABEL = "asyncrl.io/job"
+CONFIG_HASH = "asyncrl.io/config-hash"
+
+JOB_FILE = "/etc/asyncrl/job.yaml"
+RUN_DIR = "/run/asyncrl"
+PASSWORD_ENV = "ASYNCRL_REDIS_PASSWORD"
+
+BUFFER_PORT, BUFFER_METRICS = 50051, 9101
+REWARD_PORT, REWARD_METRICS = 50081, 9102
+ROLLOUT_HTTP, ROLLOUT_GRPC = 30000, 50061
+TRAINER_PORT, TRAINER_METRICS, RENDEZVOUS_PORT = 50071, 9103, 29400
+REDIS_PORT = 6379
+
+#: Unprivileged uid/gid of the asyncrl image; Redis runs as the official image's redis user.
+APP_UID = 10001
+REDIS_UID = 999
+
+#: Requests of a component whose spec gives no resources at all (user values always win).
+DEFAULT_REQUESTS = {
+    "redis": {"cpu": "100m", "memory": "256Mi"},
+    "buffer": {"cpu": "200m", "memory": "256Mi"},
+    "reward": {"cpu": "500m", "memory": "512Mi"},
+    "rollout": {"cpu": "1", "memory": "2Gi"},
+    "trainer": {"cpu": "1", "memory": "4Gi"},
+}
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """Settings of the operator itself (flags / env of `asyncrl operator`), not of a job."""
+
+    image: str = f"ghcr.io/asyncrl/asyncrl:{asyncrl.__version__}"
+    redis_image: str = "redis:7.4-alpine"
+    image_pull_policy: str = "IfNotPresent"
+    run_volume_size: str = "20Gi"
+    run_volume_storage_class: str | None = None
+    redis_volume_size: str = "1Gi"
+    #: Trainer restarts (CrashLoopBackOff) after which the job is Failed.
+    trainer_max_restarts: int = 5
+
+
+# --------------------------------------------------------------------------- names and labels
+
+
+def child_name(job: RLJob, component: str) -> str:
+    return f"{job.metadata.name}-{component}"
+
+
+def selector_labels(job: RLJob, component: str) -> dict[str, str]:
+    """Stable labels only: a Deployment's selector can never change."""
+    return {JOB_LABEL: job.metadata.name, "app.kubernetes.io/component": component}
+
+
+def labels(job: RLJob, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "asyncrl",
+        "app.kubernetes.io/instance": job.metadata.name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        "app.kubernetes.io/version": asyncrl.__version__,
+        JOB_LABEL: job.metadata.name,
+    }
+
+
+def _meta(job: RLJob, component: str, name: str | None = None) -> dict[str, Any]:
+    meta = {"name": name or child_name(job, component), "labels": labels(job, component)}
+    if job.metadata.namespace:
+        meta["namespace"] = job.metadata.namespace
+    return meta
+
+
+# --------------------------------------------------------------------------- job config
+
+
+def resolved_manifest(job: RLJob) -> dict[str, Any]:
+    """The job as the services read it: every default filled in, no server fields."""
+    data = job.model_dump(mode="json", by_alias=True, exclude={"status", "metadata"})
+    metadata = {"name": job.metadata.name}
+    if job.metadata.namespace:
+        metadata["namespace"] = job.metadata.namespace
+    return {"apiVersion": data.pop("apiVersion"), "kind": data.pop("kind"),
+            "metadata": metadata, **data}
+
+
+def config_hash(job: RLJob) -> str:
+    """Changes when what the pods run changes, but not for replicas or suspend: scaling and
+    suspending must not restart the pods that keep running."""
+    manifest = resolved_manifest(job)
+    spec = manifest["spec"]
+    spec["suspend"] = False
+    for section in ("rollout", "reward", "trainer"):
+        spec[section]["replicas"] = 1
+    return hashlib.sha256(yaml.safe_dump(manifest, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def config_map(job: RLJob) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(job, "config"),
+        "data": {"job.yaml": yaml.safe_dump(resolved_manifest(job), sort_keys=False)},
+    }
+
+
+# --------------------------------------------------------------------------- redis
+
+
+def manages_redis(job: RLJob) -> bool:
+    return job.spec.buffer.redis.url is None
+
+
+def password_ref(job: RLJob) -> dict[str, str] | None:
+    """The Secret key with the Redis password: the spec's, or the generated one (managed)."""
+    ref = job.spec.buffer.redis.password_secret
+    if ref is not None:
+        return {"name": ref.name, "key": ref.key}
+    if manages_redis(job):
+        return {"name": child_name(job, "redis"), "key": "password"}
+    return None
+
+
+def redis_secret(job: RLJob, password: str) -> dict[str, Any] | None:
+    """The generated password Secret; None when the spec names one or Redis is external.
+    The handler generates `password` once and reuses the stored one ever after."""
+    if not manages_redis(job) or job.spec.buffer.redis.password_secret is not None:
+        return None
+    return {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": _meta(job, "redis"), "stringData": {"password": password},
+    }
+
+
+def redis_url(job: RLJob) -> str:
+    """The URL the buffer uses (its password comes from the environment)."""
+    if job.spec.buffer.redis.url is not None:
+        return job.spec.buffer.redis.url
+    return f"redis://{child_name(job, 'redis')}:{REDIS_PORT}/0"
+
+
+def redis_url_with_password(job: RLJob) -> str:
+    """For services that only take a URL: the password from the environment, expanded by the
+    kubelet ($(VAR) in args), never written into an object."""
+    url = redis_url(job)
+    if password_ref(job) is None:
+        return url
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://:$({PASSWORD_ENV})@{rest}"
+
+
+def redis_statefulset(job: RLJob, config: OperatorConfig) -> dict[str, Any] | None:
+    if not manages_redis(job):
+        return None
+    aof = job.spec.buffer.redis.persistence == "aof"
+    args = ["--port", str(REDIS_PORT), "--requirepass", f"$({PASSWORD_ENV})", "--dir", "/data",
+            "--save", ""]
+    args += ["--appendonly", "yes", "--appendfsync", "everysec"] if aof else ["--appendonly", "no"]
+    container = {
+        "name": "redis", "image": config.redis_image,
+        "imagePullPolicy": config.image_pull_policy,
+        "command": ["redis-server"], "args": args,
+        "env": [_password_env(job)],
+        "ports": [{"name": "redis", "containerPort": REDIS_PORT}],
+        "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": "redis"}, "initialDelaySeconds": 10,
+                          "periodSeconds": 10, "failureThreshold": 6},
+        "resources": _resources(job.spec.buffer.resources, "redis", gpus=0, custom=False),
+        "securityContext": _container_security(read_only_root=True),
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+    }
+    pod = _pod_spec(job, [container], uid=REDIS_UID)
+    spec: dict[str, Any] = {
+        "serviceName": child_name(job, "redis"), "replicas": 1,
+        "selector": {"matchLabels": selector_labels(job, "redis")},
+        "template": {"metadata": {"labels": labels(job, "redis")}, "spec": pod},
+    }
+    if aof:
+        spec["volumeClaimTemplates"] = [{
+            "metadata": {"name": "data", "labels": labels(job, "redis")},
+            "spec": {"accessModes": ["ReadWriteOnce"],
+                     "resources": {"requests": {"storage": config.redis_volume_size}}},
+        }]
+    else:
+        pod["volumes"] = [{"name": "data", "emptyDir": {}}]
+    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(job, "redis"),
+            "spec": spec}
+
+
+def redis_service(job: RLJob) -> dict[str, Any] | None:
+    if not manages_redis(job):
+        return None
+    return _service(job, "redis", [("redis", REDIS_PORT)])
+
+
+# --------------------------------------------------------------------------- services
+
+
+def buffer_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
+    args = ["serve", "buffer", "--job-file", JOB_FILE, "--redis-url", redis_url(job),
+            "--host", "0.0.0.0", "--grpc-port", str(BUFFER_PORT),
+            "--metrics-port", str(BUFFER_METRICS)]
+    env = [_password_env(job)] if password_ref(job) else []
+    container = _container(job, config, "buffer", args, env=env,
+                           ports=[("grpc", BUFFER_PORT), ("metrics", BUFFER_METRICS)],
+                           resources=_resources(job.spec.buffer.resources, "buffer", gpus=0),
+                           probe={"tcpSocket": {"port": "grpc"}})
+    return _deployment(job, config, "buffer", 1, [container])
+
+
+def buffer_service(job: RLJob) -> dict[str, Any]:
+    return _service(job, "buffer", [("grpc", BUFFER_PORT), ("metrics", BUFFER_METRICS)])
+
+
+def reward_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
+    """Reward pods run untrusted programs (code reward), so they are the most locked down:
+    no service-account token, no service links, read-only root, no capabilities."""
+    reward = job.spec.reward
+    args = ["serve", "reward", "--job-file", JOB_FILE, "--host", "0.0.0.0",
+            "--grpc-port", str(REWARD_PORT), "--metrics-port", str(REWARD_METRICS)]
+    container = _container(job, config, "reward", args,
+                           ports=[("grpc", REWARD_PORT), ("metrics", REWARD_METRICS)],
+                           resources=_resources(reward.resources, "reward",
+                                                gpus=reward.placement.gpus),
+                           probe={"tcpSocket": {"port": "grpc"}})
+    replicas = 0 if job.spec.suspend else reward.replicas
+    deployment = _deployment(job, config, "reward", replicas, [container],
+                             placement=reward.placement)
+    deployment["spec"]["template"]["spec"]["enableServiceLinks"] = False
+    return deployment
+
+
+def reward_service(job: RLJob) -> dict[str, Any]:
+    return _service(job, "reward", [("grpc", REWARD_PORT), ("metrics", REWARD_METRICS)])
+
+
+def rollout_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
+    rollout = job.spec.rollout
+    args = ["serve", "rollout", "--job-file", JOB_FILE, "--host", "0.0.0.0",
+            "--http-port", str(ROLLOUT_HTTP), "--grpc-port", str(ROLLOUT_GRPC),
+            "--buffer-address", f"{child_name(job, 'buffer')}:{BUFFER_PORT}",
+            "--reward-address", f"{child_name(job, 'reward')}:{REWARD_PORT}",
+            "--redis-url", redis_url_with_password(job), "--worker", "$(POD_NAME)"]
+    env = [_pod_name_env()] + ([_password_env(job)] if password_ref(job) else [])
+    health = {"httpGet": {"path": "/health", "port": "http"}}
+    container = _container(job, config, "rollout", args, env=env,
+                           ports=[("http", ROLLOUT_HTTP), ("grpc", ROLLOUT_GRPC)],
+                           resources=_resources(rollout.resources, "rollout",
+                                                gpus=rollout.placement.gpus),
+                           probe=health, mounts=[_run_mount(read_only=True)])
+    replicas = 0 if job.spec.suspend else rollout.replicas
+    deployment = _deployment(job, config, "rollout", replicas, [container],
+                             placement=rollout.placement, volumes=[_run_volume(job)])
+    pod = deployment["spec"]["template"]["spec"]
+    if rollout.placement.gpus:
+        _add_shared_memory(pod, container)
+        # Spread replicas over the GPU pool's nodes.
+        pod["affinity"] = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+            "weight": 100,
+            "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                "labelSelector": {"matchLabels": selector_labels(job, "rollout")}},
+        }]}}
+    # New weights reach workers in place; a config change replaces them one at a time.
+    deployment["spec"]["strategy"] = {"type": "RollingUpdate",
+                                      "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}}
+    return deployment
+
+
+def rollout_service(job: RLJob) -> dict[str, Any]:
+    return _service(job, "rollout", [("http", ROLLOUT_HTTP), ("grpc", ROLLOUT_GRPC)])
+
+
+def trainer_statefulset(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
+    """Trainer pods: `replicas` nodes x `processesPerReplica` processes. More than one process
+    in all runs under torchrun, which meets at pod 0 through the headless Service. A template
+    change restarts the pods, and the trainer resumes from the last checkpoint in the run
+    volume."""
+    trainer = job.spec.trainer
+    serve = ["serve", "trainer", "--job-file", JOB_FILE, "--host", "0.0.0.0",
+             "--grpc-port", str(TRAINER_PORT), "--metrics-port", str(TRAINER_METRICS),
+             "--buffer-address", f"{child_name(job, 'buffer')}:{BUFFER_PORT}",
+             "--reward-address", f"{child_name(job, 'reward')}:{REWARD_PORT}",
+             "--run-dir", RUN_DIR, "--consumer", "$(POD_NAME)"]
+    env = [_pod_name_env(),
+           {"name": "ASYNCRL_NNODES", "value": str(trainer.replicas)},
+           {"name": "ASYNCRL_NPROC_PER_NODE", "value": str(trainer.processes_per_replica)}]
+    command = None
+    if trainer.replicas * trainer.processes_per_replica > 1:
+        rendezvous = (f"{child_name(job, 'trainer')}-0.{child_name(job, 'trainer-headless')}:"
+                      f"{RENDEZVOUS_PORT}")
+        command = ["torchrun", f"--nnodes={trainer.replicas}",
+                   f"--nproc-per-node={trainer.processes_per_replica}",
+                   "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}",
+                   f"--rdzv-id={job.metadata.name}", "-m", "asyncrl.cli"]
+    container = _container(job, config, "trainer", serve, env=env, command=command,
+                           ports=[("grpc", TRAINER_PORT), ("metrics", TRAINER_METRICS),
+                                  ("rendezvous", RENDEZVOUS_PORT)],
+                           resources=_resources(trainer.resources, "trainer",
+                                                gpus=trainer.placement.gpus),
+                           probe={"tcpSocket": {"port": "grpc"}}, mounts=[_run_mount()])
+    replicas = 0 if job.spec.suspend else trainer.replicas
+    pod = _pod_spec(job, [container], placement=trainer.placement, volumes=[_run_volume(job)])
+    if trainer.placement.gpus:
+        _add_shared_memory(pod, container)
+    return {
+        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(job, "trainer"),
+        "spec": {
+            "serviceName": child_name(job, "trainer-headless"),
+            "replicas": replicas,
+            # All nodes of a torch job start together; none waits for another to be Ready.
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector_labels(job, "trainer")},
+            "template": _template(job, "trainer", pod),
+        },
+    }
+
+
+def trainer_headless_service(job: RLJob) -> dict[str, Any]:
+    service = _service(job, "trainer", [("grpc", TRAINER_PORT), ("rendezvous", RENDEZVOUS_PORT)],
+                       name=child_name(job, "trainer-headless"))
+    service["spec"]["clusterIP"] = "None"
+    # Rendezvous happens before any trainer is Ready.
+    service["spec"]["publishNotReadyAddresses"] = True
+    return service
+
+
+def run_volume_claim(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
+    """Checkpoints, metrics and weight snapshots. The trainer writes, every rollout worker
+    reads the snapshot a new version announces, so the claim is ReadWriteMany. Kept across
+    suspend (it is the job's state) and deleted with the job."""
+    spec: dict[str, Any] = {"accessModes": ["ReadWriteMany"],
+                            "resources": {"requests": {"storage": config.run_volume_size}}}
+    if config.run_volume_storage_class:
+        spec["storageClassName"] = config.run_volume_storage_class
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": _meta(job, "run"),
+            "spec": spec}
+
+
+def build_children(job: RLJob, config: OperatorConfig, *, redis_password: str) -> list[dict]:
+    """Everything the job owns, in the order it is applied (dependencies first)."""
+    children = [
+        config_map(job),
+        redis_secret(job, redis_password),
+        redis_service(job),
+        redis_statefulset(job, config),
+        run_volume_claim(job, config),
+        buffer_service(job),
+        buffer_deployment(job, config),
+        reward_service(job),
+        reward_deployment(job, config),
+        trainer_headless_service(job),
+        trainer_statefulset(job, config),
+        rollout_service(job),
+        rollout_deployment(job, config),
+    ]
+    return [child for child in children if child is not None]
+
+
+#: Workloads whose readiness makes the job Running: (kind, component).
+WORKLOADS = (("StatefulSet", "redis"), ("Deployment", "buffer"), ("Deployment", "reward"),
+             ("StatefulSet", "trainer"), ("Deployment", "rollout"))
+
+
+def workloads(job: RLJob) -> list[tuple[str, str]]:
+    return [(kind, component) for kind, component in WORKLOADS
+            if component != "redis" or manages_redis(job)]
+
+
+def desired_replicas(job: RLJob, component: str) -> int:
+    if component in ("redis", "buffer"):
+        return 1
+    if job.spec.suspend:
+        return 0
+    return getattr(job.spec, component).replicas
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def _service(job: RLJob, component: str, ports: list[tuple[str, int]], *,
+             name: str | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Service", "metadata": _meta(job, component, name),
+        "spec": {"selector": selector_labels(job, component),
+                 "ports": [{"name": port_name, "port": port, "targetPort": port_name,
+                            "protocol": "TCP"} for port_name, port in ports]},
+    }
+
+
+def _deployment(job: RLJob, config: OperatorConfig, component: str, replicas: int,
+                containers: list[dict], *, placement=None, volumes=()) -> dict[str, Any]:
+    pod = _pod_spec(job, containers, placement=placement, volumes=volumes)
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(job, component),
+        "spec": {"replicas": replicas, "selector": {"matchLabels": selector_labels(job, component)},
+                 "template": _template(job, component, pod)},
+    }
+
+
+def _template(job: RLJob, component: str, pod: dict) -> dict[str, Any]:
+    return {"metadata": {"labels": labels(job, component),
+                         "annotations": {CONFIG_HASH: config_hash(job)}},
+            "spec": pod}
+
+
+def _pod_spec(job: RLJob, containers: list[dict], *, placement=None, volumes=(),
+              uid: int = APP_UID) -> dict[str, Any]:
+    pod: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid,
+                            "fsGroup": uid, "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": containers,
+    }
+    mounts_config = any(m["name"] == "config" for c in containers
+                        for m in c.get("volumeMounts", []))
+    all_volumes = list(volumes)
+    if mounts_config:
+        all_volumes = [{"name": "config", "configMap": {"name": child_name(job, "config")}},
+                       {"name": "tmp", "emptyDir": {}}, *all_volumes]
+    if all_volumes:
+        pod["volumes"] = all_volumes
+    if placement is not None:
+        if placement.node_selector:
+            pod["nodeSelector"] = dict(placement.node_selector)
+        if placement.tolerations:
+            pod["tolerations"] = [
+                t.model_dump(mode="json", by_alias=True, exclude_none=True, exclude_defaults=False)
+                for t in placement.tolerations]
+            for toleration in pod["tolerations"]:
+                if toleration.get("effect") == "":
+                    del toleration["effect"]
+    return pod
+
+
+def _container(job: RLJob, config: OperatorConfig, component: str, args: list[str], *,
+               ports: list[tuple[str, int]], resources: dict, probe: dict,
+               env: list[dict] = (), command: list[str] | None = None,
+               mounts: list[dict] = ()) -> dict[str, Any]:
+    container = {
+        "name": component, "image": config.image, "imagePullPolicy": config.image_pull_policy,
+        "command": command or ["asyncrl"], "args": args,
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "PYTHONUNBUFFERED", "value": "1"},
+                *env],
+        "ports": [{"name": name, "containerPort": port, "protocol": "TCP"}
+                  for name, port in ports],
+        # Model loading can take minutes; the startup probe holds the others off until then.
+        "startupProbe": {**probe, "periodSeconds": 5, "failureThreshold": 120},
+        "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
+        "resources": resources,
+        "securityContext": _container_security(read_only_root=True),
+        "volumeMounts": [{"name": "config", "mountPath": "/etc/asyncrl", "readOnly": True},
+                         {"name": "tmp", "mountPath": "/tmp"}, *mounts],
+    }
+    return container
+
+
+def _container_security(*, read_only_root: bool) -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": read_only_root,
+            "capabilities": {"drop": ["ALL"]}}
+
+
+def _resources(spec_resources, component: str, *, gpus: int, custom: bool = True) -> dict:
+    requests = dict(spec_resources.requests) if custom else {}
+    limits = dict(spec_resources.limits) if custom else {}
+    if not requests and not limits:
+        requests = dict(DEFAULT_REQUESTS[component])
+    if gpus:
+        # Extended resources: requests must equal limits.
+        requests[GPU_RESOURCE] = gpus
+        limits[GPU_RESOURCE] = gpus
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = {k: str(v) for k, v in requests.items()}
+    if limits:
+        out["limits"] = {k: str(v) for k, v in limits.items()}
+    return out
+
+
+def _password_env(job: RLJob) -> dict[str, Any]:
+    return {"name": PASSWORD_ENV, "valueFrom": {"secretKeyRef": password_ref(job)}}
+
+
+def _pod_name_env() -> dict[str, Any]:
+    return {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+
+
+def _run_volume(job: RLJob) -> dict[str, Any]:
+    return {"name": "run", "persistentVolumeClaim": {"claimName": child_name(job, "run")}}
+
+
+def _run_mount(read_only: bool = False) -> dict[str, Any]:
+    return {"name": "run", "mountPath": RUN_DIR, "readOnly": read_only}
+
+
+def _add_shared_memory(pod: dict, container: dict) -> None:
+    """NCCL and SGLang need a /dev/shm larger than the runtime's 64 MiB default."""
+    pod.setdefault("volumes", []).append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})

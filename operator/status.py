@@ -1,0 +1,195 @@
+"""RLJob status, recomputed from observation every time (a pure function, tested alone).
+
+The handlers observe the children (replicas ready per workload, trainer pods' restarts) and
+the buffer's statistics, and `compute_status` turns that, the spec and the previous status into
+the new status: a phase, typed conditions with reasons, observedGeneration and the training
+figures. The handler writes it only when it differs from what is stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+#: Condition types.
+VALID = "Valid"            # the spec passed the operator's validation
+READY = "Ready"            # every workload has its desired replicas ready
+SUSPENDED = "Suspended"    # spec.suspend: workers at zero, state kept
+BUFFER = "BufferReachable"  # the buffer answered GetStats
+FAILED = "Failed"          # terminal failure (e.g. the trainer keeps crashing)
+COMPLETE = "Complete"      # the trainer reached algorithm.maxSteps
+
+#: Reasons.
+SPEC_VALID, SPEC_INVALID = "SpecValid", "InvalidSpec"
+ALL_READY, NOT_READY, NOT_CREATED = "AllWorkloadsReady", "WorkloadsNotReady", "ChildrenNotCreated"
+SUSPENDED_BY_SPEC, RESUMED = "SuspendedBySpec", "NotSuspended"
+REACHABLE, UNREACHABLE = "GetStatsAnswered", "GetStatsFailed"
+TRAINER_FAILED, NO_FAILURE = "TrainerFailed", "NoFailure"
+MAX_STEPS, IN_PROGRESS = "MaxStepsReached", "Training"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A workload as observed: `exists` False when it is not (yet) there."""
+
+    component: str
+    desired: int
+    exists: bool = False
+    replicas: int = 0
+    ready: int = 0
+    updated: int = 0
+
+
+@dataclass(frozen=True)
+class BufferStats:
+    trainer_version: int
+    accepted_total: int
+    consumed_total: int
+    staleness_counts: tuple[int, ...] = ()
+
+    @property
+    def staleness_mean(self) -> float | None:
+        total = sum(self.staleness_counts)
+        if not total:
+            return None
+        return sum(i * n for i, n in enumerate(self.staleness_counts)) / total
+
+
+@dataclass(frozen=True)
+class Observation:
+    generation: int | None
+    suspend: bool
+    max_steps: int
+    workloads: tuple[Workload, ...] = ()
+    invalid: str | None = None          # validation message, when the spec is invalid
+    trainer_failure: str | None = None  # why the trainer is considered failed
+    stats: BufferStats | None = None
+    stats_error: str | None = None
+    #: accepted samples per second since the previous observation (the handler keeps the
+    #: previous count in memory), None when unknown.
+    samples_per_second: float | None = None
+    now: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+
+
+def compute_status(observed: Observation, previous: dict[str, Any] | None) -> dict[str, Any]:
+    """The new status (camelCase, as stored). Unknown figures keep their previous value."""
+    previous = previous or {}
+    conditions: list[tuple[str, bool, str, str]] = []
+
+    if observed.invalid is not None:
+        conditions.append((VALID, False, SPEC_INVALID, observed.invalid))
+        phase = "Failed"
+    else:
+        conditions.append((VALID, True, SPEC_VALID, "The spec is valid."))
+        phase = _phase(observed, conditions)
+
+    status: dict[str, Any] = {
+        "phase": phase,
+        "observedGeneration": observed.generation,
+        "conditions": _conditions(conditions, previous.get("conditions") or [], observed),
+    }
+    rollout = next((w for w in observed.workloads if w.component == "rollout"), None)
+    if rollout is not None:
+        status["rolloutReplicas"] = rollout.replicas
+        status["rolloutReadyReplicas"] = rollout.ready
+    for key in ("policyVersion", "trainerStep", "samplesPerSecond", "stalenessMean"):
+        if previous.get(key) is not None:
+            status[key] = previous[key]
+    if observed.stats is not None:
+        status["policyVersion"] = observed.stats.trainer_version
+        status["trainerStep"] = observed.stats.trainer_version
+        if observed.stats.staleness_mean is not None:
+            status["stalenessMean"] = round(observed.stats.staleness_mean, 3)
+    if observed.samples_per_second is not None:
+        status["samplesPerSecond"] = round(observed.samples_per_second, 2)
+    return status
+
+
+def _phase(observed: Observation, conditions: list) -> str:
+    if observed.trainer_failure:
+        conditions.append((FAILED, True, TRAINER_FAILED, observed.trainer_failure))
+        return "Failed"
+    conditions.append((FAILED, False, NO_FAILURE, "No component has failed."))
+
+    if observed.stats is not None:
+        conditions.append((BUFFER, True, REACHABLE,
+                           f"Policy version {observed.stats.trainer_version}, "
+                           f"{observed.stats.accepted_total} samples accepted."))
+    else:
+        conditions.append((BUFFER, False, UNREACHABLE,
+                           observed.stats_error or "The buffer has not answered yet."))
+    done = observed.stats is not None and observed.stats.trainer_version >= observed.max_steps
+    conditions.append((COMPLETE, done, MAX_STEPS if done else IN_PROGRESS,
+                       f"Policy version {observed.stats.trainer_version if observed.stats else 0}"
+                       f" of {observed.max_steps}."))
+
+    missing = [w.component for w in observed.workloads if not w.exists]
+    waiting = [w for w in observed.workloads
+               if w.exists and (w.ready < w.desired or w.replicas > w.desired)]
+    if missing:
+        conditions.append((READY, False, NOT_CREATED, f"Not created yet: {', '.join(missing)}."))
+    elif waiting:
+        conditions.append((READY, False, NOT_READY, "; ".join(
+            f"{w.component} {w.ready}/{w.desired} ready" for w in waiting) + "."))
+    else:
+        conditions.append((READY, True, ALL_READY, "Every workload has its replicas ready."))
+
+    if observed.suspend:
+        conditions.append((SUSPENDED, True, SUSPENDED_BY_SPEC,
+                           "Workers are scaled to zero; Redis and the run volume keep the state."))
+    else:
+        conditions.append((SUSPENDED, False, RESUMED, "The job is not suspended."))
+
+    if done:
+        return "Succeeded"
+    if observed.suspend:
+        return "Suspended"
+    if len(missing) == len(observed.workloads):
+        return "Pending"
+    if missing or waiting:
+        return "Starting"
+    return "Running"
+
+
+def _conditions(found: list[tuple[str, bool, str, str]], previous: list[dict],
+                observed: Observation) -> list[dict[str, Any]]:
+    """Kubernetes conditions; lastTransitionTime only moves when the status flips."""
+    before = {c.get("type"): c for c in previous}
+    stamp = observed.now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    out = []
+    for kind, value, reason, message in found:
+        status = "True" if value else "False"
+        old = before.get(kind)
+        changed = old is None or old.get("status") != status
+        out.append({
+            "type": kind, "status": status, "reason": reason, "message": message,
+            "lastTransitionTime": stamp if changed else old.get("lastTransitionTime", stamp),
+            "observedGeneration": observed.generation,
+        })
+    return out
+
+
+def status_changes(current: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """The top-level status keys whose value differs (what to patch; empty: write nothing)."""
+    current = current or {}
+    return {key: value for key, value in new.items() if current.get(key) != value}
+
+
+def trainer_failure(pods: list[dict[str, Any]], max_restarts: int) -> str | None:
+    """Why the trainer counts as failed, from its pods (dicts as the API returns them)."""
+    for pod in pods:
+        name = pod.get("metadata", {}).get("name", "trainer")
+        status = pod.get("status") or {}
+        if status.get("phase") == "Failed":
+            return f"trainer pod {name} failed: {status.get('reason') or status.get('message')}"
+        for container in status.get("containerStatuses") or []:
+            waiting = (container.get("state") or {}).get("waiting") or {}
+            restarts = container.get("restartCount", 0)
+            if waiting.get("reason") == "CrashLoopBackOff" and restarts >= max_restarts:
+                last = ((container.get("lastState") or {}).get("terminated") or {})
+                why = last.get("reason") or "error"
+                code = last.get("exitCode")
+                return (f"trainer pod {name} is in CrashLoopBackOff after {restarts} restarts "
+                        f"(last exit: {why}{f', code {code}' if code is not None else ''})")
+    return None

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Builds the test control plane from Go modules through the Go module proxy:
+#   etcd, kube-apiserver, kube-controller-manager, kube-scheduler (one pinned Kubernetes release,
+#   from the small module in tests/cluster/go/) and kwok (go install at a pinned version).
+# Binaries go to ${ASYNCRL_CACHE:-~/.cache/asyncrl}/k8s/<version>/bin, outside the clone; a binary
+# that is already there is not rebuilt, so a second run takes a second.
+#
+#   bash tests/cluster/build.sh           # build what is missing, print timings
+#   bash tests/cluster/build.sh --print   # print the bin folder and exit
+#
+# A cold build (empty Go module and build caches) downloads ~1 GB of modules and compiles for a
+# long while on a small machine; see the README section "Run on Kubernetes / operator".
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+
+# One Kubernetes release; etcd is the version that release's go.mod requires (see go/go.mod).
+K8S_VERSION=v1.34.4
+ETCD_VERSION=v3.6.4
+KWOK_VERSION=v0.7.0
+
+CACHE=${ASYNCRL_CACHE:-$HOME/.cache/asyncrl}
+BIN=$CACHE/k8s/$K8S_VERSION/bin
+if [ "${1:-}" = "--print" ]; then
+    echo "$BIN"
+    exit 0
+fi
+
+GO=${GO:-$(command -v go || echo /usr/local/go/bin/go)}
+if ! [ -x "$GO" ]; then
+    echo "build.sh: no Go toolchain (set GO=/path/to/go; Kubernetes ${K8S_VERSION%.*} needs Go >= 1.24)" >&2
+    exit 1
+fi
+# Static binaries, no C toolchain needed; nice: builds must not starve whatever else runs.
+export CGO_ENABLED=0 GOFLAGS=${GOFLAGS:--buildvcs=false}
+NICE=(nice -n "${ASYNCRL_BUILD_NICE:-10}")
+mkdir -p "$BIN"
+
+# Built outside Kubernetes' own tree, the binaries would report v0.0.0-master; stamp the release
+# like hack/lib/version.sh does so the API server's /version and kubectl agree on what runs.
+minor=${K8S_VERSION#v1.}; minor=${minor%%.*}
+version_ldflags=""
+for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    version_ldflags+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
+    version_ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
+done
+
+total_start=$SECONDS
+timing() { printf '%-26s %s\n' "$1" "$2"; }
+
+build() {  # build <binary name> <package> [extra ldflags]
+    local name=$1 pkg=$2 extra=${3:-}
+    if [ -x "$BIN/$name" ]; then
+        timing "$name" "cached"
+        return
+    fi
+    local start=$SECONDS
+    (cd "$here/go" && "${NICE[@]}" "$GO" build -trimpath -ldflags "-s -w $extra" \
+        -o "$BIN/$name.partial" "$pkg")
+    mv "$BIN/$name.partial" "$BIN/$name"
+    timing "$name" "$((SECONDS - start))s"
+}
+
+echo "==> control plane $K8S_VERSION (etcd $ETCD_VERSION, kwok $KWOK_VERSION) into $BIN"
+start=$SECONDS
+(cd "$here/go" && "$GO" mod download)
+timing "go mod download" "$((SECONDS - start))s"
+
+build etcd go.etcd.io/etcd/server/v3
+build kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver "$version_ldflags"
+build kube-controller-manager k8s.io/kubernetes/cmd/kube-controller-manager "$version_ldflags"
+build kube-scheduler k8s.io/kubernetes/cmd/kube-scheduler "$version_ldflags"
+
+# kwok's go.mod has no local replace lines, so go install works at a version directly.
+if [ -x "$BIN/kwok" ]; then
+    timing kwok "cached"
+else
+    start=$SECONDS
+    tmp=$(mktemp -d)
+    GOBIN=$tmp "${NICE[@]}" "$GO" install -trimpath -ldflags "-s -w" \
+        "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+    mv "$tmp/kwok" "$BIN/kwok"
+    rmdir "$tmp"
+    timing kwok "$((SECONDS - start))s"
+fi
+
+timing "total" "$((SECONDS - total_start))s"
+"$BIN/kube-apiserver" --version
+"$BIN/etcd" --version | head -1

@@ -1,0 +1,397 @@
+"""The operator's builders and status logic, without a cluster: pure functions in, dicts out."""
+
+from __future__ import annotations
+
+import copy
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+import yaml
+
+from asyncrl.operator import builders
+from asyncrl.operator.builders import OperatorConfig, build_children
+from asyncrl.operator.status import (
+    BufferStats,
+    Observation,
+    Workload,
+    compute_status,
+    status_changes,
+    trainer_failure,
+)
+from asyncrl.spec import load_manifest, parse_manifest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = OperatorConfig(image="example.org/asyncrl:test")
+
+
+def job_from(path: str = "examples/tiny.yaml", namespace: str = "ml", **spec_overrides):
+    data = yaml.safe_load((ROOT / path).read_text())
+    data["metadata"]["namespace"] = namespace
+    for dotted, value in spec_overrides.items():
+        node = data["spec"]
+        *parents, leaf = dotted.split("__")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return parse_manifest(data)
+
+
+def by_kind_name(children):
+    return {(c["kind"], c["metadata"]["name"]): c for c in children}
+
+
+@pytest.fixture
+def tiny():
+    return job_from()
+
+
+@pytest.fixture
+def gpu():
+    return job_from("examples/gpu-cluster.yaml", namespace="ml-research")
+
+
+def test_children_of_a_managed_redis_job(tiny):
+    children = by_kind_name(build_children(tiny, CONFIG, redis_password="pw"))
+    assert set(children) == {
+        ("ConfigMap", "tiny-config"), ("Secret", "tiny-redis"), ("Service", "tiny-redis"),
+        ("StatefulSet", "tiny-redis"), ("PersistentVolumeClaim", "tiny-run"),
+        ("Service", "tiny-buffer"), ("Deployment", "tiny-buffer"),
+        ("Service", "tiny-reward"), ("Deployment", "tiny-reward"),
+        ("Service", "tiny-trainer-headless"), ("StatefulSet", "tiny-trainer"),
+        ("Service", "tiny-rollout"), ("Deployment", "tiny-rollout"),
+    }
+    for child in children.values():
+        meta = child["metadata"]
+        assert meta["namespace"] == "ml"
+        assert meta["labels"]["app.kubernetes.io/instance"] == "tiny"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "asyncrl-operator"
+        assert meta["labels"]["asyncrl.io/job"] == "tiny"
+        assert meta["labels"]["app.kubernetes.io/name"] == "asyncrl"
+        assert "app.kubernetes.io/component" in meta["labels"]
+
+
+def test_every_child_is_a_valid_kubernetes_object(tiny, gpu):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    from kubernetes_validate.utils import latest_version
+
+    for job in (tiny, gpu):
+        for child in build_children(job, CONFIG, redis_password="pw"):
+            kubernetes_validate.validate(child, latest_version(), strict=True)
+
+
+def test_building_twice_gives_the_same_objects(tiny):
+    assert build_children(tiny, CONFIG, redis_password="pw") == \
+        build_children(tiny, CONFIG, redis_password="pw")
+
+
+def test_config_map_holds_the_resolved_job(tiny):
+    data = builders.config_map(tiny)["data"]["job.yaml"]
+    resolved = yaml.safe_load(data)
+    assert resolved["metadata"] == {"name": "tiny", "namespace": "ml"}
+    assert resolved["spec"]["algorithm"]["clipEps"] == 0.2  # a default, filled in
+    assert parse_manifest(resolved).spec == tiny.spec
+
+
+def test_pods_run_the_serve_commands_with_the_job_file(tiny):
+    children = by_kind_name(build_children(tiny, CONFIG, redis_password="pw"))
+    for kind, name, component in [("Deployment", "tiny-buffer", "buffer"),
+                                  ("Deployment", "tiny-reward", "reward"),
+                                  ("Deployment", "tiny-rollout", "rollout"),
+                                  ("StatefulSet", "tiny-trainer", "trainer")]:
+        pod = children[(kind, name)]["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["image"] == "example.org/asyncrl:test"
+        assert container["command"] == ["asyncrl"]
+        assert container["args"][:4] == ["serve", component, "--job-file", "/etc/asyncrl/job.yaml"]
+        assert {"name": "config", "configMap": {"name": "tiny-config"}} in pod["volumes"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert probe in container
+        assert container["resources"]["requests"]  # defaults when the spec gives none
+    rollout = children[("Deployment", "tiny-rollout")]["spec"]["template"]["spec"]["containers"][0]
+    args = rollout["args"]
+    assert args[args.index("--buffer-address") + 1] == "tiny-buffer:50051"
+    assert args[args.index("--reward-address") + 1] == "tiny-reward:50081"
+    assert args[args.index("--redis-url") + 1] == \
+        "redis://:$(ASYNCRL_REDIS_PASSWORD)@tiny-redis:6379/0"
+    trainer = children[("StatefulSet", "tiny-trainer")]["spec"]["template"]["spec"]
+    assert {"name": "run", "mountPath": "/run/asyncrl", "readOnly": False} in \
+        trainer["containers"][0]["volumeMounts"]
+    assert {"name": "run", "mountPath": "/run/asyncrl", "readOnly": True} in \
+        rollout["volumeMounts"]
+
+
+def test_redis_password_comes_from_the_generated_secret(tiny):
+    secret = builders.redis_secret(tiny, "s3cret")
+    assert secret["stringData"] == {"password": "s3cret"}
+    redis = builders.redis_statefulset(tiny, CONFIG)
+    container = redis["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "ASYNCRL_REDIS_PASSWORD",
+            "valueFrom": {"secretKeyRef": {"name": "tiny-redis", "key": "password"}}} in \
+        container["env"]
+    assert "--requirepass" in container["args"]
+    # persistence: none keeps the data in an emptyDir, no claim template.
+    assert "volumeClaimTemplates" not in redis["spec"]
+    assert redis["spec"]["template"]["spec"]["volumes"] == [{"name": "data", "emptyDir": {}}]
+
+
+def test_redis_aof_gets_a_volume_claim_template():
+    job = job_from(buffer__redis__persistence="aof")
+    redis = builders.redis_statefulset(job, CONFIG)
+    (template,) = redis["spec"]["volumeClaimTemplates"]
+    assert template["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert "--appendonly" in redis["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_external_redis_creates_no_redis_and_uses_the_named_secret(gpu):
+    children = by_kind_name(build_children(gpu, CONFIG, redis_password="unused"))
+    assert not [key for key in children if key[1] == "qwen-math-redis"]
+    buffer = children[("Deployment", "qwen-math-buffer")]["spec"]["template"]["spec"]
+    container = buffer["containers"][0]
+    args = container["args"]
+    assert args[args.index("--redis-url") + 1] == "rediss://redis.data.svc.cluster.local:6380/0"
+    assert {"name": "ASYNCRL_REDIS_PASSWORD",
+            "valueFrom": {"secretKeyRef": {"name": "redis-auth", "key": "password"}}} in \
+        container["env"]
+    assert [kind for kind, _ in builders.workloads(gpu)] == \
+        ["Deployment", "Deployment", "StatefulSet", "Deployment"]
+
+
+def test_gpu_rollout_requests_gpus_on_the_pool(gpu):
+    rollout = builders.rollout_deployment(gpu, CONFIG)
+    assert rollout["spec"]["replicas"] == 4
+    pod = rollout["spec"]["template"]["spec"]
+    resources = pod["containers"][0]["resources"]
+    assert resources["requests"]["nvidia.com/gpu"] == "1" == resources["limits"]["nvidia.com/gpu"]
+    assert resources["requests"]["cpu"] == "8"
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-l4",
+                                   "node-pool": "rollout"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                   "effect": "NoSchedule"}]
+    assert "podAntiAffinity" in pod["affinity"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+
+
+def test_cpu_rollout_has_no_gpus_and_no_pool(tiny):
+    pod = builders.rollout_deployment(tiny, CONFIG)["spec"]["template"]["spec"]
+    resources = pod["containers"][0]["resources"]
+    assert "nvidia.com/gpu" not in resources.get("requests", {})
+    assert "nodeSelector" not in pod and "tolerations" not in pod and "affinity" not in pod
+
+
+def test_multi_node_trainer_runs_under_torchrun(gpu):
+    trainer = builders.trainer_statefulset(gpu, CONFIG)
+    spec = trainer["spec"]
+    assert spec["replicas"] == 2 and spec["podManagementPolicy"] == "Parallel"
+    assert spec["serviceName"] == "qwen-math-trainer-headless"
+    container = spec["template"]["spec"]["containers"][0]
+    assert container["command"][0] == "torchrun"
+    assert "--nnodes=2" in container["command"] and "--nproc-per-node=8" in container["command"]
+    assert ("--rdzv-endpoint=qwen-math-trainer-0.qwen-math-trainer-headless:29400"
+            in container["command"])
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    headless = builders.trainer_headless_service(gpu)
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_single_process_trainer_runs_asyncrl_directly(tiny):
+    container = builders.trainer_statefulset(tiny, CONFIG)["spec"]["template"]["spec"][
+        "containers"][0]
+    assert container["command"] == ["asyncrl"]
+
+
+def test_every_pod_is_unprivileged_and_reward_is_locked_down(tiny):
+    for child in build_children(tiny, CONFIG, redis_password="pw"):
+        if child["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        pod = child["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert pod["automountServiceAccountToken"] is False
+        for container in pod["containers"]:
+            security = container["securityContext"]
+            assert security["allowPrivilegeEscalation"] is False
+            assert security["capabilities"] == {"drop": ["ALL"]}
+            assert security["readOnlyRootFilesystem"] is True
+    reward = builders.reward_deployment(tiny, CONFIG)["spec"]["template"]["spec"]
+    assert reward["enableServiceLinks"] is False
+    assert not [v for v in reward["volumes"] if "persistentVolumeClaim" in v]
+
+
+def test_suspend_scales_workers_to_zero_and_keeps_state(tiny):
+    suspended = job_from(suspend=True)
+    before = by_kind_name(build_children(tiny, CONFIG, redis_password="pw"))
+    after = by_kind_name(build_children(suspended, CONFIG, redis_password="pw"))
+    for key in [("Deployment", "tiny-rollout"), ("Deployment", "tiny-reward"),
+                ("StatefulSet", "tiny-trainer")]:
+        assert after[key]["spec"]["replicas"] == 0, key
+    assert after[("StatefulSet", "tiny-redis")]["spec"]["replicas"] == 1
+    assert after[("Deployment", "tiny-buffer")]["spec"]["replicas"] == 1
+    assert after[("PersistentVolumeClaim", "tiny-run")] == \
+        before[("PersistentVolumeClaim", "tiny-run")]
+    # Suspending is not a configuration change: templates (and so pods) stay the same.
+    assert after[("StatefulSet", "tiny-trainer")]["spec"]["template"] == \
+        before[("StatefulSet", "tiny-trainer")]["spec"]["template"]
+
+
+def test_scaling_changes_replicas_only(tiny):
+    scaled = job_from(rollout__replicas=3)
+    a = builders.rollout_deployment(tiny, CONFIG)
+    b = builders.rollout_deployment(scaled, CONFIG)
+    assert (a["spec"]["replicas"], b["spec"]["replicas"]) == (1, 3)
+    assert a["spec"]["template"] == b["spec"]["template"]
+
+
+def test_a_config_change_rolls_the_pods(tiny):
+    changed = job_from(algorithm__learningRate=0.5)
+    a = builders.trainer_statefulset(tiny, CONFIG)["spec"]["template"]["metadata"]
+    b = builders.trainer_statefulset(changed, CONFIG)["spec"]["template"]["metadata"]
+    assert a["annotations"][builders.CONFIG_HASH] != b["annotations"][builders.CONFIG_HASH]
+
+
+def test_kopf_adopt_gives_owner_references(tiny):
+    kopf = pytest.importorskip("kopf")
+    owner = {"apiVersion": "asyncrl.io/v1alpha1", "kind": "RLJob",
+             "metadata": {"name": "tiny", "namespace": "ml", "uid": "1234",
+                          "labels": {"team": "x"}}}
+    child = builders.rollout_deployment(tiny, CONFIG)
+    kopf.adopt(child, owner=owner)
+    (ref,) = child["metadata"]["ownerReferences"]
+    assert ref["uid"] == "1234" and ref["kind"] == "RLJob" and ref["controller"] is True
+    assert child["metadata"]["labels"]["team"] == "x"
+
+
+def test_examples_all_build(tmp_path):
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        job = load_manifest(path)
+        if job.metadata.namespace is None:
+            job = job.model_copy(update={"metadata": job.metadata.model_copy(
+                update={"namespace": "default"})})
+        assert build_children(job, CONFIG, redis_password="pw")
+
+
+# --------------------------------------------------------------------------- status
+
+NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def observation(**overrides):
+    ready = [Workload(c, 1, exists=True, replicas=1, ready=1)
+             for c in ("redis", "buffer", "reward", "trainer", "rollout")]
+    values = dict(generation=3, suspend=False, max_steps=10, workloads=tuple(ready), now=NOW)
+    values.update(overrides)
+    return Observation(**values)
+
+
+def condition(status, kind):
+    return next(c for c in status["conditions"] if c["type"] == kind)
+
+
+def test_all_ready_is_running():
+    status = compute_status(observation(), None)
+    assert status["phase"] == "Running"
+    assert status["observedGeneration"] == 3
+    assert condition(status, "Ready")["status"] == "True"
+    assert condition(status, "BufferReachable")["status"] == "False"
+    assert status["rolloutReplicas"] == 1
+
+
+def test_nothing_created_is_pending_and_some_missing_is_starting():
+    nothing = tuple(Workload(c, 1) for c in ("buffer", "rollout"))
+    assert compute_status(observation(workloads=nothing), None)["phase"] == "Pending"
+    some = (Workload("buffer", 1, exists=True, replicas=1, ready=0), Workload("rollout", 2))
+    status = compute_status(observation(workloads=some), None)
+    assert status["phase"] == "Starting"
+    assert condition(status, "Ready")["reason"] == "ChildrenNotCreated"
+
+
+def test_not_ready_names_the_workloads():
+    waiting = (Workload("rollout", 2, exists=True, replicas=2, ready=1),)
+    status = compute_status(observation(workloads=waiting), None)
+    assert status["phase"] == "Starting"
+    assert condition(status, "Ready")["message"] == "rollout 1/2 ready."
+
+
+def test_invalid_spec_is_failed_with_the_message():
+    status = compute_status(observation(invalid="spec.rollout.replicas: must be >= 1"), None)
+    assert status["phase"] == "Failed"
+    valid = condition(status, "Valid")
+    assert (valid["status"], valid["reason"]) == ("False", "InvalidSpec")
+    assert "spec.rollout.replicas" in valid["message"]
+
+
+def test_suspended_and_succeeded():
+    assert compute_status(observation(suspend=True), None)["phase"] == "Suspended"
+    stats = BufferStats(trainer_version=10, accepted_total=80, consumed_total=80,
+                        staleness_counts=(2, 1, 1))
+    status = compute_status(observation(stats=stats), None)
+    assert status["phase"] == "Succeeded"
+    assert status["policyVersion"] == 10
+    assert status["stalenessMean"] == 0.75
+
+
+def test_trainer_failure_is_failed():
+    status = compute_status(observation(trainer_failure="trainer pod x crashed"), None)
+    assert status["phase"] == "Failed"
+    assert condition(status, "Failed")["reason"] == "TrainerFailed"
+
+
+def test_transition_time_only_moves_when_a_condition_flips():
+    first = compute_status(observation(), None)
+    later = compute_status(observation(now=datetime(2026, 1, 2, tzinfo=timezone.utc)),
+                           copy.deepcopy(first))
+    assert condition(later, "Ready")["lastTransitionTime"] == "2026-01-01T00:00:00Z"
+    assert status_changes(first, later) == {}
+    flipped = compute_status(observation(suspend=True,
+                                         now=datetime(2026, 1, 3, tzinfo=timezone.utc)), first)
+    assert condition(flipped, "Suspended")["lastTransitionTime"] == "2026-01-03T00:00:00Z"
+    assert set(status_changes(first, flipped)) == {"phase", "conditions"}
+
+
+def test_trainer_failure_from_pods():
+    crashing = {"metadata": {"name": "j-trainer-0"}, "status": {"phase": "Running",
+                "containerStatuses": [{"restartCount": 6,
+                                       "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                                       "lastState": {"terminated": {"reason": "Error",
+                                                                    "exitCode": 1}}}]}}
+    assert "CrashLoopBackOff after 6 restarts (last exit: Error, code 1)" in \
+        trainer_failure([crashing], 5)
+    assert trainer_failure([crashing], 10) is None
+    assert trainer_failure([], 5) is None
+
+
+# --------------------------------------------------------------------------- buffer stats
+
+
+def test_buffer_stats_from_a_real_buffer(redis_server, tiny):
+    import grpc
+    from buffer_helpers import BufferThread
+
+    from asyncrl.buffer.store import JobConfig
+    from asyncrl.operator.handlers import buffer_stats
+    from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc
+
+    server = BufferThread(redis_server.url, [JobConfig.from_job(tiny)]).start()
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            buffer_pb2_grpc.BufferStub(channel).SetVersion(
+                buffer_pb2.SetVersionRequest(job="tiny", version=2, weights_uri="/w/2"))
+        stats, error = buffer_stats(tiny, address=server.address)
+    finally:
+        server.stop()
+    assert error is None
+    assert (stats.trainer_version, stats.accepted_total) == (2, 0)
+    status = compute_status(observation(stats=stats), None)
+    assert status["policyVersion"] == 2
+    assert next(c for c in status["conditions"] if c["type"] == "BufferReachable")["status"] \
+        == "True"
+
+
+def test_buffer_stats_says_why_when_unreachable(tiny):
+    from asyncrl.operator.handlers import buffer_stats
+    from asyncrl.redis_server import free_port
+
+    stats, error = buffer_stats(tiny, address=f"127.0.0.1:{free_port()}", timeout=0.5)
+    assert stats is None
+    assert "UNAVAILABLE" in error or "DEADLINE_EXCEEDED" in error, error

@@ -1,0 +1,466 @@
+"""The operator against a real control plane (tests/cluster): kube-apiserver with the generated
+CRD, kube-controller-manager (Deployments -> ReplicaSets -> Pods, garbage collection, volume
+binding), kube-scheduler, and kwok fake nodes (CPU nodes and a tainted GPU pool) that run pods
+without containers. The operator runs as `asyncrl operator`, a separate process, exactly as a
+user would run it against their kubeconfig.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from asyncrl.crd import build_crd
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+ASYNCRL = str(Path(sys.executable).parent / "asyncrl")
+RESYNC_SECONDS = 2
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def kube(control_plane):
+    from kubernetes import client
+
+    api = control_plane.api_client()
+    return type("Kube", (), {
+        "api": api, "core": client.CoreV1Api(api), "apps": client.AppsV1Api(api),
+        "custom": client.CustomObjectsApi(api),
+        "ext": client.ApiextensionsV1Api(api),
+    })
+
+
+@pytest.fixture(scope="module")
+def crd(kube):
+    definition = build_crd()
+    kube.ext.create_custom_resource_definition(definition)
+    wait_for(lambda: any(c.type == "Established" and c.status == "True" for c in (
+        kube.ext.read_custom_resource_definition(definition["metadata"]["name"]).status
+        .conditions or [])), 30, "the CRD to be established")
+    return definition
+
+
+class OperatorProcess:
+    def __init__(self, control_plane, log: Path):
+        self.control_plane, self.log = control_plane, log
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "KUBECONFIG": str(self.control_plane.kubeconfig)}
+        handle = open(self.log, "ab")
+        self.process = subprocess.Popen(
+            [ASYNCRL, "operator", "--interval", str(RESYNC_SECONDS),
+             "--image", "example.org/asyncrl:test", "--verbose"],
+            env=env, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        handle.close()
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+    def check(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            raise AssertionError(f"the operator exited:\n{self.tail()}")
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
+
+
+@pytest.fixture(scope="module")
+def operator(control_plane, crd, tmp_path_factory):
+    process = OperatorProcess(control_plane, tmp_path_factory.mktemp("operator") / "operator.log")
+    process.start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def namespace(kube):
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    kube.core.create_namespace({"metadata": {"name": name}})
+    # Pods are admitted once the service-account controller has made `default`.
+    wait_for(lambda: _exists(lambda: kube.core.read_namespaced_service_account("default", name)),
+             30, "the default service account")
+    yield name
+    kube.core.delete_namespace(name)  # frees the fake GPUs for the next test
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def wait_for(predicate, timeout: float, what: str, operator: OperatorProcess | None = None):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        if operator is not None:
+            operator.check()
+        last = predicate()
+        if last:
+            return last
+        time.sleep(0.25)
+    detail = f"\noperator log:\n{operator.tail()}" if operator else ""
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r}){detail}")
+
+
+def _exists(read) -> bool:
+    from kubernetes.client.rest import ApiException
+
+    try:
+        read()
+        return True
+    except ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
+
+
+def manifest(name: str, namespace: str, **spec_changes) -> dict:
+    """examples/tiny.yaml with the rollout on the GPU pool (1 GPU per replica)."""
+    data = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+    data["metadata"] = {"name": name, "namespace": namespace}
+    data["spec"]["rollout"]["placement"] = {
+        "gpus": 1, "nodeSelector": {"node-pool": "gpu"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}
+    for dotted, value in spec_changes.items():
+        node = data["spec"]
+        *parents, leaf = dotted.split("__")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return data
+
+
+def provide_run_volume(kube, namespace: str, job: str) -> None:
+    """What a storage class would do: a volume for the job's run claim (pre-bound to it)."""
+    kube.core.create_persistent_volume({
+        "metadata": {"name": f"{namespace}-{job}-run"},
+        "spec": {"capacity": {"storage": "20Gi"}, "accessModes": ["ReadWriteMany"],
+                 "persistentVolumeReclaimPolicy": "Delete", "storageClassName": "",
+                 "hostPath": {"path": f"/tmp/asyncrl-test-pv/{namespace}-{job}"},
+                 "claimRef": {"namespace": namespace, "name": f"{job}-run"}},
+    })
+
+
+def create_job(kube, data: dict) -> dict:
+    meta = data["metadata"]
+    return kube.custom.create_namespaced_custom_object(
+        "asyncrl.io", "v1alpha1", meta["namespace"], "rljobs", data)
+
+
+def read_job(kube, namespace: str, name: str) -> dict:
+    return kube.custom.get_namespaced_custom_object("asyncrl.io", "v1alpha1", namespace,
+                                                    "rljobs", name)
+
+
+def patch_spec(kube, namespace: str, name: str, spec: dict) -> None:
+    kube.custom.patch_namespaced_custom_object(
+        "asyncrl.io", "v1alpha1", namespace, "rljobs", name, {"spec": spec},
+        _content_type="application/merge-patch+json")
+
+
+def status_of(kube, namespace, name) -> dict:
+    return read_job(kube, namespace, name).get("status") or {}
+
+
+def phase_is(kube, namespace, name, phase):
+    def check():
+        status = status_of(kube, namespace, name)
+        job = read_job(kube, namespace, name)
+        current = status.get("observedGeneration") == job["metadata"]["generation"]
+        return status.get("phase") == phase and current and status
+    return check
+
+
+def children(kube, namespace: str, job: str) -> dict[str, list[str]]:
+    selector = f"asyncrl.io/job={job}"
+    return {
+        "ConfigMap": [o.metadata.name for o in kube.core.list_namespaced_config_map(
+            namespace, label_selector=selector).items],
+        "Secret": [o.metadata.name for o in kube.core.list_namespaced_secret(
+            namespace, label_selector=selector).items],
+        "Service": sorted(o.metadata.name for o in kube.core.list_namespaced_service(
+            namespace, label_selector=selector).items),
+        "PersistentVolumeClaim": [o.metadata.name for o in kube.core
+                                  .list_namespaced_persistent_volume_claim(
+                                      namespace, label_selector=selector).items],
+        "Deployment": sorted(o.metadata.name for o in kube.apps.list_namespaced_deployment(
+            namespace, label_selector=selector).items),
+        "StatefulSet": sorted(o.metadata.name for o in kube.apps.list_namespaced_stateful_set(
+            namespace, label_selector=selector).items),
+        "Pod": sorted(o.metadata.name for o in kube.core.list_namespaced_pod(
+            namespace, label_selector=selector).items),
+    }
+
+
+def pods_of(kube, namespace: str, job: str, component: str):
+    return kube.core.list_namespaced_pod(
+        namespace, label_selector=f"asyncrl.io/job={job},app.kubernetes.io/component={component}"
+    ).items
+
+
+EXPECTED = {
+    "ConfigMap": ["{j}-config"], "Secret": ["{j}-redis"],
+    "Service": sorted(["{j}-buffer", "{j}-redis", "{j}-reward", "{j}-rollout",
+                       "{j}-trainer-headless"]),
+    "PersistentVolumeClaim": ["{j}-run"],
+    "Deployment": ["{j}-buffer", "{j}-reward", "{j}-rollout"],
+    "StatefulSet": ["{j}-redis", "{j}-trainer"],
+}
+
+
+def expected(job: str) -> dict[str, list[str]]:
+    return {kind: sorted(n.format(j=job) for n in names) for kind, names in EXPECTED.items()}
+
+
+def start_running_job(kube, operator, namespace, name="tiny", **changes) -> dict:
+    provide_run_volume(kube, namespace, name)
+    create_job(kube, manifest(name, namespace, **changes))
+    return wait_for(phase_is(kube, namespace, name, "Running"), 120, f"{name} to be Running",
+                    operator)
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_crd_is_served_with_scale_and_status(kube, crd):
+    served = kube.ext.read_custom_resource_definition("rljobs.asyncrl.io")
+    version = served.spec.versions[0]
+    assert version.subresources.scale.spec_replicas_path == ".spec.rollout.replicas"
+    assert version.subresources.status is not None
+    assert [c.name for c in version.additional_printer_columns][:2] == ["Phase", "Version"]
+
+
+@pytest.mark.parametrize(("change", "field", "words"), [
+    ({"rollout__replicas": "two"}, "spec.rollout.replicas", "must be of type integer"),
+    ({"rollout__replicas": -1}, "spec.rollout.replicas", "greater than or equal to 1"),
+    ({"algorithm__maxStaleness": -1}, "spec.algorithm.maxStaleness", "greater than or equal to 0"),
+    ({"rollout__engine": "vllm"}, "spec.rollout.engine", "Unsupported value"),
+    ({"trainer__placement": {"gpus": 2}}, "spec.trainer.placement.nodeSelector",
+     "no GPU node pool is selected"),
+])
+def test_the_api_server_rejects_invalid_specs_naming_the_field(kube, crd, namespace, change,
+                                                                field, words):
+    from kubernetes.client.rest import ApiException
+
+    with pytest.raises(ApiException) as caught:
+        create_job(kube, manifest("bad", namespace, **change))
+    assert caught.value.status == 422
+    assert field in caught.value.body and words in caught.value.body, caught.value.body
+
+
+def test_unknown_fields_are_rejected_with_strict_validation(kube, crd, namespace):
+    from kubernetes.client.rest import ApiException
+
+    with pytest.raises(ApiException) as caught:
+        kube.custom.create_namespaced_custom_object(
+            "asyncrl.io", "v1alpha1", namespace, "rljobs",
+            manifest("bad", namespace, rollout__replica=2), field_validation="Strict")
+    assert caught.value.status == 400
+    message = json.loads(caught.value.body)["message"]
+    assert 'unknown field "spec.rollout.replica"' in message, message
+
+
+def test_operator_rejects_what_only_the_model_checks_and_creates_nothing(kube, operator,
+                                                                         namespace):
+    # Cross-field rule the schema cannot state: dataset kind code is scored by reward kind code.
+    create_job(kube, manifest("mixed", namespace, dataset__kind="code"))
+    status = wait_for(phase_is(kube, namespace, "mixed", "Failed"), 30, "Failed", operator)
+    valid = next(c for c in status["conditions"] if c["type"] == "Valid")
+    assert (valid["status"], valid["reason"]) == ("False", "InvalidSpec")
+    assert "spec.reward.kind" in valid["message"] and "set reward.kind: code" in valid["message"]
+    time.sleep(RESYNC_SECONDS * 2)  # a resync pass must not create anything either
+    assert all(not names for names in children(kube, namespace, "mixed").values())
+    events = kube.core.list_namespaced_event(
+        namespace, field_selector="involvedObject.name=mixed").items
+    assert any(e.type == "Warning" and e.reason == "InvalidSpec" for e in events)
+
+
+def test_apply_creates_owned_children_and_runs_gpu_pods_on_gpu_nodes(kube, operator, namespace):
+    status = start_running_job(kube, operator, namespace)
+    job = read_job(kube, namespace, "tiny")
+    found = children(kube, namespace, "tiny")
+    pods = found.pop("Pod")
+    assert found == expected("tiny")
+    assert len(pods) == 5  # redis, buffer, reward, trainer, one rollout worker
+
+    uid = job["metadata"]["uid"]
+    for kind, names in found.items():
+        for name in names:
+            obj = kube.api.sanitize_for_serialization(_read(kube, kind, namespace, name))
+            (ref,) = obj["metadata"]["ownerReferences"]
+            assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == \
+                ("RLJob", "tiny", uid, True)
+
+    rollout = kube.apps.read_namespaced_deployment("tiny-rollout", namespace)
+    container = rollout.spec.template.spec.containers[0]
+    assert container.resources.limits["nvidia.com/gpu"] == "1"
+    assert container.args[:2] == ["serve", "rollout"]
+    assert rollout.spec.template.spec.node_selector == {"node-pool": "gpu"}
+    # The scheduler put GPU pods on the GPU pool and everything else on CPU nodes.
+    for pod in pods_of(kube, namespace, "tiny", "rollout"):
+        assert pod.spec.node_name.startswith("kwok-gpu-"), pod.spec.node_name
+    for component in ("redis", "buffer", "reward", "trainer"):
+        for pod in pods_of(kube, namespace, "tiny", component):
+            assert pod.spec.node_name.startswith("kwok-cpu-"), (component, pod.spec.node_name)
+            assert pod.status.phase == "Running"
+
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "True"
+    assert status["rolloutReplicas"] == status["rolloutReadyReplicas"] == 1
+    buffer = next(c for c in status["conditions"] if c["type"] == "BufferReachable")
+    assert buffer["status"] == "False"  # the pods run no containers; the operator says so
+    events = kube.core.list_namespaced_event(
+        namespace, field_selector="involvedObject.name=tiny").items
+    assert {"Starting", "Running"} <= {e.reason for e in events}
+
+
+def _read(kube, kind, namespace, name):
+    return {
+        "ConfigMap": kube.core.read_namespaced_config_map,
+        "Secret": kube.core.read_namespaced_secret,
+        "Service": kube.core.read_namespaced_service,
+        "PersistentVolumeClaim": kube.core.read_namespaced_persistent_volume_claim,
+        "Deployment": kube.apps.read_namespaced_deployment,
+        "StatefulSet": kube.apps.read_namespaced_stateful_set,
+    }[kind](name, namespace)
+
+
+def test_scale_update_suspend_resume(kube, operator, namespace):
+    start_running_job(kube, operator, namespace)
+    secret = kube.core.read_namespaced_secret("tiny-redis", namespace).data
+
+    # kubectl scale rljob/tiny --replicas=3 (the scale subresource)
+    kube.custom.patch_namespaced_custom_object_scale(
+        "asyncrl.io", "v1alpha1", namespace, "rljobs", "tiny", {"spec": {"replicas": 3}},
+        _content_type="application/merge-patch+json")
+    status = wait_for(phase_is(kube, namespace, "tiny", "Running"), 60, "Running with 3",
+                      operator)
+    wait_for(lambda: len([p for p in pods_of(kube, namespace, "tiny", "rollout")
+                          if p.status.phase == "Running"]) == 3, 60, "3 rollout pods")
+    status = wait_for(lambda: (s := status_of(kube, namespace, "tiny")).get(
+        "rolloutReadyReplicas") == 3 and s, 30, "rolloutReadyReplicas 3", operator)
+    scale = kube.custom.get_namespaced_custom_object_scale(
+        "asyncrl.io", "v1alpha1", namespace, "rljobs", "tiny")
+    assert (scale["spec"]["replicas"], scale["status"]["replicas"]) == (3, 3)
+
+    # A configuration change rolls the trainer (it resumes from its checkpoint).
+    before = kube.apps.read_namespaced_stateful_set("tiny-trainer", namespace)
+    patch_spec(kube, namespace, "tiny", {"algorithm": {"learningRate": 0.01}})
+    wait_for(lambda: kube.apps.read_namespaced_stateful_set("tiny-trainer", namespace)
+             .spec.template.metadata.annotations["asyncrl.io/config-hash"] !=
+             before.spec.template.metadata.annotations["asyncrl.io/config-hash"],
+             30, "the trainer template to change", operator)
+    config = yaml.safe_load(kube.core.read_namespaced_config_map(
+        "tiny-config", namespace).data["job.yaml"])
+    assert config["spec"]["algorithm"]["learningRate"] == 0.01
+
+    # Suspend: workers to zero, state (Redis, its password, the run volume) kept.
+    patch_spec(kube, namespace, "tiny", {"suspend": True})
+    wait_for(phase_is(kube, namespace, "tiny", "Suspended"), 60, "Suspended", operator)
+    for component in ("rollout", "trainer", "reward"):
+        wait_for(lambda c=component: not pods_of(kube, namespace, "tiny", c), 60,
+                 f"{component} pods to go")
+    assert pods_of(kube, namespace, "tiny", "redis")
+    assert kube.core.read_namespaced_secret("tiny-redis", namespace).data == secret
+    assert children(kube, namespace, "tiny")["PersistentVolumeClaim"] == ["tiny-run"]
+
+    # Resume: the same workers come back.
+    patch_spec(kube, namespace, "tiny", {"suspend": False})
+    wait_for(phase_is(kube, namespace, "tiny", "Running"), 90, "Running again", operator)
+    assert len(pods_of(kube, namespace, "tiny", "rollout")) == 3
+    assert kube.core.read_namespaced_secret("tiny-redis", namespace).data == secret
+
+
+def test_a_deleted_child_comes_back(kube, operator, namespace):
+    start_running_job(kube, operator, namespace)
+    kube.apps.delete_namespaced_deployment("tiny-buffer", namespace)
+    wait_for(lambda: _exists(lambda: kube.apps.read_namespaced_deployment(
+        "tiny-buffer", namespace)) and
+        kube.apps.read_namespaced_deployment("tiny-buffer", namespace).metadata
+        .deletion_timestamp is None, 30, "tiny-buffer to be recreated", operator)
+    wait_for(phase_is(kube, namespace, "tiny", "Running"), 60, "Running", operator)
+
+
+def test_operator_restart_converges_without_duplicates(kube, operator, namespace):
+    start_running_job(kube, operator, namespace)
+    operator.stop(signal.SIGKILL)  # a crash, mid-flight
+    try:
+        patch_spec(kube, namespace, "tiny", {"rollout": {"replicas": 2}})
+        time.sleep(1)
+        assert kube.apps.read_namespaced_deployment("tiny-rollout", namespace).spec.replicas == 1
+    finally:
+        operator.start()
+    wait_for(lambda: kube.apps.read_namespaced_deployment("tiny-rollout", namespace)
+             .spec.replicas == 2, 60, "the missed update to be applied", operator)
+    wait_for(phase_is(kube, namespace, "tiny", "Running"), 60, "Running", operator)
+    found = children(kube, namespace, "tiny")
+    found.pop("Pod")
+    assert found == expected("tiny")
+    replica_sets = kube.apps.list_namespaced_replica_set(
+        namespace, label_selector="asyncrl.io/job=tiny,app.kubernetes.io/component=rollout").items
+    assert len(replica_sets) == 1  # no spurious rollout: the pod template did not change
+    assert len(pods_of(kube, namespace, "tiny", "rollout")) == 2
+
+
+def test_delete_garbage_collects_everything(kube, operator, namespace):
+    start_running_job(kube, operator, namespace)
+    kube.custom.delete_namespaced_custom_object("asyncrl.io", "v1alpha1", namespace, "rljobs",
+                                                "tiny")
+    wait_for(lambda: not _exists(lambda: read_job(kube, namespace, "tiny")), 30,
+             "the RLJob to go (no finalizer holds it)")
+    wait_for(lambda: all(not names for names in children(kube, namespace, "tiny").values()),
+             120, "every child to be garbage-collected")
+    assert not kube.apps.list_namespaced_replica_set(namespace).items
+
+
+def test_examples_gpu_cluster_is_accepted_by_the_api_server(kube, crd, namespace):
+    data = copy.deepcopy(yaml.safe_load((ROOT / "examples" / "gpu-cluster.yaml").read_text()))
+    data["metadata"]["namespace"] = namespace
+    kube.custom.create_namespaced_custom_object("asyncrl.io", "v1alpha1", namespace, "rljobs",
+                                                data, dry_run="All", field_validation="Strict")
+
+
+def test_a_crash_looping_trainer_fails_the_job(kube, operator, namespace):
+    start_running_job(kube, operator, namespace)
+    (pod,) = pods_of(kube, namespace, "tiny", "trainer")
+    # Take the pod's status away from kwok, then report what a kubelet reports for a trainer
+    # that keeps crashing.
+    kube.core.patch_namespaced_pod(pod.metadata.name, namespace, {"metadata": {"annotations": {
+        "kwok.x-k8s.io/status": "custom"}}})
+    container = pod.spec.containers[0]
+    kube.core.patch_namespaced_pod_status(pod.metadata.name, namespace, {"status": {
+        "containerStatuses": [{
+            "name": container.name, "image": container.image, "imageID": "", "ready": False,
+            "restartCount": 7, "started": False,
+            "state": {"waiting": {"reason": "CrashLoopBackOff",
+                                  "message": "back-off 5m0s restarting failed container"}},
+            "lastState": {"terminated": {"reason": "Error", "exitCode": 1,
+                                         "startedAt": "2026-01-01T00:00:00Z",
+                                         "finishedAt": "2026-01-01T00:00:01Z"}},
+        }]}})
+    status = wait_for(phase_is(kube, namespace, "tiny", "Failed"), 30, "Failed", operator)
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "TrainerFailed"
+    assert "CrashLoopBackOff after 7 restarts (last exit: Error, code 1)" in failed["message"]
+    events = kube.core.list_namespaced_event(
+        namespace, field_selector="involvedObject.name=tiny").items
+    assert any(e.type == "Warning" and e.reason == "TrainerFailed" for e in events)
