@@ -22,7 +22,7 @@ def buffer(redis_server):
                   lease_seconds=30, ack_timeout_seconds=1.0)
         for eta in (0, 1, 4)
     ] + [JobConfig(name="short-lease", max_staleness=1, batch_size=1, group_size=GROUP,
-                   lease_seconds=0.4), JobConfig(name="capped", max_staleness=4, batch_size=2,
+                   lease_seconds=1.0), JobConfig(name="capped", max_staleness=4, batch_size=2,
                                                  group_size=GROUP, max_concurrent=3),
          JobConfig(name="tiny-records", max_staleness=1, batch_size=1, group_size=GROUP,
                    max_group_bytes=200)]
@@ -160,8 +160,8 @@ def test_lease_expiry_frees_a_dead_workers_slot(stub):
     job = "short-lease"  # bound (1 + 0 + 1) * 1 = 2 slots
     dead, alive = acquire(stub, job, "dead"), acquire(stub, job, "alive")
     assert dead.granted and alive.granted and not acquire(stub, job).granted
-    for _ in range(4):  # the live worker heart-beats; the dead one does not
-        time.sleep(0.2)
+    for _ in range(6):  # the live worker heart-beats; the dead one does not
+        time.sleep(0.25)
         assert stub.Heartbeat(buffer_pb2.HeartbeatRequest(job=job, slot_id=alive.slot_id), timeout=10).alive
     assert acquire(stub, job).granted
     assert stats(stub, job).expired_slots_total == 1

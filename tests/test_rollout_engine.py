@@ -139,18 +139,29 @@ def test_pause_holds_new_requests_until_resume(engine):
     assert len(future.result(timeout=30).output_ids) == 3
 
 
-def test_abort_returns_tokens_so_far(engine):
-    futures = [engine.submit(p, SamplingParams(max_new_tokens=80)) for p in prompts(6)]
-    wait_for_tokens(engine, 12)
-    aborted = engine.abort()
-    assert len(aborted) == 6
-    results = [f.result(timeout=10) for f in futures]
-    assert all(r.finish_reason == "abort" for r in results)
-    assert any(r.output_ids for r in results)
-    assert all(len(r.output_ids) == len(r.output_logprobs) == len(r.output_versions) for r in results)
-    assert engine.status().running_requests == 0
-    # Still serving.
-    assert len(engine.submit(prompts(1)[0], SamplingParams(max_new_tokens=2)).result(30).output_ids) == 2
+def test_abort_returns_tokens_so_far():
+    # Two slots and long outputs: the six requests cannot all finish before the abort.
+    engine = TorchEngine(tiny(), max_running_requests=2, max_sequence_length=512, seed=0).start()
+    try:
+        futures = [engine.submit(p, SamplingParams(max_new_tokens=400)) for p in prompts(6)]
+        wait_for_tokens(engine, 12)
+        engine.pause()  # a step boundary, so the abort sees a settled batch
+        aborted = engine.abort()
+        engine.resume()
+        results = [f.result(timeout=10) for f in futures]
+        assert len(aborted) >= 4  # at most one wave of two could have finished
+        for result in results:
+            assert len(result.output_ids) == len(result.output_logprobs) == len(result.output_versions)
+            if result.request_id in aborted:
+                assert result.finish_reason == "abort" and len(result.output_ids) < 400
+            else:
+                assert result.finish_reason == "length" and len(result.output_ids) == 400
+        assert any(r.output_ids for r in results if r.request_id in aborted)
+        assert engine.status().running_requests == 0
+        # Still serving.
+        assert len(engine.submit(prompts(1)[0], SamplingParams(max_new_tokens=2)).result(30).output_ids) == 2
+    finally:
+        engine.stop()
 
 
 def test_stop_tokens_end_a_request(engine):
