@@ -89,7 +89,9 @@ def serve(settings: RolloutSettings) -> None:
     metrics = RolloutMetrics(job.metadata.name)
     control = serve_control(engine, settings.grpc_port, metrics, host=settings.host)
     app = create_app(engine, model_path=job.spec.model.source, metrics=metrics)
-    workflow = _workflow_factory(settings, job, engine, tokenizer) if settings.buffer_address else None
+    workflow = (
+        _workflow_factory(settings, job, engine, tokenizer, train) if settings.buffer_address else None
+    )
     try:
         asyncio.run(_serve_async(settings, job.metadata.name, engine, app, workflow))
     finally:
@@ -97,14 +99,13 @@ def serve(settings: RolloutSettings) -> None:
         engine.stop()
 
 
-def _workflow_factory(settings: RolloutSettings, job, engine, tokenizer):
+def _workflow_factory(settings: RolloutSettings, job, engine, tokenizer, train):
     """The workflow coroutine: training prompts, round and round, from where the job was."""
 
     async def run() -> None:
         spec = job.spec
         client = BufferClient(settings.buffer_address, job.metadata.name, settings.worker,
                               lease_seconds=spec.buffer.lease_seconds)
-        train, _ = build_prompts(spec, tokenizer)
         # Prompts already used = groups accepted so far (a restart continues the sequence).
         start = (await client.stats()).accepted_total % len(train)
         prompts = itertools.islice(itertools.cycle(train), start, None)

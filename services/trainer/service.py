@@ -115,6 +115,7 @@ class Trainer:
         self.scorer = PromptScorer(self.reward, self.tokenizer) if self.reward else ArithScorer(
             self.tokenizer, spec.reward.math.extract)
         self.metrics_file = settings.run_dir / "metrics.jsonl"
+        self._evaluator: TorchEngine | None = None
 
     async def run(self) -> None:
         settings, spec = self.settings, self.spec
@@ -178,6 +179,8 @@ class Trainer:
             raise
         finally:
             await client.close()
+            if self._evaluator is not None:
+                self._evaluator.stop()
             if self.reward:
                 await self.reward.close()
 
@@ -187,26 +190,28 @@ class Trainer:
         self.status.version = version
 
     async def evaluate(self) -> float:
-        """Greedy accuracy on held-out prompts, with the current weights in a separate copy."""
+        """Greedy accuracy on held-out prompts. The evaluation engine keeps its own copy of the
+        model and takes the current weights the way rollout workers do (a weight update)."""
         if not self.eval_items:
             return -1.0
-        evaluator, _ = load_policy(self.spec.model)
-        evaluator.load_state_dict(self.model.state_dict())
-        longest = max(len(item.prompt_ids) for item in self.eval_items)
-        engine = TorchEngine(evaluator, max_running_requests=len(self.eval_items),
-                             max_sequence_length=longest + self.spec.rollout.max_new_tokens,
-                             eos_token_ids=(self.tokenizer.eos_token_id,), seed=0).start()
-        try:
-            params = SamplingParams(max_new_tokens=self.spec.rollout.max_new_tokens, temperature=0)
-            futures = [engine.submit(item.prompt_ids, params) for item in self.eval_items]
-            results = [await asyncio.wrap_future(f) for f in futures]
-        finally:
-            engine.stop()
-        scores = [
-            (await self.scorer.score(item, [r.output_ids]))[0]
-            for item, r in zip(self.eval_items, results)
-        ]
-        return sum(scores) / len(scores)
+        if self._evaluator is None:
+            model, _ = load_policy(self.spec.model)
+            longest = max(len(item.prompt_ids) for item in self.eval_items)
+            self._evaluator = TorchEngine(
+                model, max_running_requests=len(self.eval_items),
+                max_sequence_length=longest + self.spec.rollout.max_new_tokens,
+                eos_token_ids=(self.tokenizer.eos_token_id,), seed=0,
+            ).start()
+        engine = self._evaluator
+        await asyncio.to_thread(engine.update_weights_from_state_dict, self.model.state_dict(),
+                                self.status.version)
+        params = SamplingParams(max_new_tokens=self.spec.rollout.max_new_tokens, temperature=0)
+        futures = [engine.submit(item.prompt_ids, params) for item in self.eval_items]
+        results = [await asyncio.wrap_future(f) for f in futures]
+        scores = await asyncio.gather(*(
+            self.scorer.score(item, [r.output_ids]) for item, r in zip(self.eval_items, results)
+        ))
+        return sum(score for (score,) in scores) / len(scores)
 
     def _record(self, record: dict) -> None:
         status = self.status
