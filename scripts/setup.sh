@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-shot set-up on a fresh machine; a second run only re-checks and is fast.
-#   - Debian's redis-server (the embedded default Redis and the tests' Redis)
+#   - Debian's redis-server (the embedded default Redis and the tests' Redis) and prometheus
+#     (the dashboard test scrapes a local run with it)
 #   - a virtual environment in .venv with torch, asyncrl and its dev tools
 #   - the gRPC stubs generated from protos/
 # Large downloads (torch and its CUDA wheels, ~3 GB) are cached in ~/.cache/asyncrl.
@@ -15,15 +16,18 @@ SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
 
 step() { printf '\033[1m==> %s\033[0m\n' "$*"; }
 
-if ! command -v redis-server >/dev/null; then
-    step "installing redis-server (Debian package)"
+if ! command -v redis-server >/dev/null || ! command -v prometheus >/dev/null; then
+    step "installing redis-server and prometheus (Debian packages)"
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+        redis-server prometheus >/dev/null
 fi
-# The package starts a system-wide Redis on 6379; asyncrl starts its own on free ports.
-if command -v systemctl >/dev/null && systemctl is-active --quiet redis-server 2>/dev/null; then
-    $SUDO systemctl disable --now redis-server >/dev/null 2>&1 || true
-fi
+# The packages start system-wide servers; asyncrl and its tests start their own on free ports.
+for unit in redis-server prometheus; do
+    if command -v systemctl >/dev/null && systemctl is-active --quiet "$unit" 2>/dev/null; then
+        $SUDO systemctl disable --now "$unit" >/dev/null 2>&1 || true
+    fi
+done
 
 if [ ! -x .venv/bin/python ]; then
     step "creating .venv"

