@@ -354,23 +354,74 @@ def run_operator(
     liveness: Annotated[Optional[str], typer.Option(
         envvar="ASYNCRL_OPERATOR_LIVENESS",
         help="Serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz.")] = None,
+    network_policies: Annotated[bool, typer.Option(
+        envvar="ASYNCRL_OPERATOR_NETWORK_POLICIES",
+        help="Give each job NetworkPolicies: only its own pods reach its Redis and buffer, "
+        "reward pods get no egress.")] = True,
+    gpu_tolerations: Annotated[Optional[str], typer.Option(
+        envvar="ASYNCRL_GPU_TOLERATIONS",
+        help="JSON list of tolerations for GPU pods whose spec gives none; default: "
+        "tolerate the nvidia.com/gpu taint.")] = None,
+    leader_election: Annotated[bool, typer.Option(
+        envvar="ASYNCRL_OPERATOR_LEADER_ELECTION",
+        help="Reconcile only while holding a Lease (for several operator replicas).")] = False,
+    lease_name: Annotated[str, typer.Option(envvar="ASYNCRL_OPERATOR_LEASE_NAME")] = "asyncrl-operator",
+    lease_namespace: Annotated[str, typer.Option(
+        envvar="POD_NAMESPACE", help="Namespace of the Lease (in a pod: its own).")] = "default",
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run the RLJob operator (kopf) against the current kubeconfig or in-cluster."""
+    import threading
+
     import kopf
 
     from asyncrl.operator import handlers
     from asyncrl.operator.builders import OperatorConfig
+    from asyncrl.operator.leader import Leadership, LeaseSettings
 
     defaults = OperatorConfig()
     handlers.configure_operator(OperatorConfig(
         image=image or defaults.image, redis_image=redis_image or defaults.redis_image,
         run_volume_size=run_volume_size or defaults.run_volume_size,
-        run_volume_storage_class=storage_class,
+        run_volume_storage_class=storage_class, network_policies=network_policies,
+        gpu_tolerations=(_parse_tolerations(gpu_tolerations) if gpu_tolerations is not None
+                         else defaults.gpu_tolerations),
     ), interval=interval, buffer_stats=buffer_stats)
     kopf.configure(verbose=verbose)
+    stop_flag: threading.Event | None = None
+    leadership = None
+    if leader_election:
+        handlers.api_client()  # loads the credentials the election's client uses
+        leadership = Leadership(LeaseSettings(name=lease_name, namespace=lease_namespace)).start()
+        leadership.wait_to_lead()
+        stop_flag = leadership.stop_flag
     kopf.run(standalone=True, clusterwide=not namespace, namespaces=namespace,
-             liveness_endpoint=liveness)
+             liveness_endpoint=liveness, stop_flag=stop_flag)
+    if leadership is not None and leadership.lost.is_set():
+        raise typer.Exit(code=1)  # restarted by Kubernetes, as a follower
+
+
+def _parse_tolerations(text: str) -> tuple[dict, ...]:
+    """--gpu-tolerations: a JSON list of Kubernetes tolerations, checked before anything runs."""
+    from kubernetes.client import V1Toleration
+
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"not JSON ({exc.msg} at column {exc.colno}); expected e.g. "
+                                 '[{"key": "nvidia.com/gpu", "operator": "Exists"}]',
+                                 param_hint="--gpu-tolerations") from None
+    allowed = set(V1Toleration.attribute_map.values())
+    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+        raise typer.BadParameter("expected a JSON list of toleration objects",
+                                 param_hint="--gpu-tolerations")
+    for index, item in enumerate(items):
+        unknown = set(item) - allowed
+        if unknown:
+            raise typer.BadParameter(f"item {index}: unknown field(s) {sorted(unknown)}; a "
+                                     f"toleration has {sorted(allowed)}",
+                                     param_hint="--gpu-tolerations")
+    return tuple(items)
 
 
 class OutputFormat(str, enum.Enum):

@@ -16,6 +16,9 @@ What runs where:
     <job>-trainer   StatefulSet      PPO updates, nodes x processes via torchrun (gRPC 50071)
     <job>-trainer-headless  Service  stable pod DNS for torch rendezvous (29400)
     <job>-run       PVC              checkpoints and weight snapshots: trainer writes, rollout reads
+    <job>-redis, <job>-buffer, <job>-reward   NetworkPolicy   only the job's own pods (and the
+                    operator, for buffer statistics) reach Redis and the buffer; reward pods,
+                    which run untrusted programs, make no outgoing connection at all
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from asyncrl.spec import GPU_RESOURCE, RLJob
 
 MANAGED_BY = "asyncrl-operator"
 JOB_LABEL = "asyncrl.io/job"
+#: Carried by the operator's own pods (the chart sets it): they may read every job's buffer.
+OPERATOR_LABEL = "asyncrl.io/operator"
 CONFIG_HASH = "asyncrl.io/config-hash"
 
 JOB_FILE = "/etc/asyncrl/job.yaml"
@@ -69,6 +74,11 @@ class OperatorConfig:
     redis_volume_size: str = "1Gi"
     #: Trainer restarts (CrashLoopBackOff) after which the job is Failed.
     trainer_max_restarts: int = 5
+    #: Create the job's NetworkPolicies (they take effect where the CNI enforces them).
+    network_policies: bool = True
+    #: Tolerations for GPU pods whose spec lists none: the taint of the cluster's GPU pools.
+    gpu_tolerations: tuple[dict[str, Any], ...] = (
+        {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"},)
 
 
 # --------------------------------------------------------------------------- names and labels
@@ -327,7 +337,8 @@ def trainer_statefulset(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
                                                 gpus=trainer.placement.gpus),
                            probe={"tcpSocket": {"port": "grpc"}}, mounts=[_run_mount()])
     replicas = 0 if job.spec.suspend else trainer.replicas
-    pod = _pod_spec(job, [container], placement=trainer.placement, volumes=[_run_volume(job)])
+    pod = _pod_spec(job, [container], placement=trainer.placement, volumes=[_run_volume(job)],
+                    gpu_tolerations=config.gpu_tolerations)
     if trainer.placement.gpus:
         _add_shared_memory(pod, container)
     return {
@@ -364,10 +375,62 @@ def run_volume_claim(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
             "spec": spec}
 
 
+# --------------------------------------------------------------------------- network policies
+
+
+def _network_policy(job: RLJob, component: str, *, ingress: list[dict],
+                    deny_egress: bool = False) -> dict[str, Any]:
+    spec: dict[str, Any] = {"podSelector": {"matchLabels": selector_labels(job, component)},
+                            "policyTypes": ["Ingress"], "ingress": ingress}
+    if deny_egress:
+        spec["policyTypes"].append("Egress")
+        spec["egress"] = []
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": _meta(job, component), "spec": spec}
+
+
+def _from_own_pods(job: RLJob, ports: list[int]) -> dict[str, Any]:
+    return {"from": [{"podSelector": {"matchLabels": {JOB_LABEL: job.metadata.name}}}],
+            "ports": [{"protocol": "TCP", "port": port} for port in ports]}
+
+
+def _from_anywhere(ports: list[int]) -> dict[str, Any]:
+    """Metrics: Prometheus runs wherever the platform team put it."""
+    return {"ports": [{"protocol": "TCP", "port": port} for port in ports]}
+
+
+def redis_network_policy(job: RLJob, config: OperatorConfig) -> dict[str, Any] | None:
+    if not config.network_policies or not manages_redis(job):
+        return None
+    return _network_policy(job, "redis", ingress=[_from_own_pods(job, [REDIS_PORT])])
+
+
+def buffer_network_policy(job: RLJob, config: OperatorConfig) -> dict[str, Any] | None:
+    if not config.network_policies:
+        return None
+    from_operator = {"from": [{"namespaceSelector": {},
+                               "podSelector": {"matchLabels": {OPERATOR_LABEL: "true"}}}],
+                     "ports": [{"protocol": "TCP", "port": BUFFER_PORT}]}
+    return _network_policy(job, "buffer", ingress=[
+        _from_own_pods(job, [BUFFER_PORT]), from_operator, _from_anywhere([BUFFER_METRICS])])
+
+
+def reward_network_policy(job: RLJob, config: OperatorConfig) -> dict[str, Any] | None:
+    """Reward pods run untrusted programs: no egress at all (not even DNS), and only the
+    job's own pods may ask for scores."""
+    if not config.network_policies:
+        return None
+    return _network_policy(job, "reward", deny_egress=True, ingress=[
+        _from_own_pods(job, [REWARD_PORT]), _from_anywhere([REWARD_METRICS])])
+
+
 def build_children(job: RLJob, config: OperatorConfig, *, redis_password: str) -> list[dict]:
     """Everything the job owns, in the order it is applied (dependencies first)."""
     children = [
         config_map(job),
+        redis_network_policy(job, config),
+        buffer_network_policy(job, config),
+        reward_network_policy(job, config),
         redis_secret(job, redis_password),
         redis_service(job),
         redis_statefulset(job, config),
@@ -417,7 +480,8 @@ def _service(job: RLJob, component: str, ports: list[tuple[str, int]], *,
 
 def _deployment(job: RLJob, config: OperatorConfig, component: str, replicas: int,
                 containers: list[dict], *, placement=None, volumes=()) -> dict[str, Any]:
-    pod = _pod_spec(job, containers, placement=placement, volumes=volumes)
+    pod = _pod_spec(job, containers, placement=placement, volumes=volumes,
+                    gpu_tolerations=config.gpu_tolerations)
     return {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(job, component),
         "spec": {"replicas": replicas, "selector": {"matchLabels": selector_labels(job, component)},
@@ -432,7 +496,7 @@ def _template(job: RLJob, component: str, pod: dict) -> dict[str, Any]:
 
 
 def _pod_spec(job: RLJob, containers: list[dict], *, placement=None, volumes=(),
-              uid: int = APP_UID) -> dict[str, Any]:
+              uid: int = APP_UID, gpu_tolerations=()) -> dict[str, Any]:
     pod: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "securityContext": {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid,
@@ -457,6 +521,8 @@ def _pod_spec(job: RLJob, containers: list[dict], *, placement=None, volumes=(),
             for toleration in pod["tolerations"]:
                 if toleration.get("effect") == "":
                     del toleration["effect"]
+        elif placement.gpus and gpu_tolerations:
+            pod["tolerations"] = [dict(t) for t in gpu_tolerations]
     return pod
 
 

@@ -94,6 +94,12 @@ def _apps():
     return client.AppsV1Api(api_client())
 
 
+def _networking():
+    from kubernetes import client
+
+    return client.NetworkingV1Api(api_client())
+
+
 def _custom():
     from kubernetes import client
 
@@ -107,13 +113,14 @@ _APPLY_METHODS = {
     "PersistentVolumeClaim": ("core", "patch_namespaced_persistent_volume_claim"),
     "Deployment": ("apps", "patch_namespaced_deployment"),
     "StatefulSet": ("apps", "patch_namespaced_stateful_set"),
+    "NetworkPolicy": ("networking", "patch_namespaced_network_policy"),
 }
 
 
 def apply(obj: dict[str, Any]) -> None:
     """Server-side apply: create or converge `obj`; unchanged objects stay untouched."""
     group, method = _APPLY_METHODS[obj["kind"]]
-    api = _core() if group == "core" else _apps()
+    api = {"core": _core, "apps": _apps, "networking": _networking}[group]()
     meta = obj["metadata"]
     getattr(api, method)(meta["name"], meta["namespace"], obj, field_manager=FIELD_MANAGER,
                          force=True, _content_type=APPLY)

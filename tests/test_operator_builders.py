@@ -60,6 +60,8 @@ def test_children_of_a_managed_redis_job(tiny):
         ("Service", "tiny-reward"), ("Deployment", "tiny-reward"),
         ("Service", "tiny-trainer-headless"), ("StatefulSet", "tiny-trainer"),
         ("Service", "tiny-rollout"), ("Deployment", "tiny-rollout"),
+        ("NetworkPolicy", "tiny-redis"), ("NetworkPolicy", "tiny-buffer"),
+        ("NetworkPolicy", "tiny-reward"),
     }
     for child in children.values():
         meta = child["metadata"]
@@ -78,6 +80,57 @@ def test_every_child_is_a_valid_kubernetes_object(tiny, gpu):
     for job in (tiny, gpu):
         for child in build_children(job, CONFIG, redis_password="pw"):
             kubernetes_validate.validate(child, latest_version(), strict=True)
+
+
+def test_network_policies_admit_only_the_jobs_own_pods(tiny):
+    children = by_kind_name(build_children(tiny, CONFIG, redis_password="pw"))
+    own_pods = {"podSelector": {"matchLabels": {"asyncrl.io/job": "tiny"}}}
+
+    def ports(rule):
+        return {p["port"] for p in rule.get("ports", [])}
+
+    redis = children[("NetworkPolicy", "tiny-redis")]["spec"]
+    assert redis["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "redis"
+    assert redis["ingress"] == [{"from": [own_pods], "ports": [{"protocol": "TCP", "port": 6379}]}]
+
+    buffer = children[("NetworkPolicy", "tiny-buffer")]["spec"]
+    grpc_rules = [r for r in buffer["ingress"] if builders.BUFFER_PORT in ports(r)]
+    # gRPC: the job's pods and the operator (buffer statistics); never an open rule.
+    assert all(r.get("from") for r in grpc_rules)
+    assert {"podSelector": {"matchLabels": {"asyncrl.io/operator": "true"}},
+            "namespaceSelector": {}} in [f for r in grpc_rules for f in r["from"]]
+    assert [r for r in buffer["ingress"] if "from" not in r] == [
+        {"ports": [{"protocol": "TCP", "port": builders.BUFFER_METRICS}]}]
+
+    reward = children[("NetworkPolicy", "tiny-reward")]["spec"]
+    assert reward["policyTypes"] == ["Ingress", "Egress"] and reward["egress"] == []
+    assert reward["ingress"][0] == {"from": [own_pods],
+                                    "ports": [{"protocol": "TCP", "port": builders.REWARD_PORT}]}
+
+
+def test_network_policies_follow_the_operator_setting_and_external_redis(tiny):
+    off = OperatorConfig(image="example.org/asyncrl:test", network_policies=False)
+    assert not [c for c in build_children(tiny, off, redis_password="pw")
+                if c["kind"] == "NetworkPolicy"]
+    external = job_from(buffer__redis={"url": "redis://redis.example:6379/0"})
+    names = {c["metadata"]["name"] for c in build_children(external, CONFIG, redis_password="pw")
+             if c["kind"] == "NetworkPolicy"}
+    assert names == {"tiny-buffer", "tiny-reward"}  # no Redis of ours to guard
+
+
+def test_gpu_pods_without_tolerations_get_the_operators_gpu_tolerations():
+    job = job_from("examples/gpu-cluster.yaml", rollout__placement__tolerations=[])
+    custom = ({"key": "gpu-pool", "operator": "Equal", "value": "a100", "effect": "NoSchedule"},)
+    for config, expected in ((CONFIG, list(CONFIG.gpu_tolerations)),
+                             (OperatorConfig(gpu_tolerations=custom), list(custom))):
+        rollout = builders.rollout_deployment(job, config)["spec"]["template"]["spec"]
+        assert rollout["tolerations"] == expected
+    # The spec's own tolerations win; CPU pods get none.
+    gpu_job = job_from("examples/gpu-cluster.yaml")
+    trainer = builders.trainer_statefulset(gpu_job, CONFIG)["spec"]["template"]["spec"]
+    assert trainer["tolerations"] == [t.model_dump(mode="json", by_alias=True, exclude_none=True)
+                                      for t in gpu_job.spec.trainer.placement.tolerations]
+    assert "tolerations" not in builders.buffer_deployment(gpu_job, CONFIG)["spec"]["template"]["spec"]
 
 
 def test_building_twice_gives_the_same_objects(tiny):

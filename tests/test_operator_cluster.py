@@ -40,6 +40,7 @@ def kube(control_plane):
     return type("Kube", (), {
         "api": api, "core": client.CoreV1Api(api), "apps": client.AppsV1Api(api),
         "custom": client.CustomObjectsApi(api),
+        "networking": client.NetworkingV1Api(api),
         "ext": client.ApiextensionsV1Api(api),
     })
 
@@ -206,6 +207,9 @@ def children(kube, namespace: str, job: str) -> dict[str, list[str]]:
             namespace, label_selector=selector).items),
         "StatefulSet": sorted(o.metadata.name for o in kube.apps.list_namespaced_stateful_set(
             namespace, label_selector=selector).items),
+        "NetworkPolicy": sorted(o.metadata.name for o in kube.networking
+                                .list_namespaced_network_policy(
+                                    namespace, label_selector=selector).items),
         "Pod": sorted(o.metadata.name for o in kube.core.list_namespaced_pod(
             namespace, label_selector=selector).items),
     }
@@ -224,6 +228,7 @@ EXPECTED = {
     "PersistentVolumeClaim": ["{j}-run"],
     "Deployment": ["{j}-buffer", "{j}-reward", "{j}-rollout"],
     "StatefulSet": ["{j}-redis", "{j}-trainer"],
+    "NetworkPolicy": ["{j}-buffer", "{j}-redis", "{j}-reward"],
 }
 
 
@@ -341,6 +346,7 @@ def _read(kube, kind, namespace, name):
         "PersistentVolumeClaim": kube.core.read_namespaced_persistent_volume_claim,
         "Deployment": kube.apps.read_namespaced_deployment,
         "StatefulSet": kube.apps.read_namespaced_stateful_set,
+        "NetworkPolicy": kube.networking.read_namespaced_network_policy,
     }[kind](name, namespace)
 
 
