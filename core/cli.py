@@ -358,6 +358,10 @@ def run_operator(
         envvar="ASYNCRL_OPERATOR_NETWORK_POLICIES",
         help="Give each job NetworkPolicies: only its own pods reach its Redis and buffer, "
         "reward pods get no egress.")] = True,
+    reward_seccomp_profile: Annotated[str, typer.Option(
+        envvar="ASYNCRL_REWARD_SECCOMP_PROFILE",
+        help="Seccomp profile of reward pods: RuntimeDefault, Unconfined or Localhost:<path>.")
+    ] = "RuntimeDefault",
     gpu_tolerations: Annotated[Optional[str], typer.Option(
         envvar="ASYNCRL_GPU_TOLERATIONS",
         help="JSON list of tolerations for GPU pods whose spec gives none; default: "
@@ -379,8 +383,15 @@ def run_operator(
     from asyncrl.operator.builders import OperatorConfig
     from asyncrl.operator.leader import Leadership, LeaseSettings
 
+    from asyncrl.operator.builders import seccomp_profile
+
+    try:
+        seccomp_profile(reward_seccomp_profile)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--reward-seccomp-profile") from None
     defaults = OperatorConfig()
     handlers.configure_operator(OperatorConfig(
+        reward_seccomp_profile=reward_seccomp_profile,
         image=image or defaults.image, redis_image=redis_image or defaults.redis_image,
         run_volume_size=run_volume_size or defaults.run_volume_size,
         run_volume_storage_class=storage_class, network_policies=network_policies,

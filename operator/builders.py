@@ -76,6 +76,10 @@ class OperatorConfig:
     trainer_max_restarts: int = 5
     #: Create the job's NetworkPolicies (they take effect where the CNI enforces them).
     network_policies: bool = True
+    #: Seccomp profile of reward pods: "RuntimeDefault", "Unconfined" or "Localhost:<path>".
+    #: The code sandbox creates namespaces (unshare), which some runtimes' default profiles
+    #: refuse; the reward service then reports the sandbox unavailable instead of running code.
+    reward_seccomp_profile: str = "RuntimeDefault"
     #: Tolerations for GPU pods whose spec lists none: the taint of the cluster's GPU pools.
     gpu_tolerations: tuple[dict[str, Any], ...] = (
         {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"},)
@@ -264,8 +268,20 @@ def reward_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
     replicas = 0 if job.spec.suspend else reward.replicas
     deployment = _deployment(job, config, "reward", replicas, [container],
                              placement=reward.placement)
-    deployment["spec"]["template"]["spec"]["enableServiceLinks"] = False
+    pod = deployment["spec"]["template"]["spec"]
+    pod["enableServiceLinks"] = False
+    pod["securityContext"]["seccompProfile"] = seccomp_profile(config.reward_seccomp_profile)
     return deployment
+
+
+def seccomp_profile(text: str) -> dict[str, str]:
+    kind, _, path = text.partition(":")
+    if kind in ("RuntimeDefault", "Unconfined") and not path:
+        return {"type": kind}
+    if kind == "Localhost" and path:
+        return {"type": "Localhost", "localhostProfile": path}
+    raise ValueError(f"seccomp profile {text!r}: expected RuntimeDefault, Unconfined or "
+                     "Localhost:<profile path relative to the kubelet's seccomp folder>")
 
 
 def reward_service(job: RLJob) -> dict[str, Any]:

@@ -133,6 +133,25 @@ def test_gpu_pods_without_tolerations_get_the_operators_gpu_tolerations():
     assert "tolerations" not in builders.buffer_deployment(gpu_job, CONFIG)["spec"]["template"]["spec"]
 
 
+@pytest.mark.parametrize("text, profile", [
+    ("RuntimeDefault", {"type": "RuntimeDefault"}), ("Unconfined", {"type": "Unconfined"}),
+    ("Localhost:profiles/sandbox.json",
+     {"type": "Localhost", "localhostProfile": "profiles/sandbox.json"}),
+])
+def test_reward_pods_take_the_configured_seccomp_profile(tiny, text, profile):
+    config = OperatorConfig(reward_seccomp_profile=text)
+    reward = builders.reward_deployment(tiny, config)["spec"]["template"]["spec"]
+    assert reward["securityContext"]["seccompProfile"] == profile
+    buffer = builders.buffer_deployment(tiny, config)["spec"]["template"]["spec"]
+    assert buffer["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+@pytest.mark.parametrize("text", ["", "Localhost", "Localhost:", "unconfined", "Unconfined:x"])
+def test_a_bad_seccomp_profile_names_the_accepted_forms(text):
+    with pytest.raises(ValueError, match="expected RuntimeDefault, Unconfined or Localhost"):
+        builders.seccomp_profile(text)
+
+
 def test_building_twice_gives_the_same_objects(tiny):
     assert build_children(tiny, CONFIG, redis_password="pw") == \
         build_children(tiny, CONFIG, redis_password="pw")
