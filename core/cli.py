@@ -341,6 +341,9 @@ def run_operator(
     redis_image: Annotated[str, typer.Option(envvar="ASYNCRL_REDIS_IMAGE")] = "",
     run_volume_size: Annotated[str, typer.Option(
         envvar="ASYNCRL_RUN_VOLUME_SIZE", help="Size of each job's run volume (PVC).")] = "",
+    redis_volume_size: Annotated[str, typer.Option(
+        envvar="ASYNCRL_REDIS_VOLUME_SIZE",
+        help="Size of a managed Redis' append-only-file volume (PVC).")] = "",
     storage_class: Annotated[Optional[str], typer.Option(
         envvar="ASYNCRL_STORAGE_CLASS", help="StorageClass of run volumes (ReadWriteMany); "
         "default: the cluster's default.")] = None,
@@ -394,6 +397,7 @@ def run_operator(
         reward_seccomp_profile=reward_seccomp_profile,
         image=image or defaults.image, redis_image=redis_image or defaults.redis_image,
         run_volume_size=run_volume_size or defaults.run_volume_size,
+        redis_volume_size=redis_volume_size or defaults.redis_volume_size,
         run_volume_storage_class=storage_class, network_policies=network_policies,
         gpu_tolerations=(_parse_tolerations(gpu_tolerations) if gpu_tolerations is not None
                          else defaults.gpu_tolerations),
