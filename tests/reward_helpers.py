@@ -34,7 +34,7 @@ class RewardThread(LoopThread):
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.job = job
-        self.metrics = RewardMetrics()
+        self.metrics = RewardMetrics(job)
         self.scorer = RewardScorer.from_spec(reward_spec, workers=workers, metrics=self.metrics,
                                              **sandbox_options)
         self._kind = reward_spec.kind

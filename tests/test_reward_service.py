@@ -9,6 +9,7 @@ import urllib.request
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from asyncrl.redis_server import free_port
 from asyncrl.reward.client import RewardClient
@@ -130,14 +131,17 @@ def test_metrics_count_scores_failures_and_sandbox_runs(service, stub):
     stub.ScoreBatch(batch(ScoreTask("slow", "```python\nimport time\ntime.sleep(9)\n```", ADD),
                           ScoreTask("m", r"\boxed{7}", MathReference("8"))), timeout=60)
     registry = service.metrics.registry
-    value = registry.get_sample_value
-    assert value("asyncrl_reward_scores_total", {"kind": "code"}) >= 1
-    assert value("asyncrl_reward_scores_total", {"kind": "math"}) >= 1
+
+    def value(name, labels=None):  # every series carries the job's name as `rljob`
+        return registry.get_sample_value(name, {"rljob": JOB, **(labels or {})})
+
+    assert value("asyncrl_reward_scored_responses_total", {"kind": "code"}) >= 1
+    assert value("asyncrl_reward_scored_responses_total", {"kind": "math"}) >= 1
     assert value("asyncrl_reward_failures_total", {"reason": "timeout"}) >= 1
     assert value("asyncrl_reward_failures_total", {"reason": "wrong_answer"}) >= 1
     assert value("asyncrl_reward_sandbox_timeouts_total") >= 1
     assert value("asyncrl_reward_sandbox_seconds_count") >= 1
-    assert value("asyncrl_reward_score_count", {"kind": "math"}) >= 1
+    assert value("asyncrl_reward_score_ratio_count", {"kind": "math"}) >= 1
     assert value("asyncrl_reward_sandbox_available") == 1
 
 
@@ -155,7 +159,8 @@ def test_a_refusing_sandbox_fails_code_batches_and_health():
             math = stub.ScoreBatch(batch(ScoreTask("m", r"\boxed{1}", MathReference("1"))),
                                    timeout=30)
             assert math.results[0].score == 1.0  # math does not need the sandbox
-        assert service.metrics.registry.get_sample_value("asyncrl_reward_sandbox_available") == 0
+        assert service.metrics.registry.get_sample_value(
+            "asyncrl_reward_sandbox_available", {"rljob": JOB}) == 0
     finally:
         service.close()
 
@@ -182,7 +187,9 @@ def test_serve_reward_command(tmp_path):
                                                    tasks=[ScoreTask("c", CORRECT, ADD).to_pb()])
             assert stub.ScoreBatch(request, timeout=30).results[0].score == 1.0
         body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
-        assert b'asyncrl_reward_scores_total{kind="code"} 1.0' in body
+        scored = [s for family in text_string_to_metric_families(body.decode()) for s in family.samples
+                  if s.name == "asyncrl_reward_scored_responses_total" and s.labels["kind"] == "code"]
+        assert [(s.labels["rljob"], s.value) for s in scored] == [("cli-reward", 1.0)]
         process.terminate()
         assert process.wait(timeout=30) == 0
     finally:

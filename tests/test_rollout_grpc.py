@@ -15,7 +15,7 @@ from asyncrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 @pytest.fixture(scope="module")
 def control():
     engine = tiny_engine()
-    metrics = RolloutMetrics()
+    metrics = RolloutMetrics("test-job")
     port = free_port()
     server = serve_control(engine, port, metrics)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -62,7 +62,7 @@ def test_pause_holds_requests_until_resume(stub, engine):
 
 def test_update_weights_loads_a_snapshot(control, tmp_path):
     stub, engine, metrics = control
-    successes = {"result": "success"}
+    successes = {"rljob": "test-job", "result": "success"}
     before = metrics.registry.get_sample_value("asyncrl_rollout_weight_updates_total", successes)
     version = engine.version + 1
     snapshot = write_snapshot(tmp_path / "model.safetensors", seed=1)

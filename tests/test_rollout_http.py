@@ -325,7 +325,7 @@ def test_health_and_model_info(client, engine):
 def test_health_is_503_when_the_engine_thread_is_not_running():
     engine = tiny_engine()
     engine.stop()
-    app = create_app(engine, model_path="tiny-random", metrics=RolloutMetrics())
+    app = create_app(engine, model_path="tiny-random", metrics=RolloutMetrics("test-job"))
 
     async def probe():
         transport = httpx.ASGITransport(app=app)

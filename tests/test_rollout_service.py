@@ -10,6 +10,7 @@ import grpc
 import httpx
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_model
 
 from asyncrl.models import load_model
@@ -73,7 +74,13 @@ def test_rollout_service_generates_and_follows_announced_versions(rollout_proces
         assert stub.Pause(rollout_pb2.PauseRequest(), timeout=10).paused
         assert not stub.Resume(rollout_pb2.ResumeRequest(), timeout=10).paused
     metrics = httpx.get(f"{base}/metrics").text
-    assert "asyncrl_rollout_policy_version" in metrics
+    values = {(s.name, s.labels.get("result")): s for family in text_string_to_metric_families(metrics)
+              for s in family.samples}
+    assert values[("asyncrl_rollout_policy_version", None)].value == 1
+    assert values[("asyncrl_rollout_policy_version", None)].labels["rljob"] == "tiny"
+    # An update applied by the weights watcher is counted and timed like one asked for.
+    assert values[("asyncrl_rollout_weight_updates_total", "success")].value == 1
+    assert values[("asyncrl_rollout_weight_update_seconds_count", None)].value == 1
 
 
 def test_bad_settings_exit_with_a_clear_message(tmp_path):

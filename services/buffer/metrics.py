@@ -2,6 +2,9 @@
 
 The job's totals live in Redis (shared by every buffer replica), so they are exported from the
 latest `Stats` read rather than counted in-process: every replica reports the same, true figures.
+Every series carries the job's name as its `rljob` label (a buffer may serve several jobs; not
+`job`, which Prometheus sets itself). Names carry their unit (`_groups`, `_slots`, `_versions`,
+`_total` for counters); the Grafana dashboard queries exactly these names.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class BufferMetrics:
             for name, key, help_text in _TOTALS
         }
         staleness = HistogramMetricFamily(
-            "asyncrl_buffer_consumed_staleness", "Staleness (trainer version - oldest token "
+            "asyncrl_buffer_consumed_staleness_versions", "Staleness (trainer version - oldest token "
             "version) of consumed groups.", labels=["rljob"],
         )
         for job, stats in self._stats.items():

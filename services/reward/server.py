@@ -99,7 +99,7 @@ class RunningReward:
 
 async def start_server(settings: RewardSettings) -> RunningReward:
     job = load_manifest(settings.job_file)
-    metrics = RewardMetrics()
+    metrics = RewardMetrics(job.metadata.name)
     scorer = RewardScorer.from_spec(job.spec.reward, workers=settings.workers, metrics=metrics,
                                     uid_base=settings.sandbox_uid_base)
     # The job's own kind is ready before the first request (and health tells the truth).

@@ -93,7 +93,7 @@ def serve(settings: RolloutSettings) -> None:
         _workflow_factory(settings, job, engine, tokenizer, train) if settings.buffer_address else None
     )
     try:
-        asyncio.run(_serve_async(settings, job.metadata.name, engine, app, workflow))
+        asyncio.run(_serve_async(settings, job.metadata.name, engine, app, workflow, metrics))
     finally:
         control.stop(grace=2)
         engine.stop()
@@ -133,7 +133,8 @@ def _workflow_factory(settings: RolloutSettings, job, engine, tokenizer, train):
     return run
 
 
-async def _serve_async(settings: RolloutSettings, job: str, engine, app, workflow=None) -> None:
+async def _serve_async(settings: RolloutSettings, job: str, engine, app, workflow=None,
+                       metrics: RolloutMetrics | None = None) -> None:
     server = uvicorn.Server(
         uvicorn.Config(app, host=settings.host, port=settings.http_port, log_level="warning")
     )
@@ -142,7 +143,7 @@ async def _serve_async(settings: RolloutSettings, job: str, engine, app, workflo
     if settings.redis_url:
         client = redis.from_url(settings.redis_url)
         watcher = WeightWatcher(
-            client, job, engine_applier(engine, settings.weights_cache),
+            client, job, engine_applier(engine, settings.weights_cache, metrics),
             current_version=engine.version, poll_seconds=settings.poll_seconds,
         )
         watcher_task = asyncio.create_task(watcher.run())

@@ -92,11 +92,19 @@ async def fetch_snapshot(uri: str, cache_dir: Path) -> Path:
     return target
 
 
-def engine_applier(engine, cache_dir: Path) -> ApplyWeights:
-    """Applies announced versions to an in-process TorchEngine (off the event loop)."""
+def engine_applier(engine, cache_dir: Path, metrics=None) -> ApplyWeights:
+    """Applies announced versions to an in-process TorchEngine (off the event loop), counting
+    each update and its latency in `metrics` (a RolloutMetrics) when given."""
 
     async def apply(announced: WeightVersion) -> None:
-        path = await fetch_snapshot(announced.uri, cache_dir)
-        await asyncio.to_thread(engine.update_weights, path, announced.version)
+        try:
+            path = await fetch_snapshot(announced.uri, cache_dir)
+            update = await asyncio.to_thread(engine.update_weights, path, announced.version)
+        except Exception:
+            if metrics is not None:
+                metrics.observe_weight_update_failure()
+            raise
+        if metrics is not None:
+            metrics.observe_weight_update(update)
 
     return apply

@@ -130,11 +130,13 @@ class Trainer:
             version = announced + 1
             await self._publish(client, version)
         self.status.version, self.status.step = version, step
+        self.metrics.observe_version(version)
         log.info("trainer starts at step %d, version %d", step, version)
         if restored is None and self.eval_items:
             # The starting point every later evaluation is compared with.
             self.status.phase = "evaluating"
             self.status.eval_accuracy = await self.evaluate()
+            self.metrics.observe_eval(self.status.eval_accuracy)
             self._write({"kind": "eval", "step": 0, "version": version, "time": time.time(),
                          "elapsed": 0.0, "eval_accuracy": self.status.eval_accuracy})
         started = time.perf_counter()  # wall time of training, after the baseline evaluation
@@ -163,7 +165,8 @@ class Trainer:
                     "elapsed": time.perf_counter() - started,
                     "reward_mean": float(rewards.mean()), "staleness": stale,
                     "staleness_mean": sum(stale) / len(stale), "dropped_stale": batch.dropped_stale,
-                    "redelivered": batch.redelivered, "wait_seconds": wait_seconds, **stats,
+                    "redelivered": batch.redelivered, "wait_seconds": wait_seconds,
+                    "trained_samples": len(samples), **stats,
                 }
                 if step % spec.trainer.eval_every == 0 or step == spec.algorithm.max_steps:
                     self.status.phase = "evaluating"
