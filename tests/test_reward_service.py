@@ -187,8 +187,9 @@ def test_serve_reward_command(tmp_path):
                                                    tasks=[ScoreTask("c", CORRECT, ADD).to_pb()])
             assert stub.ScoreBatch(request, timeout=30).results[0].score == 1.0
         body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
-        scored = [s for family in text_string_to_metric_families(body.decode()) for s in family.samples
-                  if s.name == "asyncrl_reward_scored_responses_total" and s.labels["kind"] == "code"]
+        scored = [s for family in text_string_to_metric_families(body.decode())
+                  for s in family.samples if s.name == "asyncrl_reward_scored_responses_total"
+                  and s.labels["kind"] == "code"]
         assert [(s.labels["rljob"], s.value) for s in scored] == [("cli-reward", 1.0)]
         process.terminate()
         assert process.wait(timeout=30) == 0

@@ -74,8 +74,8 @@ def test_rollout_service_generates_and_follows_announced_versions(rollout_proces
         assert stub.Pause(rollout_pb2.PauseRequest(), timeout=10).paused
         assert not stub.Resume(rollout_pb2.ResumeRequest(), timeout=10).paused
     metrics = httpx.get(f"{base}/metrics").text
-    values = {(s.name, s.labels.get("result")): s for family in text_string_to_metric_families(metrics)
-              for s in family.samples}
+    values = {(s.name, s.labels.get("result")): s
+              for family in text_string_to_metric_families(metrics) for s in family.samples}
     assert values[("asyncrl_rollout_policy_version", None)].value == 1
     assert values[("asyncrl_rollout_policy_version", None)].labels["rljob"] == "tiny"
     # An update applied by the weights watcher is counted and timed like one asked for.

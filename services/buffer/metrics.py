@@ -50,8 +50,9 @@ class BufferMetrics:
             for name, key, help_text in _TOTALS
         }
         staleness = HistogramMetricFamily(
-            "asyncrl_buffer_consumed_staleness_versions", "Staleness (trainer version - oldest token "
-            "version) of consumed groups.", labels=["rljob"],
+            "asyncrl_buffer_consumed_staleness_versions",
+            "Staleness (trainer version - oldest token version) of consumed groups.",
+            labels=["rljob"],
         )
         for job, stats in self._stats.items():
             depth.add_metric([job], stats.depth_groups)

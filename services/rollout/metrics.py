@@ -57,7 +57,8 @@ class RolloutMetrics:
             const_names, registry=registry,
         )
         self.weight_updates = Counter(
-            "asyncrl_rollout_weight_updates_total", "Weight updates, by result (success or failure).",
+            "asyncrl_rollout_weight_updates_total",
+            "Weight updates, by result (success or failure).",
             (*const_names, "result"), registry=registry,
         )
         self.policy_version = Gauge(
