@@ -84,6 +84,10 @@ def run(
     steps: Annotated[Optional[int], typer.Option(min=1, help="Override algorithm.maxSteps.")] = None,
     trainer_threads: Annotated[Optional[int], typer.Option(min=1)] = None,
     rollout_threads: Annotated[Optional[int], typer.Option(min=1)] = None,
+    metrics: Annotated[bool, typer.Option(
+        "--metrics", help="Every service serves Prometheus /metrics on a loopback port; "
+        "RUN_DIR/prometheus/ gets targets.json (file_sd) and a prometheus.yml that scrapes "
+        "them.")] = False,
 ) -> None:
     """Run a whole job on this machine: Redis, buffer, trainer and rollout as processes."""
     import time
@@ -99,13 +103,17 @@ def run(
     job = _load_or_exit(file)
     options = RunOptions(run_dir=run_dir or Path("runs") / job.metadata.name, sync=sync,
                          max_steps=steps, trainer_threads=trainer_threads,
-                         rollout_threads=rollout_threads)
+                         rollout_threads=rollout_threads, metrics=metrics)
     local = LocalJob(job, yaml.safe_load(file.read_text()), options)
     max_steps = local.manifest["spec"]["algorithm"].get("maxSteps", job.spec.algorithm.max_steps)
     console = Console()
     console.print(f"[bold]{job.metadata.name}[/]: {'sync' if sync else 'async'} run in "
                   f"{options.run_dir} (trainer {local.trainer_threads} / rollout "
                   f"{local.rollout_threads} threads); logs in {options.run_dir / 'logs'}")
+    if metrics:
+        console.print(f"metrics: Prometheus targets in {local.prometheus_dir / 'targets.json'}; "
+                      f"scrape them with: prometheus --config.file="
+                      f"{local.prometheus_dir / 'prometheus.yml'}", soft_wrap=True)
     progress = RunProgress(job.metadata.name, max_steps, job.spec.algorithm.group_size)
     _stop_on_sigterm()
     code = 0

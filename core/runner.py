@@ -99,6 +99,7 @@ class RunOptions:
     max_steps: int | None = None
     trainer_threads: int | None = None
     rollout_threads: int | None = None
+    metrics: bool = False  # each service serves /metrics; Prometheus files in <run_dir>/prometheus
 
 
 def resolve_manifest(manifest: dict, options: RunOptions) -> dict:
@@ -135,6 +136,10 @@ class LocalJob:
         self.redis: RedisServer | None = None
         self.ports = {name: free_port()
                       for name in ("buffer", "reward", "trainer", "rollout_http", "rollout_grpc")}
+        # /metrics of each service (the rollout worker serves it on its HTTP port); 0 = off.
+        self.metrics_ports = {name: free_port() if options.metrics else 0
+                              for name in ("buffer", "reward", "trainer")}
+        self.prometheus_dir = self.run_dir / "prometheus"
         self.trainer_threads, self.rollout_threads = thread_split(options)
 
     # ------------------------------------------------------------------ lifecycle
@@ -142,6 +147,8 @@ class LocalJob:
     def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(yaml.safe_dump(self.manifest, sort_keys=False))
+        if self.options.metrics:
+            self.write_prometheus_config()
         redis_url = self.job.spec.buffer.redis.url
         if redis_url is None:
             self.redis = RedisServer(self.run_dir / "redis", append_only=True).start()
@@ -151,15 +158,18 @@ class LocalJob:
         common = ["--job-file", str(self.config_path)]
         buffer_address = f"127.0.0.1:{self.ports['buffer']}"
         self._launch("buffer", [exe, "serve", "buffer", *common, "--redis-url", redis_url,
-                                "--grpc-port", str(self.ports["buffer"]), "--metrics-port", "0"], env)
+                                "--grpc-port", str(self.ports["buffer"]),
+                                "--metrics-port", str(self.metrics_ports["buffer"])], env)
         self._wait(lambda: self._buffer_healthy(buffer_address), "buffer")
         reward_address = f"127.0.0.1:{self.ports['reward']}"
         self._launch("reward", [exe, "serve", "reward", *common, "--grpc-port",
-                                str(self.ports["reward"]), "--metrics-port", "0", "--workers", "1"], env)
+                                str(self.ports["reward"]), "--metrics-port",
+                                str(self.metrics_ports["reward"]), "--workers", "1"], env)
         self._wait(lambda: self._healthy(reward_address, reward_pb2_grpc.RewardStub), "reward")
         self._launch("trainer", [exe, "serve", "trainer", *common, "--buffer-address", buffer_address,
                                  "--reward-address", reward_address,
                                  "--run-dir", str(self.run_dir), "--grpc-port", str(self.ports["trainer"]),
+                                 "--metrics-port", str(self.metrics_ports["trainer"]),
                                  "--threads", str(self.trainer_threads)], env)
         self._launch("rollout", [exe, "serve", "rollout", *common, "--buffer-address", buffer_address,
                                  "--reward-address", reward_address,
@@ -167,6 +177,34 @@ class LocalJob:
                                  "--grpc-port", str(self.ports["rollout_grpc"]),
                                  "--threads", str(self.rollout_threads)], env)
         self._wait(lambda: self.trainer_status() is not None, "trainer", timeout=600)
+
+    def write_prometheus_config(self) -> Path:
+        """<run_dir>/prometheus/targets.json (Prometheus file_sd: one entry per service, labelled
+        `service` and `rljob`) and prometheus.yml, which scrapes them: run
+        `prometheus --config.file=<run_dir>/prometheus/prometheus.yml`. Returns the latter."""
+        job = self.job.metadata.name
+        targets = {**self.metrics_ports, "rollout": self.ports["rollout_http"]}
+        groups = [{"targets": [f"127.0.0.1:{port}"], "labels": {"service": name, "rljob": job}}
+                  for name, port in targets.items()]
+        config = {
+            "global": {"scrape_interval": "5s", "evaluation_interval": "5s"},
+            "scrape_configs": [{
+                "job_name": "asyncrl",
+                # The services' own `rljob` label wins over the target's (the same value), rather
+                # than being renamed to exported_rljob.
+                "honor_labels": True,
+                # Relative to this file's folder: the run folder may be moved.
+                "file_sd_configs": [{"files": ["targets.json"], "refresh_interval": "5s"}],
+            }],
+        }
+        self.prometheus_dir.mkdir(parents=True, exist_ok=True)
+        # Written whole and renamed: Prometheus watches the file and must never read half of it.
+        for name, text in (("targets.json", json.dumps(groups, indent=2) + "\n"),
+                           ("prometheus.yml", yaml.safe_dump(config, sort_keys=False))):
+            partial = self.prometheus_dir / f".{name}.partial"
+            partial.write_text(text)
+            partial.replace(self.prometheus_dir / name)
+        return self.prometheus_dir / "prometheus.yml"
 
     def _launch(self, name: str, args: list[str], env: dict[str, str]) -> None:
         self.services.append(ServiceProcess(name, args, self.run_dir / "logs" / f"{name}.log", env).start())
