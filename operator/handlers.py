@@ -199,8 +199,10 @@ def observe(job: RLJob, body: Any) -> Observation:
     for kind, component in builders.workloads(job):
         name = builders.child_name(job, component)
         desired = builders.desired_replicas(job, component)
-        read = (_apps().read_namespaced_deployment_status if kind == "Deployment"
-                else _apps().read_namespaced_stateful_set_status)
+        # The object itself (not its /status subresource): the chart's RBAC grants `get` on
+        # the workloads and nothing on their subresources.
+        read = (_apps().read_namespaced_deployment if kind == "Deployment"
+                else _apps().read_namespaced_stateful_set)
         try:
             status = read(name, namespace).status
         except ApiException as exc:
