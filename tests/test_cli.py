@@ -68,3 +68,17 @@ def test_crd_yaml_and_json():
     as_json = asyncrl("crd", "--output", "json")
     assert as_json.returncode == 0, as_json.stderr
     assert json.loads(as_json.stdout) == crd
+
+
+def test_operator_refuses_bad_settings_before_touching_a_cluster():
+    cases = [
+        (["--gpu-tolerations", "[{"], "not JSON"),
+        (["--gpu-tolerations", '[{"key": "a", "colour": "red"}]'], "unknown field(s) ['colour']"),
+        (["--gpu-tolerations", '{"key": "a"}'], "expected a JSON list"),
+        (["--reward-seccomp-profile", "Loose"], "expected RuntimeDefault, Unconfined or Localhost"),
+    ]
+    for args, message in cases:
+        result = asyncrl("operator", *args)
+        assert result.returncode == 2, (args, result.stdout, result.stderr)
+        text = " ".join(result.stderr.split()).replace("│", "")
+        assert message in " ".join(text.split()), (args, result.stderr)
