@@ -1,0 +1,149 @@
+"""Every expression of the Grafana dashboard returns data from a real Prometheus scraping a real
+`asyncrl run --metrics` of the tiny job, through the files the run writes for Prometheus."""
+
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from asyncrl.redis_server import free_port
+from dashboard_helpers import ROOT, expressions, load_dashboard, substitute
+
+ASYNCRL = str(Path(sys.executable).parent / "asyncrl")
+TINY = ROOT / "examples/tiny.yaml"
+JOB = "tiny"
+# Enough for every panel: a few steps (step time, throughput, staleness), weight updates
+# applied by the rollout worker (latency), and the trainer's first evaluation (accuracy).
+READY = {
+    'asyncrl_trainer_steps_total{rljob="tiny"} >= 3': "three trainer steps",
+    'asyncrl_rollout_weight_updates_total{rljob="tiny",result="success"} >= 2':
+        "two weight updates applied by the rollout worker",
+    'asyncrl_trainer_eval_accuracy_ratio{rljob="tiny"}': "an evaluation",
+}
+
+
+def prometheus_binary() -> str:
+    binary = shutil.which("prometheus") or "/usr/bin/prometheus"
+    if not os.access(binary, os.X_OK):
+        pytest.fail("prometheus is not installed (Debian package prometheus); install it with: "
+                    "bash scripts/setup.sh", pytrace=False)
+    return binary
+
+
+def stop(process: subprocess.Popen | None, sig: int, timeout: float) -> None:
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(sig)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=30)
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    if not path.exists():
+        return "(no output)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class Prometheus:
+    def __init__(self, base: str):
+        self.http = httpx.Client(base_url=base, timeout=10)
+
+    def query(self, expr: str) -> list[dict]:
+        reply = self.http.get("/api/v1/query", params={"query": expr}).json()
+        if reply["status"] != "success":
+            raise AssertionError(f"Prometheus rejected {expr!r}: {reply.get('error')}")
+        return reply["data"]["result"]
+
+    def failure(self, expr: str) -> str | None:
+        """Why `expr` has no data yet, or None."""
+        result = self.query(expr)
+        if not result:
+            return "empty result"
+        if all(math.isnan(float(series["value"][1])) for series in result):
+            return f"only NaN ({len(result)} series)"
+        return None
+
+
+@pytest.mark.slow
+def test_every_dashboard_expression_returns_data_from_a_real_run(tmp_path):
+    binary = prometheus_binary()
+    queries = [(where, substitute(expr, JOB)) for where, expr in expressions(load_dashboard())]
+    run_dir = tmp_path / "run"
+    run_log, prometheus_log = tmp_path / "run.log", tmp_path / "prometheus.log"
+    env = {**os.environ, "ASYNCRL_EVAL_PROMPTS": "4"}
+    run = prometheus = None
+    try:
+        with run_log.open("w") as out:
+            # More steps than the test waits for: it stops the run once every panel has data.
+            run = subprocess.Popen([ASYNCRL, "run", str(TINY), "--metrics", "--run-dir",
+                                    str(run_dir), "--steps", "500"],
+                                   stdout=out, stderr=subprocess.STDOUT, env=env)
+        config_path = run_dir / "prometheus/prometheus.yml"
+        deadline = time.monotonic() + 120
+        while not config_path.is_file():
+            assert run.poll() is None, tail(run_log)
+            assert time.monotonic() < deadline, "asyncrl run --metrics wrote no prometheus.yml"
+            time.sleep(0.2)
+        assert "prometheus --config.file=" in run_log.read_text()
+
+        # The run's own configuration, scraping every second, its targets file by full path.
+        config = yaml.safe_load(config_path.read_text())
+        config["global"].update(scrape_interval="1s", evaluation_interval="1s")
+        [scrape] = config["scrape_configs"]
+        for sd in scrape["file_sd_configs"]:
+            sd["files"] = [str(config_path.parent / name) for name in sd["files"]]
+            sd["refresh_interval"] = "1s"
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+        port = free_port()
+        with prometheus_log.open("w") as out:
+            prometheus = subprocess.Popen(
+                [binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+                 f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                 f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                stdout=out, stderr=subprocess.STDOUT)
+        server = Prometheus(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + 60
+        while True:
+            assert prometheus.poll() is None, tail(prometheus_log)
+            try:
+                if server.http.get("/-/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "Prometheus not ready:\n" + tail(prometheus_log)
+            time.sleep(0.2)
+
+        # Poll until the run did enough for every panel and every expression has data.
+        deadline = time.monotonic() + 300
+        while True:
+            assert run.poll() is None, "asyncrl run stopped:\n" + tail(run_log)
+            assert prometheus.poll() is None, "Prometheus stopped:\n" + tail(prometheus_log)
+            waiting = [what for expr, what in READY.items() if server.failure(expr)]
+            failing = [] if waiting else [
+                (where, expr, why) for where, expr in queries if (why := server.failure(expr))]
+            if not waiting and not failing:
+                break
+            if time.monotonic() > deadline:
+                targets = server.http.get("/api/v1/targets").json()["data"]["activeTargets"]
+                health = {t["labels"].get("service"): t["health"] for t in targets}
+                assert not waiting, (f"the run never got to {waiting}; targets {health}\n"
+                                     + tail(run_log))
+                pytest.fail(f"{len(failing)} of {len(queries)} dashboard expressions have no "
+                            f"data (targets {health}):\n" + "\n".join(
+                                f"  {where}: {why}: {expr}" for where, expr, why in failing),
+                            pytrace=False)
+            time.sleep(2)
+    finally:
+        stop(run, signal.SIGINT, timeout=120)  # the runner stops every service it started
+        stop(prometheus, signal.SIGTERM, timeout=30)
