@@ -152,9 +152,26 @@ def _redis_password(job: RLJob) -> str:
     return base64.b64decode((secret.data or {})["password"]).decode()
 
 
+_job_locks: dict[tuple[str, str], threading.Lock] = {}
+
+
+def _job_lock(body: Any) -> threading.Lock:
+    key = (body["metadata"].get("namespace"), body["metadata"]["name"])
+    with _client_lock:
+        return _job_locks.setdefault(key, threading.Lock())
+
+
 def reconcile(body: Any, *, logger: logging.Logger | logging.LoggerAdapter = log) -> dict:
     """Validate, apply every child, write status. Raises kopf.PermanentError for an invalid
-    spec (nothing is created) and kopf.TemporaryError when the API refuses a child."""
+    spec (nothing is created) and kopf.TemporaryError when the API refuses a child.
+
+    kopf's handlers and the resync loop may reconcile the same job at once; one at a time per
+    job, so a phase transition is seen (and announced as an Event) once."""
+    with _job_lock(body):
+        return _reconcile(body, logger=logger)
+
+
+def _reconcile(body: Any, *, logger: logging.Logger | logging.LoggerAdapter) -> dict:
     from kubernetes.client.rest import ApiException
 
     try:
@@ -263,7 +280,7 @@ def buffer_stats(job: RLJob, address: str | None = None,
 
 def _write_status(body: Any, observed: Observation) -> dict:
     """Recompute status; patch only what changed; an Event for each phase transition."""
-    current = dict(body.get("status") or {})
+    current = _stored_status(body)
     new = compute_status(observed, current)
     changes = status_changes(current, new)
     meta = body["metadata"]
@@ -281,6 +298,21 @@ def _write_status(body: Any, observed: Observation) -> dict:
                        f"Phase {old_phase or 'none'} -> {phase}.")
         post_event(body, reason, message, warning=warning)
     return new
+
+
+def _stored_status(body: Any) -> dict:
+    """The status as stored now: `body` may predate a reconcile that just finished."""
+    from kubernetes.client.rest import ApiException
+
+    meta = body["metadata"]
+    try:
+        stored = _custom().get_namespaced_custom_object(GROUP, VERSION, meta["namespace"], PLURAL,
+                                                        meta["name"])
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        stored = body
+    return dict(stored.get("status") or {})
 
 
 def post_event(body: Any, reason: str, message: str, *, warning: bool = False) -> None:
