@@ -62,7 +62,7 @@ def run(tools, tool: str, *args: str, check: bool = True) -> subprocess.Complete
 def release(tools, kube):
     run(tools, "helm", "install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE,
         "--create-namespace", "--wait", "--timeout", "180s",
-        "--set", "operator.resyncInterval=2", "--set", "monitoring.grafanaDashboard.enabled=false")
+        "--set", "operator.resyncInterval=2")
     yield RELEASE
     run(tools, "helm", "uninstall", RELEASE, "--namespace", RELEASE_NAMESPACE, "--wait",
         check=False)
@@ -198,6 +198,11 @@ def test_the_installed_operator_reconciles_an_rljob_with_leader_election(
         assert [t.key for t in rollout.spec.template.spec.tolerations] == ["nvidia.com/gpu"]
         out = run(tools, "kubectl", "get", "rljobs", "-n", namespace)
         assert "Running" in out.stdout
+        # Each phase transition is announced once, though handlers and resync race.
+        events = kube.core.list_namespaced_event(
+            namespace, field_selector="involvedObject.name=one").items
+        reasons = sorted(e.reason for e in events if e.reason in ("Starting", "Running"))
+        assert reasons == ["Running", "Starting"], reasons
         # The follower campaigns and waits; it does not lead.
         assert "campaigning for lease" in second.tail()
         assert "leading: lease" not in second.tail()
