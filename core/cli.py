@@ -219,13 +219,19 @@ app.add_typer(serve_app, name="serve")
 
 
 @serve_app.callback()
-def _service_logging() -> None:
-    """Services log one line per event to stderr (the pod log, or the run folder's logs/)."""
+def _service_setup() -> None:
+    """Services log one line per event to stderr (the pod log, or the run folder's logs/).
+
+    In a pod the service is PID 1, for which the kernel ignores SIGTERM unless a handler is
+    installed: without one, every pod stop would wait out the grace period and end in SIGKILL.
+    SIGTERM therefore stops a service as Ctrl-C does (its finally blocks close servers and
+    connections); the reward service installs its own, gentler handlers on top."""
     import logging
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    _stop_on_sigterm()
 
 
 @serve_app.command("rollout")
