@@ -229,6 +229,15 @@ def test_launch_command_for_the_gpu_example(gpu_job):
     assert "--mem-fraction-static" not in command
 
 
+def test_launch_command_takes_the_interpreter_from_the_environment(gpu_job, monkeypatch):
+    monkeypatch.delenv("ASYNCRL_SGLANG_PYTHON", raising=False)
+    assert sglang_launch_command(gpu_job, model_path="/m", port=1)[0] == sys.executable
+    monkeypatch.setenv("ASYNCRL_SGLANG_PYTHON", "/opt/sglang/bin/python")
+    assert sglang_launch_command(gpu_job, model_path="/m", port=1)[0] == "/opt/sglang/bin/python"
+    # An explicit argument wins.
+    assert sglang_launch_command(gpu_job, model_path="/m", port=1, python="/p")[0] == "/p"
+
+
 def test_launch_command_options(gpu_job):
     spec = gpu_job.model_copy(deep=True)
     spec.rollout.placement.gpus = 4

@@ -39,6 +39,8 @@ from asyncrl.spec import RLJobSpec
 #: The SGLang release whose flags and request models this module and the client are checked
 #: against (scripts/sglang_check_env.sh installs it).
 SGLANG_VERSION = "0.5.23"
+#: The interpreter that has SGLang, when it is not this one (set by the GPU image).
+SGLANG_PYTHON_ENV = "ASYNCRL_SGLANG_PYTHON"
 
 
 def max_running_requests(spec: RLJobSpec) -> int:
@@ -55,14 +57,17 @@ def sglang_launch_command(
     model_path: str,
     port: int,
     host: str = "0.0.0.0",
-    python: str = sys.executable,
+    python: str | None = None,
     initial_version: int = 0,
     seed: int = 0,
     mem_fraction_static: float | None = None,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """`python -m sglang.launch_server ...` for one rollout replica of the job `spec`
-    (`load_manifest(path).spec`). `extra_args` are appended as they are."""
+    (`load_manifest(path).spec`). `extra_args` are appended as they are. `python` defaults to
+    $ASYNCRL_SGLANG_PYTHON (the GPU image keeps SGLang in its own environment), else this
+    interpreter."""
+    python = python or os.environ.get(SGLANG_PYTHON_ENV) or sys.executable
     if mem_fraction_static is not None and not 0 < mem_fraction_static < 1:
         raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
     command = [
