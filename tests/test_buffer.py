@@ -156,6 +156,27 @@ def test_stale_groups_are_dropped_and_counted(stub):
     assert batch.dropped_stale == 3 and stats(stub, job).dropped_stale_total == 3
 
 
+def test_dropped_groups_give_their_budget_back(stub):
+    """With η = 0 a worker can still start a group on weights one version old (the gate opens
+    when the trainer publishes, before the worker loads the new weights); such a group is
+    dropped, and its place must be generated again, not lost: otherwise the job waits forever."""
+    job = "eta0"
+    for index in range(BATCH):
+        put(stub, job, acquire(stub, job).slot_id, f"a{index}", version=0)
+    batch = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t", num_groups=BATCH),
+                          timeout=10)
+    stub.AckBatch(buffer_pb2.AckBatchRequest(job=job, batch_id=batch.batch_id), timeout=10)
+    stub.SetVersion(buffer_pb2.SetVersionRequest(job=job, version=1, weights_uri="/w/1"), timeout=10)
+    for index in range(BATCH):  # generated before the worker had version 1
+        put(stub, job, acquire(stub, job).slot_id, f"late{index}", version=0)
+    assert not acquire(stub, job).granted  # the step's budget is in use
+    wait = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t", num_groups=BATCH,
+                                                    wait_ms=100), timeout=10)
+    assert not wait.groups and wait.dropped_stale == BATCH
+    regenerated = [acquire(stub, job) for _ in range(BATCH + 1)]
+    assert [slot.granted for slot in regenerated] == [True] * BATCH + [False]
+
+
 def test_lease_expiry_frees_a_dead_workers_slot(stub):
     job = "short-lease"  # bound (1 + 0 + 1) * 1 = 2 slots
     dead, alive = acquire(stub, job, "dead"), acquire(stub, job, "alive")

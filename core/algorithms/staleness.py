@@ -28,7 +28,8 @@ def rollout_capacity(
     """How many new rollouts (groups) may start now; never negative.
 
     ``batch_size`` is groups per training step, ``accepted`` counts groups ever accepted into the
-    buffer, ``running`` counts granted slots whose group has not been put yet, and
+    buffer and not dropped as too stale (a dropped group's place is generated again),
+    ``running`` counts granted slots whose group has not been put yet, and
     ``max_concurrent`` optionally caps how many may run at once.
     """
     _check_non_negative(

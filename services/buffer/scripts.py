@@ -31,10 +31,12 @@ if not cfg[1] then return {-1} end
 local expired = redis.call('ZREMRANGEBYSCORE', p .. 'slots', '-inf', now)
 if expired > 0 then redis.call('HINCRBY', p .. 'state', 'expired', expired) end
 local running = redis.call('ZCARD', p .. 'slots')
-local st = redis.call('HMGET', p .. 'state', 'trainer_version', 'accepted')
+local st = redis.call('HMGET', p .. 'state', 'trainer_version', 'accepted', 'dropped_stale')
 local version = tonumber(st[1] or '0')
-local accepted = tonumber(st[2] or '0')
-local capacity = (tonumber(cfg[1]) + version + 1) * tonumber(cfg[2]) - (accepted + running)
+-- Groups dropped as too stale are never trained: their budget is given back, or a job whose
+-- every slot went to a dropped group would wait forever.
+local kept = tonumber(st[2] or '0') - tonumber(st[3] or '0')
+local capacity = (tonumber(cfg[1]) + version + 1) * tonumber(cfg[2]) - (kept + running)
 if capacity <= 0 then return {0, 'staleness'} end
 local max_concurrent = tonumber(cfg[3])
 if max_concurrent > 0 and running >= max_concurrent then return {0, 'concurrency'} end
