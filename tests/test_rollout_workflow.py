@@ -53,6 +53,23 @@ def test_workflow_puts_scored_groups_with_complete_records(engine):
             assert sample.generate_seconds > 0 and sample.reward_seconds >= 0
 
 
+def test_workflow_requests_are_counted_in_the_rollout_metrics(engine):
+    from prometheus_client import generate_latest
+
+    from asyncrl.rollout.metrics import RolloutMetrics
+
+    metrics = RolloutMetrics("job")
+    workflow = RolloutWorkflow(
+        items(2), generator=EngineGenerator(engine, metrics), scorer=CountingScorer(),
+        gate=InProcessGate(max_staleness=10, batch_size=2), group_size=3,
+        params=SamplingParams(max_new_tokens=6),
+    )
+    asyncio.run(workflow.run())
+    text = generate_latest(metrics.registry).decode()
+    assert 'asyncrl_rollout_requests_total{finish_reason="length",rljob="job"} 6.0' in text
+    assert 'asyncrl_rollout_request_seconds_count{rljob="job"} 6.0' in text
+
+
 def test_gate_holds_rollouts_until_the_trainer_advances(engine):
     """η = 0, batch 2: only 2 groups may exist before version 1, 4 before version 2."""
     gate = InProcessGate(max_staleness=0, batch_size=2)

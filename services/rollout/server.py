@@ -90,7 +90,8 @@ def serve(settings: RolloutSettings) -> None:
     control = serve_control(engine, settings.grpc_port, metrics, host=settings.host)
     app = create_app(engine, model_path=job.spec.model.source, metrics=metrics)
     workflow = (
-        _workflow_factory(settings, job, engine, tokenizer, train) if settings.buffer_address else None
+        _workflow_factory(settings, job, engine, tokenizer, train, metrics)
+        if settings.buffer_address else None
     )
     try:
         asyncio.run(_serve_async(settings, job.metadata.name, engine, app, workflow, metrics))
@@ -99,7 +100,7 @@ def serve(settings: RolloutSettings) -> None:
         engine.stop()
 
 
-def _workflow_factory(settings: RolloutSettings, job, engine, tokenizer, train):
+def _workflow_factory(settings: RolloutSettings, job, engine, tokenizer, train, metrics):
     """The workflow coroutine: training prompts, round and round, from where the job was."""
 
     async def run() -> None:
@@ -114,7 +115,7 @@ def _workflow_factory(settings: RolloutSettings, job, engine, tokenizer, train):
         scorer = PromptScorer(reward, tokenizer) if reward else ArithScorer(tokenizer, spec.reward.math.extract)
         workflow = RolloutWorkflow(
             prompts,
-            generator=EngineGenerator(engine),
+            generator=EngineGenerator(engine, metrics),
             scorer=scorer,
             gate=client,
             group_size=spec.algorithm.group_size,

@@ -107,13 +107,19 @@ class SlotGate(Protocol):
 
 
 class EngineGenerator:
-    """Generator over an in-process TorchEngine (its futures become awaitables)."""
+    """Generator over an in-process TorchEngine (its futures become awaitables). With
+    `metrics` (RolloutMetrics), every finished request is counted as the HTTP API counts it."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, metrics=None):
         self._engine = engine
+        self._metrics = metrics
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
-        return await asyncio.wrap_future(self._engine.submit(prompt_ids, params))
+        started = time.perf_counter()
+        result = await asyncio.wrap_future(self._engine.submit(prompt_ids, params))
+        if self._metrics is not None:
+            self._metrics.observe_result(result, time.perf_counter() - started)
+        return result
 
 
 @dataclass
