@@ -46,6 +46,7 @@ def test_a_service_as_pid_1_stops_on_sigterm(redis_server, tmp_path):
          "--job-file", str(ROOT / "examples" / "tiny.yaml"), "--redis-url", redis_server.url,
          "--grpc-port", str(port), "--metrics-port", "0"],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    service = None
     try:
         service = _only_child(launcher.pid)  # PID 1 inside its namespace
         (ns_pids,) = [line for line in Path(f"/proc/{service}/status").read_text().splitlines()
@@ -63,6 +64,8 @@ def test_a_service_as_pid_1_stops_on_sigterm(redis_server, tmp_path):
         assert not _listening(port)
     finally:
         if launcher.poll() is None:
+            if service is not None:  # killing unshare alone would leave its child running
+                os.kill(service, signal.SIGKILL)
             launcher.kill()
             launcher.wait()
         log.close()
