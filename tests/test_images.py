@@ -128,8 +128,10 @@ def parse_dockerfile(text: str) -> Dockerfile:
     return Dockerfile(global_args, stages)
 
 
-def env_of(stage: Stage) -> dict[str, str]:
-    env: dict[str, str] = {}
+def env_of(stage: Stage, dockerfile: Dockerfile | None = None) -> dict[str, str]:
+    """The stage's ENV, on top of what it inherits when it builds on another stage."""
+    names = {s.name: s for s in dockerfile.stages if s.name} if dockerfile else {}
+    env = env_of(names[stage.base], dockerfile) if stage.base in names else {}
     for instruction in stage.all("ENV"):
         for word in shlex.split(instruction.value):
             key, eq, value = word.partition("=")
@@ -254,7 +256,7 @@ def test_service_targets_start_the_asyncrl_console_script(dockerfile):
         assert exec_form(entrypoint) == ["asyncrl"], f"{target}: ENTRYPOINT {entrypoint.value}"
         # The operator's pods say `command: [asyncrl]` (and `torchrun`): both found on PATH,
         # in the environment the stage copies in.
-        path = env_of(stage).get("PATH", "")
+        path = env_of(stage, dockerfile).get("PATH", "")
         first = path.split(":")[0]
         copied = [i.value.split()[-1] for i in stage.all("COPY") if "--from=" in i.value]
         assert any(first.startswith(dest.rstrip("/") + "/") for dest in copied), (
