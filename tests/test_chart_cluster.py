@@ -23,6 +23,7 @@ import yaml
 
 from cluster.control_plane import bin_dir, free_port
 from test_operator_cluster import (  # noqa: F401 - kube is a fixture
+    OperatorProcess,
     _exists,
     children,
     expected,
@@ -68,14 +69,13 @@ def release(tools, kube):
         check=False)
 
 
-class ChartOperator:
+class ChartOperator(OperatorProcess):
     """`asyncrl operator` as the chart's Deployment runs it, as the chart's ServiceAccount."""
 
     def __init__(self, control_plane, kube, workdir: Path, name: str):
-        self.control_plane, self.kube, self.name = control_plane, kube, name
-        self.log = workdir / f"{name}.log"
+        super().__init__(control_plane, workdir / f"{name}.log")
+        self.kube, self.name = kube, name
         self.kubeconfig = workdir / f"{name}.kubeconfig"
-        self.process: subprocess.Popen | None = None
 
     def start(self) -> ChartOperator:
         deployment = self.kube.apps.read_namespaced_deployment(OPERATOR, RELEASE_NAMESPACE)
@@ -108,22 +108,6 @@ class ChartOperator:
             "contexts": [{"name": "sa", "context": {"cluster": "test", "user": "sa"}}],
         }))
         return self.kubeconfig
-
-    def stop(self, sig=signal.SIGTERM) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-
-    def check(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            raise AssertionError(f"operator {self.name} exited:\n{self.tail()}")
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
 
 
 def lease_holder(kube) -> str | None:
