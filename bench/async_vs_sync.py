@@ -7,6 +7,11 @@ ratio and explains it with measured components: the ideal-overlap bound from the
 busy times, decode batch occupancy, idle fractions, and time lost to interruptions.
 
     .venv/bin/python bench/async_vs_sync.py [--job examples/arith.yaml] [--steps 6]
+        [--trainer-threads N --rollout-threads M]   (the async run's split; default half each)
+
+bench/long_tail.yaml is the arith job with a long response-length tail (up to 256 tokens at
+temperature 1.0), where the synchronous alternation decodes its last, longest responses
+almost alone.
 """
 
 from __future__ import annotations
@@ -22,9 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(job: Path, run_dir: Path, steps: int, sync: bool) -> None:
+def run(job: Path, run_dir: Path, steps: int, sync: bool, threads: list[str] = ()) -> None:
     args = [str(Path(sys.executable).parent / "asyncrl"), "run", str(job), "--run-dir",
-            str(run_dir), "--steps", str(steps)] + (["--sync"] if sync else [])
+            str(run_dir), "--steps", str(steps)] + (["--sync"] if sync else list(threads))
     # No evaluations: they would take trainer time in both modes alike and blur the comparison.
     env = {**os.environ, "ASYNCRL_EVAL_PROMPTS": "0"}
     result = subprocess.run(args, env=env, capture_output=True, text=True)
@@ -62,18 +67,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", type=Path, default=ROOT / "examples/arith.yaml")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--trainer-threads", type=int)
+    parser.add_argument("--rollout-threads", type=int)
     args = parser.parse_args()
+    cores = os.cpu_count()
+    trainer_threads = args.trainer_threads or cores - cores // 2
+    rollout_threads = args.rollout_threads or max(1, cores // 2)
+    threads = ["--trainer-threads", str(trainer_threads), "--rollout-threads", str(rollout_threads)]
     with tempfile.TemporaryDirectory() as tmp:
         run(args.job, Path(tmp) / "sync", args.steps, sync=True)
-        run(args.job, Path(tmp) / "async", args.steps, sync=False)
+        run(args.job, Path(tmp) / "async", args.steps, sync=False, threads=threads)
         sync, asyn = summarise(Path(tmp) / "sync"), summarise(Path(tmp) / "async")
-    cores = os.cpu_count()
     sync_rate = sync["trained_tokens"] / sync["wall"]
     async_rate = asyn["trained_tokens"] / asyn["wall"]
     bound = (sync["rollout_busy"] + sync["train_busy"]) / max(sync["rollout_busy"], sync["train_busy"])
     print(f"job {args.job.name}, {args.steps} steps per mode, {cores} cores")
     print(f"threads: sync = trainer {cores} + rollout {cores} (they alternate); "
-          f"async = trainer {cores - cores // 2} + rollout {max(1, cores // 2)}")
+          f"async = trainer {trainer_threads} + rollout {rollout_threads}")
     for name, s in (("sync", sync), ("async", asyn)):
         print(f"{name:>5}: {s['trained_tokens'] / s['wall']:6.1f} trained tokens/s "
               f"({s['trained_tokens']:.0f} tokens in {s['wall']:.0f} s); decode batch "
