@@ -153,11 +153,12 @@ def _redis_password(job: RLJob) -> str:
 
 
 _job_locks: dict[tuple[str, str], threading.Lock] = {}
+_job_locks_lock = threading.Lock()
 
 
 def _job_lock(body: Any) -> threading.Lock:
     key = (body["metadata"].get("namespace"), body["metadata"]["name"])
-    with _client_lock:
+    with _job_locks_lock:
         return _job_locks.setdefault(key, threading.Lock())
 
 

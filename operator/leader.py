@@ -42,7 +42,6 @@ class Leadership:
         self.leading = threading.Event()
         self.lost = threading.Event()
         self.stop_flag = threading.Event()
-        self._release = threading.Event()
 
     def start(self) -> Leadership:
         from kubernetes.leaderelection import electionconfig, leaderelection
@@ -59,19 +58,17 @@ class Leadership:
         log.info("campaigning for lease %s/%s as %s", s.namespace, s.name, s.identity)
         return self
 
-    def wait_to_lead(self, interrupted: threading.Event | None = None) -> bool:
-        """Blocks until this process leads (True) or `interrupted` is set (False)."""
-        while not self.leading.wait(0.5):
-            if interrupted is not None and interrupted.is_set():
-                return False
-        return True
+    def wait_to_lead(self) -> None:
+        """Blocks until this process leads (Ctrl-C or SIGTERM end the wait)."""
+        while not self.leading.wait(0.5):  # a timed wait lets signals through
+            pass
 
     def _on_started(self) -> None:
         log.info("leading: lease %s/%s held by %s", self.settings.namespace, self.settings.name,
                  self.settings.identity)
         self.leading.set()
-        # The election renews the lease while this callback runs; return only at shutdown.
-        self._release.wait()
+        # The election renews the lease while this callback runs: return once it is lost.
+        self.lost.wait()
 
     def _on_stopped(self) -> None:
         log.error("lost the lease %s/%s; stopping", self.settings.namespace, self.settings.name)
