@@ -101,7 +101,9 @@ def run(
     from asyncrl.runner import LocalJob, RunOptions, ServiceFailed
 
     job = _load_or_exit(file)
-    options = RunOptions(run_dir=run_dir or Path("runs") / job.metadata.name, sync=sync,
+    # Resolved once, here: every path handed to a service is absolute.
+    run_dir = (run_dir or Path("runs") / job.metadata.name).resolve()
+    options = RunOptions(run_dir=run_dir, sync=sync,
                          max_steps=steps, trainer_threads=trainer_threads,
                          rollout_threads=rollout_threads, metrics=metrics)
     local = LocalJob(job, yaml.safe_load(file.read_text()), options)
@@ -120,11 +122,17 @@ def run(
     try:
         local.start()
         with Live(progress.table(None, None), console=console, refresh_per_second=2) as live:
+            status = None
             while not local.trainer_done():
                 local.check()
-                live.update(progress.table(local.trainer_status(), local.buffer_stats()))
+                # The trainer's last answer is kept: once it exits it answers no more, and the
+                # final frame must show where it ended, not "starting".
+                status = local.trainer_status() or status
+                live.update(progress.table(status, local.buffer_stats()))
                 local.record_rollout_status()
                 time.sleep(1.0)
+            live.update(progress.table(progress.finished(status, read_metrics(options.run_dir)),
+                                       local.buffer_stats()))
     except KeyboardInterrupt:
         console.print(f"[yellow]stopped[/]; rerun the same command to resume from the last "
                       f"checkpoint in {options.run_dir}")
@@ -234,6 +242,13 @@ def _service_setup() -> None:
     _stop_on_sigterm()
 
 
+def _sglang_startup_seconds() -> float:
+    """serve rollout's default, read only when the command runs (keeps `--help` light)."""
+    from asyncrl.rollout.sglang_launch import SGLANG_STARTUP_SECONDS
+
+    return SGLANG_STARTUP_SECONDS
+
+
 @serve_app.command("rollout")
 def serve_rollout(
     job_file: Annotated[Path, typer.Option(envvar="ASYNCRL_JOB_FILE", help="RLJob manifest.")],
@@ -247,14 +262,30 @@ def serve_rollout(
     worker: Annotated[str, typer.Option(envvar="ASYNCRL_WORKER")] = "rollout-0",
     reward_address: Annotated[Optional[str], typer.Option(
         envvar="ASYNCRL_REWARD_ADDRESS", help="Score through this reward service.")] = None,
+    engine: Annotated[Optional[str], typer.Option(
+        envvar="ASYNCRL_ENGINE", help="torch or sglang (default: the job's rollout.engine).")
+    ] = None,
+    sglang_port: Annotated[int, typer.Option(
+        envvar="ASYNCRL_SGLANG_PORT", help="Loopback port of the launched SGLang server.")
+    ] = 30001,
+    sglang_command: Annotated[Optional[str], typer.Option(
+        envvar="ASYNCRL_SGLANG_COMMAND", help="Starts the SGLang server instead of "
+        "`python -m sglang.launch_server ...`; {port} and {model_path} are filled in.")] = None,
+    # The default is SGLANG_STARTUP_SECONDS, imported only when the command runs.
+    sglang_startup_seconds: float = typer.Option(
+        default_factory=_sglang_startup_seconds, envvar="ASYNCRL_SGLANG_STARTUP_SECONDS",
+        show_default="SGLANG_STARTUP_SECONDS", help="How long SGLang may take to start."),
 ) -> None:
-    """The rollout worker: torch engine, SGLang-compatible HTTP API, gRPC control."""
+    """The rollout worker: the job's engine (torch in process, or an SGLang server it
+    launches), the rollout workflow, weight following, HTTP (SGLang-compatible) and gRPC
+    status."""
     from asyncrl.rollout.server import RolloutSettings, serve
 
     settings = _settings_or_exit(
         RolloutSettings, job_file=job_file, http_port=http_port, grpc_port=grpc_port,
         redis_url=redis_url, threads=threads, host=host, buffer_address=buffer_address,
-        worker=worker, reward_address=reward_address,
+        worker=worker, reward_address=reward_address, engine=engine, sglang_port=sglang_port,
+        sglang_command=sglang_command, sglang_startup_seconds=sglang_startup_seconds,
     )
     serve(settings)
 
@@ -320,14 +351,18 @@ def serve_trainer(
     host: Annotated[str, typer.Option(envvar="ASYNCRL_HOST")] = "127.0.0.1",
     reward_address: Annotated[Optional[str], typer.Option(
         envvar="ASYNCRL_REWARD_ADDRESS", help="Reward service used for evaluations.")] = None,
+    collective_timeout: Annotated[float, typer.Option(
+        envvar="ASYNCRL_COLLECTIVE_TIMEOUT", help="Under torchrun: seconds a rank waits in a "
+        "collective before it exits (and torchrun stops the others).")] = 600.0,
 ) -> None:
-    """The trainer: batches from the buffer, decoupled PPO updates, published weights."""
+    """The trainer: batches from the buffer, decoupled PPO updates, published weights. Under
+    torchrun, one rank of a data-parallel (or FSDP-sharded) trainer."""
     from asyncrl.trainer.service import TrainerSettings, serve
 
     settings = _settings_or_exit(
         TrainerSettings, job_file=job_file, buffer_address=buffer_address, run_dir=run_dir,
         grpc_port=grpc_port, metrics_port=metrics_port, threads=threads, consumer=consumer,
-        host=host, reward_address=reward_address,
+        host=host, reward_address=reward_address, collective_timeout=collective_timeout,
     )
     serve(settings)
 
@@ -350,8 +385,12 @@ def run_operator(
     namespace: Annotated[list[str], typer.Option(
         "--namespace", "-n", envvar="ASYNCRL_OPERATOR_NAMESPACES",
         help="Watch only these namespaces (repeatable); default: the whole cluster.")] = [],
-    image: Annotated[str, typer.Option(envvar="ASYNCRL_IMAGE",
-                                       help="Image of the asyncrl services' pods.")] = "",
+    image: Annotated[str, typer.Option(
+        envvar="ASYNCRL_IMAGE", help="Image of the asyncrl services' pods that request no "
+        "GPUs (the Dockerfile's `service` target).")] = "",
+    gpu_image: Annotated[str, typer.Option(
+        envvar="ASYNCRL_GPU_IMAGE", help="Image of the pods whose component requests GPUs, "
+        "rollout and trainer (the `service-gpu` target: CUDA torch, SGLang).")] = "",
     redis_image: Annotated[str, typer.Option(envvar="ASYNCRL_REDIS_IMAGE")] = "",
     run_volume_size: Annotated[str, typer.Option(
         envvar="ASYNCRL_RUN_VOLUME_SIZE", help="Size of each job's run volume (PVC).")] = "",
@@ -409,7 +448,8 @@ def run_operator(
     defaults = OperatorConfig()
     handlers.configure_operator(OperatorConfig(
         reward_seccomp_profile=reward_seccomp_profile,
-        image=image or defaults.image, redis_image=redis_image or defaults.redis_image,
+        image=image or defaults.image, gpu_image=gpu_image or defaults.gpu_image,
+        redis_image=redis_image or defaults.redis_image,
         run_volume_size=run_volume_size or defaults.run_volume_size,
         redis_volume_size=redis_volume_size or defaults.redis_volume_size,
         run_volume_storage_class=storage_class, network_policies=network_policies,

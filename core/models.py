@@ -10,7 +10,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import torch
@@ -68,26 +68,71 @@ def load_model(
     source: str = SMOLLM2,
     dtype: str = "float32",
     tiny: TinyModelConfig | None = None,
+    device: torch.device | str = "cpu",
 ) -> LlamaForCausalLM:
-    """Loads the policy: the builtin SmolLM2, a tiny random model, or a local directory."""
+    """Loads the policy (the builtin SmolLM2, a tiny random model, or a local directory) with
+    parameters of `dtype` on `device`."""
     if dtype not in _DTYPES:
         raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     if source == TINY_RANDOM:
-        return build_tiny_model(tiny or TinyModelConfig(), vocab_size=len(load_tokenizer())).to(
-            _DTYPES[dtype]
+        model = build_tiny_model(tiny or TinyModelConfig(), vocab_size=len(load_tokenizer()))
+    elif source == SMOLLM2:
+        model = AutoModelForCausalLM.from_pretrained(_smollm2_converted_dir(), dtype=_DTYPES[dtype])
+    else:
+        directory, gguf_file = _local_source(source)
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, gguf_file=gguf_file, dtype=_DTYPES[dtype]
         )
-    if source == SMOLLM2:
-        return AutoModelForCausalLM.from_pretrained(_smollm2_converted_dir(), dtype=_DTYPES[dtype])
-    directory, gguf_file = _local_source(source)
-    return AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=gguf_file, dtype=_DTYPES[dtype]
-    )
+    return model.to(device=device, dtype=_DTYPES[dtype])
 
 
-def load_policy(model_spec) -> tuple[LlamaForCausalLM, object]:
-    """(model, tokenizer) for the RLJob's `spec.model` section."""
+def load_policy(
+    model_spec, *, dtype: str | None = None, device: torch.device | str = "cpu"
+) -> tuple[LlamaForCausalLM, object]:
+    """(model, tokenizer) for the RLJob's `spec.model` section, on `device`. `dtype` overrides
+    the spec's parameter dtype (the trainer keeps float32 master weights whatever it is)."""
     tiny = TinyModelConfig(**model_spec.tiny.model_dump())
-    return load_model(model_spec.source, model_spec.dtype, tiny), load_tokenizer(model_spec.source)
+    model = load_model(model_spec.source, dtype or model_spec.dtype, tiny, device)
+    return model, load_tokenizer(model_spec.source)
+
+
+def model_directory(model_spec) -> Path:
+    """A Hugging Face model directory (config.json + safetensors) for the RLJob's `spec.model`,
+    for servers that load a model from disk (SGLang): a local directory as it is, the builtin
+    SmolLM2 converted once, a tiny random model saved once per configuration."""
+    source = model_spec.source
+    if source == SMOLLM2:
+        return _smollm2_converted_dir()
+    if source == TINY_RANDOM:
+        tiny = TinyModelConfig(**model_spec.tiny.model_dump())
+        key = "-".join(f"{v}" for v in astuple(tiny))
+        target = cache_dir() / f"{TINY_RANDOM}-{key}"
+        if not (target / "config.json").is_file():
+            model = load_model(TINY_RANDOM, "float32", tiny)
+            _save_atomically(target, model.save_pretrained)
+        return target
+    directory, gguf_file = _local_source(source)
+    if gguf_file is not None:
+        raise ValueError(
+            f"model.source {source!r} is a GGUF file; an SGLang rollout engine needs a Hugging "
+            "Face model directory (config.json + safetensors): convert it, or use engine: torch"
+        )
+    return directory
+
+
+def _save_atomically(target: Path, save) -> None:
+    """Runs save(staging) and renames staging to target: concurrent loaders see all or
+    nothing."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        save(staging)
+        os.replace(staging, target)
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def build_tiny_model(config: TinyModelConfig, vocab_size: int) -> LlamaForCausalLM:
@@ -143,17 +188,12 @@ def _smollm2_converted_dir() -> Path:
     model.config.quantization_config = None
     if hasattr(model, "hf_quantizer"):
         model.hf_quantizer = None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{SMOLLM2}-"))
-    try:
+
+    def save(staging: Path) -> None:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        os.replace(staging, target)  # atomic: concurrent loaders see all or nothing
-    except OSError:
-        if not (target / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+
+    _save_atomically(target, save)
     return target
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from types import SimpleNamespace
 
 from rich.table import Table
 
@@ -16,6 +17,22 @@ class RunProgress:
         self.group_size = group_size
         self._accepted = deque(maxlen=30)  # (time, accepted groups) for a moving rate
         self._steps = deque(maxlen=30)
+
+    @staticmethod
+    def finished(status, records: list[dict]):
+        """The trainer's final state for the last frame, once it has exited: its last step
+        record in metrics.jsonl (the newest evaluation included), or its last status."""
+        train = [r for r in records if r.get("kind", "train") == "train"]
+        if not train:
+            return status
+        last = train[-1]
+        evaluated = [r["eval_accuracy"] for r in records if r.get("eval_accuracy", -1) >= 0]
+        return SimpleNamespace(
+            phase="done", step=last["step"], version=last["version"],
+            trained_tokens_per_second=last["trained_tokens"] / max(last["step_seconds"], 1e-9),
+            reward_mean=last["reward_mean"], staleness_mean=last["staleness_mean"],
+            eval_accuracy=evaluated[-1] if evaluated else -1.0,
+        )
 
     def table(self, status, stats) -> Table:
         now = time.monotonic()

@@ -22,7 +22,8 @@ def free_port() -> int:
 
 class RedisServer:
     def __init__(self, data_dir: Path, *, port: int | None = None, append_only: bool = True):
-        self.data_dir = Path(data_dir)
+        # Absolute: redis-server changes into --dir before it opens --logfile.
+        self.data_dir = Path(data_dir).resolve()
         self.port = port or free_port()
         self.append_only = append_only
         self._process: subprocess.Popen | None = None

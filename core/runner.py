@@ -20,11 +20,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
+# Before grpc is imported: services are started with a preexec_fn, so Popen really forks,
+# and gRPC's fork handler can wait forever on a thread of the runner's own health-check
+# channels (grpc/grpc#37259). The runner never uses gRPC in a forked child.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+import grpc  # noqa: E402
 import yaml
 from google.protobuf.json_format import MessageToDict
 
 from asyncrl.redis_server import RedisServer, free_port
+from asyncrl.trainer.launch import LOCAL_MAX_RESTARTS, torchrun_arguments
 from asyncrl.v1 import (
     buffer_pb2,
     buffer_pb2_grpc,
@@ -129,7 +135,9 @@ class LocalJob:
     def __init__(self, job, manifest: dict, options: RunOptions):
         self.job = job
         self.options = options
-        self.run_dir = options.run_dir
+        # Absolute from here on: services (redis-server above all, which changes into its
+        # --dir before opening its log) must not read a relative path against their own cwd.
+        self.run_dir = options.run_dir.resolve()
         self.manifest = resolve_manifest(manifest, options)
         self.config_path = self.run_dir / "config.yaml"
         self.services: list[ServiceProcess] = []
@@ -166,17 +174,32 @@ class LocalJob:
                                 str(self.ports["reward"]), "--metrics-port",
                                 str(self.metrics_ports["reward"]), "--workers", "1"], env)
         self._wait(lambda: self._healthy(reward_address, reward_pb2_grpc.RewardStub), "reward")
-        self._launch("trainer", [exe, "serve", "trainer", *common, "--buffer-address", buffer_address,
-                                 "--reward-address", reward_address,
-                                 "--run-dir", str(self.run_dir), "--grpc-port", str(self.ports["trainer"]),
-                                 "--metrics-port", str(self.metrics_ports["trainer"]),
-                                 "--threads", str(self.trainer_threads)], env)
+        self._launch("trainer", self._trainer_command(exe, common, buffer_address, reward_address),
+                     env)
         self._launch("rollout", [exe, "serve", "rollout", *common, "--buffer-address", buffer_address,
                                  "--reward-address", reward_address,
                                  "--redis-url", redis_url, "--http-port", str(self.ports["rollout_http"]),
                                  "--grpc-port", str(self.ports["rollout_grpc"]),
                                  "--threads", str(self.rollout_threads)], env)
         self._wait(lambda: self.trainer_status() is not None, "trainer", timeout=600)
+
+    def _trainer_command(self, exe: str, common: list[str], buffer_address: str,
+                         reward_address: str) -> list[str]:
+        """`asyncrl serve trainer ...`; with trainer.processesPerReplica > 1 the same command
+        under torchrun, one process per replica slot, the trainer threads split between them.
+        A rank that dies makes torchrun stop the others and start them all again (at most
+        LOCAL_MAX_RESTARTS times), resuming from the last checkpoint; the runner sees one
+        process that exits 0 once every rank is done."""
+        processes = self.job.spec.trainer.processes_per_replica
+        serve = ["serve", "trainer", *common, "--buffer-address", buffer_address,
+                 "--reward-address", reward_address, "--run-dir", str(self.run_dir),
+                 "--grpc-port", str(self.ports["trainer"]),
+                 "--metrics-port", str(self.metrics_ports["trainer"]),
+                 "--threads", str(max(1, self.trainer_threads // processes))]
+        if processes == 1:
+            return [exe, *serve]
+        return [sys.executable, "-m", "torch.distributed.run",
+                *torchrun_arguments(processes, max_restarts=LOCAL_MAX_RESTARTS), *serve]
 
     def write_prometheus_config(self) -> Path:
         """<run_dir>/prometheus/targets.json (Prometheus file_sd: one entry per service, labelled

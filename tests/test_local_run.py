@@ -8,11 +8,13 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
 from asyncrl.runner import LocalJob, RunOptions
 from asyncrl.spec import load_manifest
+from buffer_helpers import group_fates
 
 ROOT = Path(__file__).resolve().parents[1]
 ASYNCRL = str(Path(sys.executable).parent / "asyncrl")
@@ -27,6 +29,123 @@ def run(run_dir, *extra, timeout=600):
 def metrics(run_dir, kind="train"):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if r["kind"] == kind]
+
+
+# ------------------------------------------------------------ `asyncrl run` as a user starts it
+#
+# The processes a run started are found as the descendants of its `asyncrl run` process
+# (redis-server, each `asyncrl serve ...` and what those started), taken while it runs. A
+# psutil.Process remembers its start time, so a pid the system reuses later is not mistaken
+# for one of them.
+
+
+class Run:
+    """`asyncrl run examples/tiny.yaml --run-dir RUN_DIR ARGS...` in the background, its
+    output in a file (a pipe nobody reads could fill up and stall it)."""
+
+    def __init__(self, run_dir: Path, *args: str):
+        self.run_dir = run_dir
+        self.output_file = run_dir.parent / f"{run_dir.name}-output-{time.monotonic_ns()}.txt"
+        with self.output_file.open("w") as out:
+            self.process = subprocess.Popen(
+                [ASYNCRL, "run", str(TINY), "--run-dir", str(run_dir), *args],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.runner = psutil.Process(self.process.pid)  # before anyone can reap it
+        self.seen: list[psutil.Process] = []
+
+    def output(self) -> str:
+        return self.output_file.read_text(errors="replace")
+
+    def processes(self) -> list[psutil.Process]:
+        """Every process this run has started and that runs now (each also kept in `seen`)."""
+        try:
+            found = self.runner.children(recursive=True)
+        except psutil.NoSuchProcess:
+            found = []
+        self.seen += [p for p in found if p not in self.seen]
+        return found
+
+    def service(self, name: str) -> psutil.Process:
+        """The running `asyncrl serve <name>` (or redis-server) process of this run."""
+        matches = [p for p in self.processes() if _service_name(p) == name]
+        assert len(matches) == 1, f"{name}: {matches}\n{self.describe()}"
+        return matches[0]
+
+    def wait_until(self, ready, what: str, timeout: float = 600) -> None:
+        """Until `ready()`; fails at once if the run exits, and after `timeout` (which only
+        catches a hang: a loaded machine may take minutes) naming what runs."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert self.process.poll() is None, (
+                f"asyncrl run exited ({self.process.returncode}) before {what}\n{self.describe()}")
+            assert time.monotonic() < deadline, f"no {what} within {timeout:.0f} s\n{self.describe()}"
+            self.processes()
+            time.sleep(0.5)
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 300) -> int:
+        self.processes()
+        self.process.send_signal(sig)
+        return self.process.wait(timeout=timeout)
+
+    def left_running(self) -> list[str]:
+        """Every process this run was seen to start that still runs (zombies run nothing)."""
+        alive = []
+        for process in self.seen:
+            try:
+                if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(f"{process.pid} {' '.join(process.cmdline())}")
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+    def kill(self) -> None:
+        """Cleanup after a failed test: nothing of the run may outlive it."""
+        self.processes()
+        for process in [self.runner, *self.seen]:
+            try:
+                if process.is_running():
+                    process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.process.wait(timeout=30)
+
+    def describe(self) -> str:
+        running = "\n".join(f"  {p.pid} {_service_name(p)}" for p in self.processes())
+        return f"running:\n{running or '  (nothing)'}\noutput:\n{self.output()[-3000:]}"
+
+
+def _service_name(process: psutil.Process) -> str:
+    try:
+        command = process.cmdline()
+    except psutil.NoSuchProcess:
+        return "(exited)"
+    if command and "redis-server" in command[0]:
+        return "redis-server"
+    if "serve" in command:
+        return command[command.index("serve") + 1]
+    return " ".join(command)
+
+
+def last_checkpoint_step(run_dir: Path) -> int:
+    steps = [int(path.name.removeprefix("step-")) for path in (run_dir / "checkpoints").glob("step-*")]
+    return max(steps, default=0)
+
+
+def records_so_far(run_dir: Path, kind: str = "train") -> list[dict]:
+    """metrics.jsonl while a run writes it: absent at first, its last line perhaps partial."""
+    path = run_dir / "metrics.jsonl"
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return [r for r in records if r["kind"] == kind]
+
+
+def flat(text: str) -> str:
+    """Whitespace folded: the console wraps long lines at its width."""
+    return " ".join(text.split())
 
 
 @pytest.mark.slow
@@ -56,21 +175,75 @@ def test_run_trains_writes_a_complete_run_folder_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_every_service_and_leaves_a_resumable_folder(tmp_path):
+def test_run_as_the_readme_types_it_relative_file_and_default_run_folder(tmp_path):
+    """`asyncrl run examples/<job>.yaml` from a checkout's root: a relative manifest path and
+    the default, relative run folder (redis-server changes into its --dir, so a relative log
+    path once broke the main command while every test used absolute paths)."""
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples/tiny.yaml").write_text(TINY.read_text())
+    done = subprocess.run([ASYNCRL, "run", "examples/tiny.yaml", "--steps", "2"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    run_dir = tmp_path / "runs/tiny"
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2]
+    assert (run_dir / "redis/redis.log").is_file()
+    # The live table's last frame shows where the run ended, not "starting".
+    final_frame = done.stdout[done.stdout.rindex("asyncrl run: tiny"):]
+    assert "done" in final_frame and "2 / 2" in final_frame, final_frame
+    assert "starting" not in final_frame
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_ctrl_c_stops_every_process_and_the_same_command_resumes_with_the_buffer_intact(tmp_path):
     run_dir = tmp_path / "run"
-    process = subprocess.Popen([ASYNCRL, "run", str(TINY), "--run-dir", str(run_dir), "--steps", "200"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 300
-    while not (run_dir / "metrics.jsonl").exists():
-        assert time.monotonic() < deadline and process.poll() is None
-        time.sleep(0.5)
-    process.send_signal(signal.SIGINT)
-    output, _ = process.communicate(timeout=120)
-    assert process.returncode == 130, output
-    assert "rerun the same command to resume" in output
-    leftovers = subprocess.run(["pgrep", "-f", f"--job-file {run_dir}"], capture_output=True, text=True)
-    assert leftovers.stdout.strip() == ""
+    job = load_manifest(TINY)
+    services = {"redis-server", "buffer", "reward", "trainer", "rollout"}
+
+    first = Run(run_dir, "--steps", "200")
+    try:
+        # A checkpoint to resume from; by then every service runs.
+        first.wait_until(lambda: last_checkpoint_step(run_dir) > 0, "checkpoint")
+        assert services <= {_service_name(p) for p in first.processes()}, first.describe()
+        assert first.stop() == 130, first.output()
+        assert "rerun the same command to resume" in flat(first.output())
+        # Every process it started, redis-server included, stopped before it returned.
+        assert first.left_running() == [], first.describe()
+    finally:
+        first.kill()
     assert (run_dir / "report.md").is_file()
+
+    # What Redis wrote before it stopped, by group id: each accepted group trained on, dropped
+    # as stale, or waiting in the run folder for the next run. (The trainer stops after the
+    # rollout worker and often trains on what waited first, so none may wait: the checks of
+    # the history below hold either way.)
+    before = group_fates(run_dir / "redis", job.metadata.name)
+    assert len(before.trained) >= last_checkpoint_step(run_dir) * job.spec.algorithm.batch_size
+    assert sorted(before.trained + before.dropped + before.waiting) == sorted(before.accepted)
+    checkpoint = last_checkpoint_step(run_dir)
+
+    # The same command continues from the checkpoint, over the same buffer.
+    again = Run(run_dir, "--steps", "200")
+    resumed_at = time.time()
+    try:
+        trainer_log = run_dir / "logs/trainer.log"
+        again.wait_until(lambda: f"trainer starts at step {checkpoint}," in trainer_log.read_text(),
+                         "resumed trainer")
+        again.wait_until(lambda: any(r["step"] == checkpoint + 1 and r["time"] > resumed_at
+                                     for r in records_so_far(run_dir)), "step after the checkpoint")
+        assert again.stop() == 130, again.output()
+        assert again.left_running() == [], again.describe()
+    finally:
+        again.kill()
+    after = group_fates(run_dir / "redis", job.metadata.name)
+    # Redis' history continues (the same files, nothing forgotten), and every group that
+    # waited at the stop was then trained on, dropped as stale, or still waits: none lost.
+    assert after.accepted[:len(before.accepted)] == before.accepted
+    assert after.trained[:len(before.trained)] == before.trained
+    assert sorted(after.trained + after.dropped + after.waiting) == sorted(after.accepted)
+    assert set(before.waiting) <= set(after.trained + after.dropped + after.waiting)
+    # The resumed trainer took its batches from that buffer: it trained on more than before.
+    assert len(after.trained) > len(before.trained)
 
 
 @pytest.mark.slow
@@ -105,25 +278,34 @@ def test_killing_the_trainer_mid_step_loses_no_accepted_sample(tmp_path):
     assert stats.accepted_total == (stats.consumed_total + stats.depth_groups
                                     + stats.dropped_stale_total)
     assert stats.consumed_total >= 6 * job.spec.algorithm.batch_size
+    # The same by group id, from what Redis itself wrote (its append-only file) rather than
+    # the buffer's counters: each accepted group once, and then exactly one of trained (in
+    # an acknowledged batch), dropped as stale, or still waiting; none twice, none missing.
+    fates = group_fates(options.run_dir / "redis", job.metadata.name)
+    assert len(set(fates.accepted)) == len(fates.accepted)
+    assert sorted(fates.trained + fates.dropped + fates.waiting) == sorted(fates.accepted)
+    assert len(fates.trained) >= 6 * job.spec.algorithm.batch_size
+    # The buffer's counters, read while the rollout worker still ran, cannot exceed them.
+    assert stats.accepted_total <= len(fates.accepted)
+    assert stats.consumed_total <= len(fates.trained)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_a_crashed_service_stops_the_job_with_its_log_tail(tmp_path):
-    from asyncrl.runner import ServiceFailed
-
-    job = load_manifest(TINY)
-    local = LocalJob(job, yaml.safe_load(TINY.read_text()), RunOptions(run_dir=tmp_path / "run",
-                                                                        max_steps=50))
+    run_dir = tmp_path / "run"
+    run = Run(run_dir, "--steps", "200")
     try:
-        local.start()
-        rollout = next(s for s in local.services if s.name == "rollout")
-        os.kill(rollout.process.pid, signal.SIGKILL)
-        rollout.process.wait()
-        with pytest.raises(ServiceFailed) as failure:
-            local.check()
+        run.wait_until(lambda: records_so_far(run_dir), "first training step")
+        rollout = run.service("rollout")
+        rollout.kill()  # kill -9, by pid
+        code = run.process.wait(timeout=300)
+        output = run.output()
+        assert code == 1, output
+        assert "rollout exited with code -9; last lines of its log:" in flat(output)
+        log_tail = (run_dir / "logs/rollout.log").read_text().splitlines()[-3:]
+        assert flat("\n".join(log_tail)) in flat(output), log_tail
+        # Every other process it started, redis-server included, stopped before it returned.
+        assert run.left_running() == [], run.describe()
     finally:
-        local.stop()
-    assert failure.value.name == "rollout" and failure.value.returncode == -signal.SIGKILL
-    assert "serve rollout" in failure.value.log_tail
-    # Everything else was stopped with it.
-    assert all(s.process.poll() is not None for s in local.services)
+        run.kill()

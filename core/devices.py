@@ -1,0 +1,55 @@
+"""Which device a trainer or rollout process computes on.
+
+One rule for every service: the process runs on `cuda:<local rank>` when the job gives its pod
+GPUs (`placement.gpus > 0`) and CUDA is available here, on the CPU otherwise. Under torchrun the
+local rank is the process's index on its node, so each process of a pod gets its own GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def local_rank() -> int:
+    """This process's index on its node: torchrun's LOCAL_RANK, 0 outside torchrun."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def select_device(gpus_requested: int, local_rank: int = 0) -> torch.device:
+    """`cuda:<local_rank>` when GPUs were requested and CUDA is available (made the current
+    CUDA device), else the CPU.
+
+    Raises ValueError when GPUs are in use but this process's GPU does not exist (more
+    processes per pod than visible GPUs).
+    """
+    if gpus_requested < 0 or local_rank < 0:
+        raise ValueError(f"gpus_requested and local_rank must be >= 0, got {gpus_requested}, "
+                         f"{local_rank}")
+    if gpus_requested == 0:
+        log.info("device: cpu (the job requests no GPUs)")
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        log.warning("device: cpu (%d GPUs requested, but CUDA is not available here)",
+                    gpus_requested)
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    if local_rank >= visible:
+        raise ValueError(
+            f"process {local_rank} of this pod needs GPU {local_rank}, but {visible} are "
+            "visible; run at most one process per GPU (trainer.processesPerReplica <= "
+            "trainer.placement.gpus)"
+        )
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)  # the current device, which NCCL and FSDP use
+    log.info("device: %s (%s)", device, torch.cuda.get_device_name(device))
+    return device
+
+
+def distributed_backend(device: torch.device) -> str:
+    """torch.distributed backend for tensors on `device`: NCCL on GPU, gloo on CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"

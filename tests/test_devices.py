@@ -1,0 +1,56 @@
+"""The one device rule: cuda:<local rank> when the job requests GPUs and CUDA is here, else CPU.
+
+The GPU branches are exercised on a CPU-only machine by pretending CUDA is available."""
+
+import pytest
+import torch
+
+from asyncrl.devices import distributed_backend, local_rank, select_device
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    return current
+
+
+def test_no_gpus_requested_is_cpu_even_with_cuda(fake_cuda):
+    assert select_device(0) == torch.device("cpu")
+    assert select_device(0, local_rank=1) == torch.device("cpu")
+    assert fake_cuda == []
+
+
+def test_gpus_requested_with_cuda_is_the_local_ranks_gpu_made_current(fake_cuda):
+    assert select_device(1) == torch.device("cuda", 0)
+    assert select_device(2, local_rank=1) == torch.device("cuda", 1)
+    assert fake_cuda == [torch.device("cuda", 0), torch.device("cuda", 1)]
+
+
+def test_more_processes_than_gpus_is_refused_with_the_fix(fake_cuda):
+    with pytest.raises(ValueError, match="processesPerReplica"):
+        select_device(2, local_rank=2)
+
+
+def test_gpus_requested_without_cuda_falls_back_to_cpu(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with caplog.at_level("WARNING"):
+        assert select_device(4, local_rank=3) == torch.device("cpu")
+    assert "CUDA is not available" in caplog.text
+
+
+def test_negative_arguments_are_refused():
+    with pytest.raises(ValueError):
+        select_device(-1)
+
+
+def test_backend_and_local_rank(monkeypatch):
+    assert distributed_backend(torch.device("cpu")) == "gloo"
+    assert distributed_backend(torch.device("cuda", 1)) == "nccl"
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert local_rank() == 0
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert local_rank() == 3
