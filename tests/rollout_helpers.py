@@ -9,10 +9,11 @@ import threading
 import time
 from pathlib import Path
 
+import torch
 import uvicorn
 from safetensors.torch import save_model
 
-from asyncrl.models import TinyModelConfig, build_tiny_model
+from asyncrl.models import TinyModelConfig, build_tiny_model, packed_token_logprobs
 from asyncrl.rollout.engine import TorchEngine
 from asyncrl.rollout.types import EngineStatus
 
@@ -33,6 +34,18 @@ def write_snapshot(path: Path, seed: int) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     save_model(build_tiny_model(TinyModelConfig(seed=seed), vocab_size=VOCAB), str(path))
     return path
+
+
+def recomputed_logprobs(models: dict, prompt_ids: list[int], output_ids: list[int],
+                        output_versions: list[int]) -> torch.Tensor:
+    """log p(token i | prompt + tokens before it) under the model of token i's version
+    (`models`: version -> model), by the trainer's own forward, at temperature 1."""
+    ids = torch.tensor(prompt_ids + output_ids)
+    bounds = torch.tensor([0, len(ids)])
+    with torch.no_grad():
+        per_version = {v: packed_token_logprobs(m.eval(), ids, torch.arange(len(ids)), bounds)
+                       [len(prompt_ids):] for v, m in models.items()}
+    return torch.stack([per_version[v][i] for i, v in enumerate(output_versions)])
 
 
 def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):

@@ -6,8 +6,9 @@ prints one JSON object: `{"sglang_version", "results": {name: {"accepted", "erro
 "normalized"}}}`. Each kind goes through what the SGLang server does with it:
 
 - generate: the HTTP contract gate of /generate (`generate_contract_error`), the FastAPI
-  parse into `GenerateReqInput`, `normalize_batch_and_arguments()`, then for every request
-  of the batch the tokenizer manager's `SamplingParams(**...)`, `.normalize()` and
+  parse into `GenerateReqInput`, `normalize_batch_and_arguments()` and
+  `contains_mm_input()` (whether SGLang sees multimodal data), then for every request of the
+  batch the tokenizer manager's `SamplingParams(**...)`, `.normalize()` and
   `.verify(vocab_size)`;
 - pause, continue, update_weights_from_disk, abort: the FastAPI parse into
   PauseGenerationReqInput, ContinueGenerationReqInput, UpdateWeightFromDiskReqInput, AbortReq;
@@ -76,12 +77,16 @@ def check_all(request: dict) -> dict:
                 "top_p": params.top_p,
                 "top_k": params.top_k,
                 "stop_token_ids": sorted(params.stop_token_ids or ()),
+                "ignore_eos": params.ignore_eos,
+                "frequency_penalty": params.frequency_penalty,
+                "presence_penalty": params.presence_penalty,
             })
         return {
             "is_single": obj.is_single,
             "batch_size": obj.batch_size,
             "rid": obj.rid,
             "return_logprob": obj.return_logprob,
+            "contains_mm_input": obj.contains_mm_input(),
             "sampling_params": sampling,
         }
 

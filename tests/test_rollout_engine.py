@@ -1,5 +1,6 @@
 """The torch engine against the trainer's own code path and plain transformers."""
 
+import threading
 import time
 
 import pytest
@@ -68,6 +69,116 @@ def test_logprobs_use_the_sampling_temperature(engine):
                                atol=LOGPROB_TOLERANCE, rtol=0)
 
 
+def penalised_logprobs(model, prompt, output, params, sampled=True):
+    """The log-probability of each output token computed directly from full forwards: the
+    model's logits, minus frequency_penalty x (count so far) and presence_penalty x (seen so
+    far), over temperature, cut to top-k and the top-p nucleus, renormalised. With `sampled`,
+    every token must have been possible (-inf otherwise)."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + output])).logits[0].float()
+    logprobs = []
+    for i, token in enumerate(output):
+        row = logits[len(prompt) - 1 + i].clone()
+        for seen in set(output[:i]):
+            count = output[:i].count(seen)
+            row[seen] -= params.frequency_penalty * count + params.presence_penalty
+        if params.temperature == 0:
+            assert token == int(row.argmax()) or not sampled
+            logprobs.append(float(torch.log_softmax(row, -1)[token]))
+            continue
+        row = row / params.temperature
+        order = row.argsort(descending=True)
+        if params.top_k > 0:
+            order = order[: params.top_k]
+        probs = torch.softmax(row[order], -1)
+        kept = order[(probs.cumsum(-1) - probs) < params.top_p].tolist()
+        if token not in kept:
+            assert not sampled, "sampled a token outside top-k / top-p"
+            logprobs.append(float("-inf"))
+            continue
+        logprobs.append(float(torch.log_softmax(row[kept], -1)[kept.index(token)]))
+    return torch.tensor(logprobs)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_new_tokens=24, temperature=0.8, top_k=40, top_p=0.9,
+                       frequency_penalty=1.5, presence_penalty=0.5),
+        SamplingParams(max_new_tokens=24, temperature=1.0, frequency_penalty=-1.0),
+        SamplingParams(max_new_tokens=24, temperature=0, frequency_penalty=2.0,
+                       presence_penalty=2.0),
+    ],
+    ids=["sampled-with-top-k-top-p", "negative-frequency", "greedy"],
+)
+def test_penalised_logprobs_are_those_of_the_distribution_sampled_from(engine, params):
+    """With penalties the behaviour policy is the penalised distribution: the reported
+    log-probabilities equal a direct computation of it, and differ from the model's own."""
+    batch = prompts(3, seed=11)
+    # Alongside an unpenalised request, so penalised and plain rows share decode steps.
+    plain = engine.submit(batch[0], SamplingParams(max_new_tokens=24))
+    futures = [engine.submit(p, params) for p in batch]
+    for prompt, future in zip(batch, futures):
+        result = future.result(timeout=60)
+        assert len(result.output_ids) == 24
+        expected = penalised_logprobs(engine._model, prompt, result.output_ids, params)
+        torch.testing.assert_close(torch.tensor(result.output_logprobs), expected,
+                                   atol=LOGPROB_TOLERANCE, rtol=0)
+        unpenalised = penalised_logprobs(
+            engine._model, prompt, result.output_ids,
+            SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p),
+            sampled=False,
+        )
+        assert (torch.tensor(result.output_logprobs) - unpenalised).abs().max() > 1e-2
+    result = plain.result(timeout=60)
+    expected = recomputed(engine._model, batch[0], result.output_ids)
+    torch.testing.assert_close(torch.tensor(result.output_logprobs), expected,
+                               atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+def test_frequency_penalty_stops_greedy_repetition(engine):
+    # A random tiny model, greedy, soon loops; a strong penalty makes every token new.
+    prompt = prompts(1, seed=2)[0]
+    looping = engine.submit(prompt, SamplingParams(max_new_tokens=60, temperature=0)).result(60)
+    assert len(set(looping.output_ids)) < 60
+    fresh = engine.submit(prompt, SamplingParams(max_new_tokens=60, temperature=0,
+                                                 presence_penalty=2.0,
+                                                 frequency_penalty=2.0)).result(60)
+    assert len(set(fresh.output_ids)) > len(set(looping.output_ids))
+
+
+def test_ignore_eos_generates_past_the_eos_token():
+    """As in SGLang 0.5.23 (Req._check_token_based_finish returns at once with ignore_eos),
+    ignore_eos turns off every token stop: the EOS tokens and stop_token_ids alike."""
+    prompt = prompts(1, seed=4)[0]
+    probe = TorchEngine(tiny(), max_running_requests=2, max_sequence_length=96, seed=0).start()
+    try:
+        greedy = probe.submit(prompt, SamplingParams(max_new_tokens=12, temperature=0)).result(60)
+    finally:
+        probe.stop()
+    eos = greedy.output_ids[3]
+    cut = greedy.output_ids.index(eos) + 1
+    engine = TorchEngine(tiny(), max_running_requests=2, max_sequence_length=96,
+                         eos_token_ids=(eos,), seed=0).start()
+    try:
+        def run(**changes):
+            params = SamplingParams(max_new_tokens=12, temperature=0, **changes)
+            return engine.submit(prompt, params).result(60)
+
+        stopped = run()
+        assert stopped.finish_reason == "stop" and stopped.matched_stop == eos
+        assert stopped.output_ids == greedy.output_ids[:cut]
+        for changes in ({"ignore_eos": True}, {"ignore_eos": True, "stop_token_ids": (eos,)}):
+            through = run(**changes)
+            assert through.finish_reason == "length" and through.matched_stop is None
+            assert through.output_ids == greedy.output_ids
+        # Without ignore_eos an explicit stop token stops as before.
+        other = greedy.output_ids[1]
+        assert run(stop_token_ids=(other,)).output_ids == greedy.output_ids[:2]
+    finally:
+        engine.stop()
+
+
 def test_continuous_batching_greedy_equals_unbatched_generate():
     """More requests than slots, arriving at different steps, with different lengths: each
     gets exactly the tokens transformers' unbatched greedy generate gives it."""
@@ -99,11 +210,33 @@ def test_interrupted_generation_resumes_under_new_weights(tmp_path):
     old, new = tiny(seed=1), tiny(seed=9)
     save_model(new, str(tmp_path / "model.safetensors"))
     engine = TorchEngine(tiny(seed=1), max_running_requests=4, max_sequence_length=96, seed=0).start()
+    reached, go = threading.Event(), threading.Event()
+
+    def hold_once(module, args):  # in the engine's thread, inside its first step
+        if not reached.is_set():
+            reached.set()
+            go.wait(timeout=120)
+
     try:
         batch = prompts(3, seed=5)
-        futures = [engine.submit(p, SamplingParams(max_new_tokens=30)) for p in batch]
-        wait_for_tokens(engine, 15)
+        # Submitted while paused, the three start in the same step; the engine is held inside
+        # that step until the next pause is asked for, so the update comes while all three are
+        # generating however loaded the machine is (no race against their 30 tokens).
         engine.pause()
+        futures = [engine.submit(p, SamplingParams(max_new_tokens=30)) for p in batch]
+        hold = engine._model.lm_head.register_forward_pre_hook(hold_once)
+        engine.resume()
+        assert reached.wait(timeout=60), "the engine never started the requests"
+        pausing = threading.Thread(target=engine.pause)
+        pausing.start()
+        deadline = time.monotonic() + 60
+        while not engine.status().paused:
+            assert time.monotonic() < deadline, "pause was never asked for"
+            time.sleep(0.001)
+        go.set()
+        pausing.join(timeout=60)
+        assert not pausing.is_alive(), "the engine never reached a step boundary"
+        hold.remove()
         update = engine.update_weights(tmp_path, version=1)
         assert update.version == 1 and update.interrupted_requests == 3
         engine.resume()
@@ -132,8 +265,13 @@ def test_interrupted_generation_resumes_under_new_weights(tmp_path):
 
 def test_pause_holds_new_requests_until_resume(engine):
     engine.pause()
-    future = engine.submit(prompts(1)[0], SamplingParams(max_new_tokens=3))
-    time.sleep(0.2)
+    # The submission wakes the engine's loop, which looks at the queue and, paused, notifies
+    # on its way back to waiting: after that notice the request would have started if pause
+    # did not hold it. (Held from before the submission, so the notice cannot be missed; the
+    # limit only catches a hang.)
+    with engine._wake:
+        future = engine.submit(prompts(1)[0], SamplingParams(max_new_tokens=3))
+        assert engine._wake.wait(timeout=60), "the engine's loop never looked at the request"
     assert not future.done() and engine.status().waiting_requests == 1
     engine.resume()
     assert len(future.result(timeout=30).output_ids) == 3
@@ -184,6 +322,9 @@ def test_stop_tokens_end_a_request(engine):
         ([1, 2], SamplingParams(top_p=0), "top_p"),
         ([1, 2], SamplingParams(top_k=0), "top_k"),
         ([1, 2], SamplingParams(temperature=-1), "temperature"),
+        ([1, 2], SamplingParams(frequency_penalty=2.5), "frequency_penalty"),
+        ([1, 2], SamplingParams(presence_penalty=-3), "presence_penalty"),
+        ([1, 2], SamplingParams(frequency_penalty=float("nan")), "frequency_penalty"),
     ],
 )
 def test_bad_requests_are_refused_and_the_engine_keeps_serving(engine, prompt, params, message):
@@ -242,3 +383,32 @@ def test_sampling_respects_top_k_top_p_and_renormalises():
         assert int(tokens[2]) == 0
         assert logprobs[2] == pytest.approx(float(torch.log_softmax(logits[2], -1)[0]), abs=1e-6)
     assert seen == {0, 1}
+
+
+def test_engine_on_the_selected_device_in_bfloat16(tmp_path):
+    """What `serve rollout` builds for model.dtype bfloat16 on a GPU pool: the device comes
+    from select_device (the CPU here, cuda:0 on a GPU machine, the same code); weights and KV
+    cache are bf16, log-probabilities are still those of the model (computed in float32), and
+    a float32 snapshot from the trainer loads into the bf16 weights."""
+    from asyncrl.devices import select_device
+
+    device = select_device(gpus_requested=1)
+    model = tiny(seed=4).to(device=device, dtype=torch.bfloat16)
+    engine = TorchEngine(model, max_running_requests=4, max_sequence_length=96, seed=0).start()
+    try:
+        batch = prompts(3, seed=6)
+        futures = [engine.submit(p, SamplingParams(max_new_tokens=12)) for p in batch]
+        for prompt, future in zip(batch, futures):
+            result = future.result(timeout=60)
+            expected = recomputed(model, prompt, result.output_ids).float().cpu()
+            # bf16 rounds differently in cached decoding and in one packed forward pass.
+            torch.testing.assert_close(torch.tensor(result.output_logprobs), expected,
+                                       atol=0.1, rtol=0)
+        save_model(tiny(seed=5), str(tmp_path / "model.safetensors"))  # float32, as published
+        assert engine.update_weights(tmp_path, version=1).version == 1
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        assert {p.device for p in model.parameters()} == {device}
+        result = engine.submit(batch[0], SamplingParams(max_new_tokens=4)).result(timeout=60)
+        assert result.output_versions == [1] * 4
+    finally:
+        engine.stop()

@@ -7,6 +7,7 @@ import pytest
 from asyncrl.models import TinyModelConfig, build_tiny_model
 from asyncrl.rollout.engine import TorchEngine
 from asyncrl.rollout.types import SamplingParams
+from asyncrl.rollout.engine_api import TorchInferenceEngine
 from asyncrl.rollout.workflow import EngineGenerator, InProcessGate, PromptItem, RolloutWorkflow
 
 
@@ -37,7 +38,7 @@ def test_workflow_puts_scored_groups_with_complete_records(engine):
     gate = InProcessGate(max_staleness=10, batch_size=2)
     scorer = CountingScorer()
     workflow = RolloutWorkflow(
-        items(5), generator=EngineGenerator(engine), scorer=scorer, gate=gate, group_size=3,
+        items(5), generator=EngineGenerator(TorchInferenceEngine(engine)), scorer=scorer, gate=gate, group_size=3,
         params=SamplingParams(max_new_tokens=6),
     )
     stats = asyncio.run(workflow.run())
@@ -60,7 +61,7 @@ def test_workflow_requests_are_counted_in_the_rollout_metrics(engine):
 
     metrics = RolloutMetrics("job")
     workflow = RolloutWorkflow(
-        items(2), generator=EngineGenerator(engine, metrics), scorer=CountingScorer(),
+        items(2), generator=EngineGenerator(TorchInferenceEngine(engine), metrics), scorer=CountingScorer(),
         gate=InProcessGate(max_staleness=10, batch_size=2), group_size=3,
         params=SamplingParams(max_new_tokens=6),
     )
@@ -70,23 +71,47 @@ def test_workflow_requests_are_counted_in_the_rollout_metrics(engine):
     assert 'asyncrl_rollout_request_seconds_count{rljob="job"} 6.0' in text
 
 
+class WatchedGate(InProcessGate):
+    """Counts the workflow's requests for a slot that found the gate closed."""
+
+    refused = 0
+
+    async def acquire(self):
+        if self.capacity() <= 0:
+            self.refused += 1
+        return await super().acquire()
+
+
+async def until(condition, what: str, timeout: float = 60.0) -> None:
+    """Polls `condition` (the limit only catches a hang)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"never {what}"
+        await asyncio.sleep(0.01)
+
+
 def test_gate_holds_rollouts_until_the_trainer_advances(engine):
     """η = 0, batch 2: only 2 groups may exist before version 1, 4 before version 2."""
-    gate = InProcessGate(max_staleness=0, batch_size=2)
+    gate = WatchedGate(max_staleness=0, batch_size=2)
 
     async def scenario():
         workflow = RolloutWorkflow(
-            items(6), generator=EngineGenerator(engine), scorer=CountingScorer(), gate=gate,
+            items(6), generator=EngineGenerator(TorchInferenceEngine(engine)), scorer=CountingScorer(), gate=gate,
             group_size=2, params=SamplingParams(max_new_tokens=3),
         )
         run = asyncio.create_task(workflow.run())
-        await asyncio.sleep(1.0)
-        assert gate.accepted == 2 and gate.running == 0
+        # Both groups of the budget done, and the workflow asking for a third slot: from here
+        # only a new version can let anything start. peak_in_flight records any overshoot.
+        await until(lambda: gate.accepted == 2 and gate.running == 0 and gate.refused >= 1,
+                    "2 groups with the workflow waiting at the gate")
+        assert gate.peak_in_flight == 2 and not run.done()
+        refused = gate.refused
         await gate.set_version(1)
-        await asyncio.sleep(1.0)
-        assert gate.accepted == 4
+        await until(lambda: gate.accepted == 4 and gate.running == 0 and gate.refused > refused,
+                    "4 groups with the workflow waiting at the gate")
+        assert gate.peak_in_flight == 4 and not run.done()
         await gate.set_version(2)
-        await asyncio.wait_for(run, 30)
+        await asyncio.wait_for(run, 60)
 
     asyncio.run(scenario())
     assert gate.accepted == 6 and gate.peak_in_flight <= 6

@@ -54,7 +54,20 @@ def with_sampling(body: dict, **changes) -> dict:
     return {**body, "sampling_params": {**body["sampling_params"], **changes}}
 
 
+def areal_body(**gconfig) -> dict:
+    """The /generate body AReaL 1.0.4's RemoteSGLangEngine builds
+    (SGLangBackend.build_generation_request) from GenerationHyperparameters' defaults, with
+    ModelRequest.image_data's default []; as tests/test_rollout_http.py sends it to ours."""
+    config = {"top_p": 1.0, "top_k": int(1e8), "max_new_tokens": 16384, "temperature": 1.0,
+              "stop_token_ids": [], "ignore_eos": False, "skip_special_tokens": True,
+              "frequency_penalty": 0.0, **gconfig}
+    return {"input_ids": [1, 2, 3], "image_data": [], "sampling_params": config,
+            "return_logprob": True, "stream": False}
+
+
 SINGLE = generate_payload([1, 2, 3], FULL, "r-single")
+PENALISED = SamplingParams(max_new_tokens=16, ignore_eos=True, frequency_penalty=0.5,
+                           presence_penalty=-0.25)
 
 CASES = {
     # accepted
@@ -64,6 +77,14 @@ CASES = {
     "job sampling": ("generate", generate_payload(list(range(40)), JOB_SAMPLING, "r-job")),
     "batch": ("generate", generate_batch_payload([[1, 2], [3, 4, 5], [6]], FULL,
                                                  ["b0", "b1", "b2"])),
+    "penalised": ("generate", generate_payload([5, 6], PENALISED, "r-penalised")),
+    "areal default": ("generate", areal_body()),
+    "areal ignore_eos and frequency_penalty": ("generate",
+                                               areal_body(ignore_eos=True, frequency_penalty=1.5)),
+    "empty image_data null": ("generate", {**SINGLE, "image_data": None}),
+    "empty image_data nested": ("generate", {**SINGLE, "image_data": [[]]}),
+    "empty image_data string": ("generate", {**SINGLE, "image_data": ""}),
+    "pause without a mode": ("pause", {}),
     "pause retract": ("pause", pause_payload()),
     "pause abort": ("pause", pause_payload("abort")),
     "pause in_place": ("pause", pause_payload("in_place")),
@@ -79,6 +100,8 @@ CASES = {
     "max_new_tokens as a string": ("generate", with_sampling(SINGLE, max_new_tokens="16")),
     "top_k 0": ("generate", with_sampling(SINGLE, top_k=0)),
     "top_p 0": ("generate", with_sampling(SINGLE, top_p=0.0)),
+    "frequency_penalty 2.5": ("generate", with_sampling(SINGLE, frequency_penalty=2.5)),
+    "presence_penalty -3": ("generate", with_sampling(SINGLE, presence_penalty=-3.0)),
     "token ids as strings": ("generate", {**SINGLE, "input_ids": ["1", "2"]}),
     "integer weight_version": ("update_weights_from_disk",
                                {"model_path": "/weights/v3", "weight_version": 3}),
@@ -135,9 +158,11 @@ def test_single_generate_request(verdict):
     single = accepted(verdict, "single")
     assert single["is_single"] and single["rid"] == "r-single"
     assert single["return_logprob"] is True
+    assert not single["contains_mm_input"]
     assert single["sampling_params"] == [{
         "max_new_tokens": 16, "temperature": 0.7, "top_p": 0.9, "top_k": 20,
-        "stop_token_ids": [2, 7],
+        "stop_token_ids": [2, 7], "ignore_eos": False, "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
     }]
 
 
@@ -157,6 +182,32 @@ def test_batch_generate_request(verdict):
     assert batch["rid"] == ["b0", "b1", "b2"]
     assert batch["return_logprob"] == [True, True, True]
     assert [p["top_k"] for p in batch["sampling_params"]] == [20, 20, 20]
+
+
+def test_penalties_and_ignore_eos_keep_their_meaning_in_sglang(verdict):
+    (penalised,) = accepted(verdict, "penalised")["sampling_params"]
+    assert penalised["ignore_eos"] is True
+    assert penalised["frequency_penalty"] == 0.5 and penalised["presence_penalty"] == -0.25
+
+
+def test_areals_bodies_and_empty_multimodal_fields(verdict):
+    # What our HTTP API accepts from AReaL, SGLang accepts too, and sees no image in.
+    default = accepted(verdict, "areal default")
+    assert not default["contains_mm_input"] and default["return_logprob"] is True
+    (params,) = default["sampling_params"]
+    assert params["ignore_eos"] is False and params["frequency_penalty"] == 0.0
+    (params,) = accepted(verdict, "areal ignore_eos and frequency_penalty")["sampling_params"]
+    assert params["ignore_eos"] is True and params["frequency_penalty"] == 1.5
+    for name in ("empty image_data null", "empty image_data nested"):
+        assert not accepted(verdict, name)["contains_mm_input"], name
+    # "" counts as data to has_valid_data, but a text-only server has no multimodal processor
+    # and ignores it; we accept it as empty.
+    accepted(verdict, "empty image_data string")
+
+
+def test_pause_without_a_mode_aborts(verdict):
+    # Our /pause_generation's default follows this.
+    assert accepted(verdict, "pause without a mode")["mode"] == "abort"
 
 
 def test_control_requests(verdict):
@@ -190,6 +241,8 @@ def test_launch_flags_parse_with_sglangs_own_parser(verdict):
         ("max_new_tokens as a string", 'invalid type: string "16"'),
         ("top_k 0", "top_k must be -1 (disable) or at least 1"),
         ("top_p 0", "top_p must be in (0, 1]"),
+        ("frequency_penalty 2.5", "frequency_penalty must be in [-2, 2]"),
+        ("presence_penalty -3", "presence_penalty must be in [-2, 2]"),
         ("token ids as strings", 'invalid type: string "1"'),
         ("integer weight_version", "weight_version"),
         ("unknown pause mode", "mode"),

@@ -14,6 +14,7 @@ new weights, then continues. Nothing is lost or duplicated.
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 import uuid
@@ -28,7 +29,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from asyncrl.rollout.kv_cache import SlotKVCache
-from asyncrl.rollout.sampling import sample_tokens
+from asyncrl.rollout.sampling import apply_penalties, sample_tokens
 from asyncrl.rollout.types import (
     EngineStatus,
     GenerationResult,
@@ -46,6 +47,9 @@ class _Request:
     future: Future = field(default_factory=Future)
     cached: int = 0  # tokens whose keys/values are in the cache
     pending: int | None = None  # sampled token not yet fed to the model
+    # With a frequency or presence penalty: how often each token occurs in the output so far
+    # ([vocab], float32, on the engine's device), kept up to date by _append.
+    counts: Tensor | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -137,8 +141,14 @@ class TorchEngine:
         params.check()
         prompt_ids = self._check_prompt(prompt_ids, params)
         request_id = request_id or uuid.uuid4().hex
-        stop_ids = frozenset(params.stop_token_ids) | self._eos
+        # ignore_eos turns off every token stop, as in SGLang (Req._check_token_based_finish
+        # returns early): neither the EOS tokens nor stop_token_ids end the request.
+        stop_ids = frozenset()
+        if not params.ignore_eos:
+            stop_ids = frozenset(params.stop_token_ids) | self._eos
         request = _Request(GenerationResult(request_id, prompt_ids), params, stop_ids)
+        if params.penalized:
+            request.counts = torch.zeros(self.vocab_size, device=self._device)
         with self._wake:
             if request_id in self._requests:
                 raise RequestError(f"rid {request_id!r} is already running; use a unique rid")
@@ -180,8 +190,9 @@ class TorchEngine:
             return [r.result.request_id for r in chosen]
 
     def update_weights(self, path: str | Path, version: int) -> WeightUpdate:
-        """Loads a safetensors snapshot (a file, or a directory holding model.safetensors) as
-        policy `version`. On any error the engine keeps serving with its current weights."""
+        """Loads a safetensors snapshot (a file; a directory with a sharded Hugging Face
+        checkpoint, model.safetensors or *.safetensors files) as policy `version`. On any
+        error the engine keeps serving with its current weights."""
         started = time.perf_counter()
         state = self._read_snapshot(Path(path), version)
         return self._swap_weights(state, version, started)
@@ -242,15 +253,76 @@ class TorchEngine:
             )
 
     def _read_snapshot(self, path: Path, version: int) -> dict[str, Tensor]:
+        """Reads a snapshot in any layout Hugging Face writes: one safetensors file; a
+        directory with a sharded checkpoint (`model.safetensors.index.json` and the shards its
+        weight_map names); a directory with `model.safetensors`; or a directory of
+        `*.safetensors` files. Nothing is applied unless the whole snapshot checks out."""
         self._check_version(version)
-        file = path / "model.safetensors" if path.is_dir() else path
-        if not file.is_file():
-            raise RequestError(f"model_path {str(path)!r}: no safetensors snapshot there")
+        where = f"model_path {str(path)!r}"
+        if path.is_dir():
+            index = path / "model.safetensors.index.json"
+            if index.is_file():
+                state = self._read_sharded(path, index, where)
+            elif (path / "model.safetensors").is_file():
+                state = self._read_files([path / "model.safetensors"], where)
+            elif files := sorted(path.glob("*.safetensors")):
+                state = self._read_files(files, where)
+            else:
+                raise RequestError(f"{where}: no safetensors snapshot there")
+        elif path.is_file():
+            state = self._read_files([path], where)
+        else:
+            raise RequestError(f"{where}: no safetensors snapshot there")
+        return self._check_tensors(state, f"snapshot {str(path)!r}")
+
+    def _read_sharded(self, directory: Path, index: Path, where: str) -> dict[str, Tensor]:
+        """The shards a Hugging Face index names; every tensor of its weight_map must be in
+        the shard the map says."""
         try:
-            state = load_file(file, device=str(self._device))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise RequestError(f"model_path {str(path)!r}: unreadable snapshot ({exc})") from exc
-        return self._check_tensors(state, f"snapshot {str(file)!r}")
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+            ):
+                raise ValueError("weight_map must map tensor names to shard file names")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise RequestError(f"{where}: unreadable {index.name} ({exc!r})") from exc
+        shards: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            shards.setdefault(shard, []).append(name)
+        root = directory.resolve()
+        files = []
+        for shard in shards:
+            file = (directory / shard).resolve()
+            if file.parent != root:
+                raise RequestError(f"{where}: {index.name} names {shard!r}, outside the directory")
+            if not file.is_file():
+                raise RequestError(f"{where}: shard {shard!r} named by {index.name} is missing")
+            files.append(file)
+        state = self._read_files(files, where)
+        for shard, names in shards.items():
+            absent = [n for n in names if n not in state]
+            if absent:
+                raise RequestError(
+                    f"{where}: shard {shard!r} lacks tensor {absent[0]!r} that {index.name} "
+                    "puts there"
+                )
+        return state
+
+    def _read_files(self, files: list[Path], where: str) -> dict[str, Tensor]:
+        state: dict[str, Tensor] = {}
+        for file in files:
+            try:
+                part = load_file(file, device=str(self._device))
+            except (SafetensorError, OSError, ValueError) as exc:
+                raise RequestError(f"{where}: unreadable snapshot {file.name!r} ({exc})") from exc
+            repeated = sorted(set(part) & set(state))
+            if repeated:
+                raise RequestError(
+                    f"{where}: tensor {repeated[0]!r} appears in more than one file "
+                    f"(again in {file.name!r})"
+                )
+            state.update(part)
+        return state
 
     def _check_tensors(self, state: dict[str, Tensor], what: str) -> dict[str, Tensor]:
         """Every parameter must be present (tied weights may appear once) with its shape."""
@@ -380,9 +452,23 @@ class TorchEngine:
         return self._model.lm_head(hidden[:, -1])
 
     def _sample(self, requests: list[_Request], logits: Tensor) -> tuple[Tensor, Tensor]:
+        """One token per request (row of `logits`) and its log-probability under the
+        distribution it was drawn from: penalties, then temperature, top-k and top-p."""
+
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype, device=self._device)
 
+        penalized = [i for i, r in enumerate(requests) if r.counts is not None]
+        if penalized:
+            logits = logits.float()
+            rows = column(penalized, torch.long)
+            chosen = [requests[i] for i in penalized]
+            logits[rows] = apply_penalties(
+                logits[rows],
+                torch.stack([r.counts for r in chosen]),
+                column([r.params.frequency_penalty for r in chosen], torch.float32),
+                column([r.params.presence_penalty for r in chosen], torch.float32),
+            )
         return sample_tokens(
             logits,
             column([r.params.temperature for r in requests], torch.float32),
@@ -397,6 +483,8 @@ class TorchEngine:
         result.output_ids.append(token_id)
         result.output_logprobs.append(float(logprob[0]))
         result.output_versions.append(self._version)
+        if request.counts is not None:
+            request.counts[token_id] += 1
         request.pending = token_id
         self._generated_total += 1
 

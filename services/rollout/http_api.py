@@ -6,7 +6,11 @@ so routes, request bodies and response shapes follow SGLang's native API
 
 - `POST /generate` with `input_ids` (a list of token ids, or a list of lists for a batch),
   `sampling_params`, `return_logprob` and `rid`. The engine is token-in/token-out, as SGLang is
-  with `skip_tokenizer_init`: no `text` in, only `output_ids` out. Each response is
+  with `skip_tokenizer_init`: no `text` in, only `output_ids` out. Empty multimodal fields
+  (`"image_data": []`, null, "") are absent, as in SGLang; ones with data are refused.
+  `sampling_params` honours max_new_tokens, temperature, top_p, top_k, stop_token_ids,
+  ignore_eos, frequency_penalty and presence_penalty (`SamplingParams`); the other keys SGLang
+  knows are accepted at their no-op values only. Each response is
   `{"output_ids": [...], "meta_info": {...}}`; `meta_info` carries SGLang's `id`,
   `finish_reason` (`{"type": "stop", "matched": <token id>}`, `{"type": "length", ...}` or
   `{"type": "abort", ...}`), `prompt_tokens`, `completion_tokens`, `cached_tokens`,
@@ -19,8 +23,12 @@ so routes, request bodies and response shapes follow SGLang's native API
   `GET /get_weight_version`, and `GET /metrics` (Prometheus text).
 
 Errors use SGLang's body, `{"error": {"message": ...}}`: a request the engine refuses and a
-body that fails validation are 400 (not FastAPI's 422), an unknown request id is 404. A bad
-request is refused before anything of it is queued, so it never disturbs other requests.
+body that fails validation are 400 (not FastAPI's 422), an unknown request id is 404. An
+unknown path (404) or a wrong method (405, with an Allow header) keeps Starlette's
+`{"detail": "Not Found"}` / `{"detail": "Method Not Allowed"}`, exactly what SGLang 0.5.23
+answers: its HTTPException handler is registered for FastAPI's HTTPException, which the
+router's Starlette HTTPException does not reach. A bad request is refused before anything of
+it is queued, so it never disturbs other requests.
 Handlers never block the event loop: results are awaited as futures, and engine calls that
 wait (pause, weight loading, abort) run in worker threads.
 """
@@ -33,7 +41,7 @@ import uuid
 from concurrent.futures import Future
 from typing import Annotated, Any, Literal
 
-from fastapi import Body, FastAPI, Request
+from fastapi import APIRouter, Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import (
@@ -81,6 +89,16 @@ def _as_list(value: Any) -> Any:
     return [value] if isinstance(value, dict) else value
 
 
+def _has_data(value: Any) -> bool:
+    """Whether a multimodal field carries anything. As SGLang's has_valid_data: None and
+    (nested) lists of nothing else are empty (AReaL sends `"image_data": []` with every
+    text-only request). "" is empty too here; SGLang counts it as data, but a text-only
+    SGLang server has no multimodal processor and never reads it."""
+    if isinstance(value, list):
+        return any(_has_data(item) for item in value)
+    return value is not None and value != ""
+
+
 class SamplingParamsBody(BaseModel):
     """SGLang's `sampling_params`. Keys SGLang does not know are refused, like SGLang does;
     keys it knows that this engine cannot honour are accepted only at their no-op values."""
@@ -92,16 +110,16 @@ class SamplingParamsBody(BaseModel):
     top_p: float | None = 1.0
     top_k: int | None = -1
     stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = False
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
     # Accepted by SGLang; honoured here only at their defaults (see _check_no_ops).
     stop: str | list[str] | None = None
     stop_regex: str | list[str] | None = None
     min_p: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    presence_penalty: float | None = 0.0
     repetition_penalty: float | None = 1.0
     min_new_tokens: int | None = 0
     n: int | None = 1
-    ignore_eos: bool | None = False
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -118,9 +136,8 @@ class SamplingParamsBody(BaseModel):
     @model_validator(mode="after")
     def _check_no_ops(self) -> SamplingParamsBody:
         no_op_defaults = {
-            "stop": None, "stop_regex": None, "min_p": 0.0, "frequency_penalty": 0.0,
-            "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0, "n": 1,
-            "ignore_eos": False, "json_schema": None, "regex": None, "ebnf": None,
+            "stop": None, "stop_regex": None, "min_p": 0.0, "repetition_penalty": 1.0,
+            "min_new_tokens": 0, "n": 1, "json_schema": None, "regex": None, "ebnf": None,
             "structural_tag": None, "logit_bias": None, "sampling_seed": None,
             "custom_params": None,
         }
@@ -129,7 +146,8 @@ class SamplingParamsBody(BaseModel):
             if value is not None and value != default and value not in ("", [], {}):
                 raise ValueError(
                     f"sampling_params.{name}={value!r} is not supported by the torch engine "
-                    f"(it supports max_new_tokens, temperature, top_p, top_k, stop_token_ids); "
+                    "(it supports max_new_tokens, temperature, top_p, top_k, stop_token_ids, "
+                    "ignore_eos, frequency_penalty, presence_penalty); "
                     f"omit it or send {default!r}"
                 )
         return self
@@ -147,6 +165,9 @@ class SamplingParamsBody(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k,
             stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=bool(self.ignore_eos),
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
         )
 
 
@@ -164,7 +185,8 @@ class GenerateRequest(BaseModel):
     return_logprob: StrictBool | list[StrictBool] | None = None
     rid: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
-    # Refused with a message saying what to send instead.
+    # Refused with a message saying what to send instead (the multimodal ones only when they
+    # carry data: empty ones are absent).
     text: Any = None
     input_embeds: Any = None
     image_data: Any = None
@@ -178,9 +200,14 @@ class GenerateRequest(BaseModel):
                 "text input is not supported: this engine is token-in/token-out; "
                 "tokenize the prompt and send input_ids"
             )
-        for name in ("input_embeds", "image_data", "video_data", "audio_data"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name} is not supported by the torch engine; send input_ids")
+        if self.input_embeds is not None:
+            raise ValueError("input_embeds is not supported by the torch engine; send input_ids")
+        for name in ("image_data", "video_data", "audio_data"):
+            if _has_data(getattr(self, name)):
+                raise ValueError(
+                    f"{name} is not supported: the torch engine serves text-only models; "
+                    f"send input_ids only (an empty {name}, [] or null, is accepted)"
+                )
         if self.input_ids is None:
             raise ValueError("input_ids is required (a list of token ids, or a list of lists)")
         if self.stream:
@@ -220,14 +247,15 @@ class GenerateRequest(BaseModel):
 
 
 class PauseRequest(BaseModel):
-    """SGLang's PauseGenerationReqInput. "in_place" and "retract" both keep requests (the
-    engine drops nothing and resumes them on continue); "abort" ends them first. The default
-    is "in_place", so a body-less pause keeps requests; SGLang's own default differs between
-    releases, so a client should always send the mode it means."""
+    """SGLang's PauseGenerationReqInput. "abort" (the default, as in SGLang 0.5.23, so an
+    empty body `{}` or no body aborts) ends every running and waiting request with finish
+    reason "abort" and the tokens generated so far, and holds requests that arrive later
+    until continue. "in_place" and "retract" both keep requests: the engine drops nothing
+    and resumes them on continue."""
 
     model_config = ConfigDict(extra="ignore")
 
-    mode: Literal["abort", "retract", "in_place"] = "in_place"
+    mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
 class UpdateWeightsFromDiskRequest(BaseModel):
@@ -387,9 +415,11 @@ def create_app(engine, *, model_path: str, metrics: RolloutMetrics) -> FastAPI:
     @app.post("/pause_generation")
     async def pause_generation(body: Annotated[PauseRequest | None, Body()] = None):
         mode = (body or PauseRequest()).mode
+        # Paused first, so nothing starts between the abort and the pause (SGLang too marks
+        # itself paused before aborting).
+        await asyncio.to_thread(engine.pause)
         if mode == "abort":
             await asyncio.to_thread(engine.abort, None)
-        await asyncio.to_thread(engine.pause)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
@@ -432,11 +462,6 @@ def create_app(engine, *, model_path: str, metrics: RolloutMetrics) -> FastAPI:
         # SGLang answers 200 with no body; the ids actually aborted are our addition.
         return {"success": True, "aborted_rids": aborted}
 
-    @app.get("/health")
-    @app.get("/health_generate")
-    async def health():
-        return Response(status_code=200 if engine.alive else 503)
-
     @app.get("/get_model_info")
     async def get_model_info():
         return {
@@ -451,13 +476,28 @@ def create_app(engine, *, model_path: str, metrics: RolloutMetrics) -> FastAPI:
     async def get_weight_version():
         return {"weight_version": str(engine.version)}
 
-    @app.get("/metrics")
+    app.include_router(health_and_metrics(engine, metrics))
+    return app
+
+
+def health_and_metrics(engine, metrics: RolloutMetrics) -> APIRouter:
+    """`/health` (and SGLang's `/health_generate`): 200 while the engine serves, else 503;
+    `/metrics`: Prometheus text. Any engine with `alive` and `status()` (an InferenceEngine or
+    a TorchEngine)."""
+    router = APIRouter()
+
+    @router.get("/health")
+    @router.get("/health_generate")
+    async def health():
+        return Response(status_code=200 if engine.alive else 503)
+
+    @router.get("/metrics")
     async def prometheus_metrics():
         metrics.refresh(engine.status())
         body, content_type = metrics.exposition()
         return Response(body, media_type=content_type)
 
-    return app
+    return router
 
 
 def _checked(call, index: int, is_batch: bool):

@@ -1,6 +1,12 @@
-"""Per-row sampling for a continuous batch: every request keeps its own temperature,
-top-k and top-p, and gets the log-probability of the token under the distribution it was
-actually drawn from."""
+"""Per-row sampling for a continuous batch: every request keeps its own penalties,
+temperature, top-k and top-p, and gets the log-probability of the token under the
+distribution it was actually drawn from.
+
+The order is SGLang's: frequency/presence penalties on the raw logits (`apply_penalties`),
+then temperature, top-k, top-p, renormalisation and the draw (`sample_tokens`). The reported
+log-probability is taken at the very end, from the penalised, scaled, truncated and
+renormalised distribution: that is the behaviour policy the trainer's importance ratios need.
+"""
 
 from __future__ import annotations
 
@@ -17,9 +23,11 @@ def sample_tokens(
 ) -> tuple[Tensor, Tensor]:
     """(tokens [n], logprobs [n]) for logits [n, V] and per-row settings [n].
 
-    temperature 0 is greedy: the argmax, with its log-probability under the unscaled logits.
-    Otherwise logits are divided by the temperature, cut to the top-k tokens and the top-p
-    nucleus, renormalised, and sampled; the log-probability is taken from that distribution.
+    `logits` are final apart from sampling settings: penalties, if any, are already applied
+    (`apply_penalties`). temperature 0 is greedy: the argmax, with its log-probability under
+    the unscaled logits. Otherwise logits are divided by the temperature, cut to the top-k
+    tokens and the top-p nucleus, renormalised, and sampled; the log-probability is taken from
+    that distribution.
     """
     logits = logits.float()
     greedy = temperature <= 0
@@ -53,3 +61,18 @@ def _truncate(scaled: Tensor, k: Tensor, p: Tensor) -> Tensor:
     # Keep a token while the mass before it is below top_p (so the top token always stays).
     drop |= (probs.cumsum(dim=-1) - probs) >= p[:, None]
     return scaled.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def apply_penalties(
+    logits: Tensor, counts: Tensor, frequency_penalty: Tensor, presence_penalty: Tensor
+) -> Tensor:
+    """Logits [n, V] lowered by OpenAI's (and SGLang's) frequency and presence penalties:
+    `logit[t] - frequency_penalty × counts[t] - presence_penalty × (counts[t] > 0)`, where
+    `counts` [n, V] is how often each token occurs in the row's output so far and the
+    penalties are per row [n]. One batched expression, whatever the vocabulary size."""
+    counts = counts.to(logits.dtype)
+    return (
+        logits
+        - frequency_penalty[:, None].to(logits.dtype) * counts
+        - presence_penalty[:, None].to(logits.dtype) * (counts > 0).to(logits.dtype)
+    )

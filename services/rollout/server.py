@@ -1,7 +1,11 @@
 """`asyncrl serve rollout`: one rollout worker process.
 
-Loads the job's model into a torch engine, serves the SGLang-compatible HTTP API and the gRPC
-control API, and follows the policy versions the trainer announces in Redis.
+The worker drives one inference engine (`rollout.engine`): the torch engine in this process,
+behind an SGLang-compatible HTTP API, or an SGLang server it launches as a child process and
+drives over SGLang's HTTP API (its own HTTP port then serves /health and /metrics). Either way
+it runs the rollout workflow against the buffer, follows the policy versions the trainer
+announces in Redis, and serves the RolloutControl gRPC status API. If the SGLang child dies,
+the worker exits non-zero with SGLang's last output, so Kubernetes restarts the pod.
 """
 
 from __future__ import annotations
@@ -9,21 +13,35 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import shlex
 from pathlib import Path
+from typing import Coroutine, Literal
 
 import redis.asyncio as redis
 import torch
 import uvicorn
+from fastapi import FastAPI
 from pydantic import Field
 
 from asyncrl.buffer.client import BufferClient
-from asyncrl.models import load_policy
+from asyncrl.devices import local_rank, select_device
+from asyncrl.models import load_policy, load_tokenizer, model_directory
 from asyncrl.prompts import ArithScorer, build_prompts
 from asyncrl.reward.client import PromptScorer, RewardClient
 from asyncrl.rollout.engine import TorchEngine
+from asyncrl.rollout.engine_api import InferenceEngine, TorchInferenceEngine
 from asyncrl.rollout.grpc_control import serve_control
-from asyncrl.rollout.http_api import create_app
+from asyncrl.rollout.http_api import create_app, health_and_metrics
 from asyncrl.rollout.metrics import RolloutMetrics
+from asyncrl.rollout.sglang_client import SGLangClient
+from asyncrl.rollout.sglang_engine import SGLangEngine
+from asyncrl.rollout.sglang_launch import (
+    SGLANG_STARTUP_SECONDS,
+    SGLangServer,
+    SGLangUnavailableError,
+    max_running_requests,
+    sglang_launch_command,
+)
 from asyncrl.rollout.types import SamplingParams
 from asyncrl.rollout.weight_sync import WeightWatcher, engine_applier
 from asyncrl.rollout.workflow import EngineGenerator, RolloutWorkflow
@@ -58,52 +76,133 @@ class RolloutSettings(ServiceSettings):
         default=None, description="host:port of the reward service; without it, arithmetic "
         "answers are checked in-process (integer match) and code jobs cannot run."
     )
+    engine: Literal["torch", "sglang"] | None = Field(
+        default=None, description="The engine this process runs (default: the job's "
+        "rollout.engine); torch serves the torch engine's SGLang-compatible API."
+    )
+    sglang_port: int = Field(
+        default=30001, ge=1, le=65535,
+        description="Loopback port of the SGLang server the worker launches (engine sglang).",
+    )
+    sglang_command: str | None = Field(
+        default=None, description="Command that starts the SGLang server instead of "
+        "`python -m sglang.launch_server ...` built from the job; {port} and {model_path} "
+        "are filled in. It must serve SGLang's HTTP API on {port}."
+    )
+    sglang_startup_seconds: float = Field(
+        default=SGLANG_STARTUP_SECONDS, gt=0,
+        description="How long SGLang may take to become healthy.",
+    )
 
 
 def serve(settings: RolloutSettings) -> None:
     if settings.threads:
         torch.set_num_threads(settings.threads)
     job = load_manifest(settings.job_file)
-    if job.spec.rollout.engine != "torch":
-        raise SystemExit(
-            "serve rollout runs the torch engine; rollout.engine sglang launches SGLang "
-            "(asyncrl.rollout.sglang_launch), which needs a GPU"
-        )
-    model, tokenizer = load_policy(job.spec.model)
     spec = job.spec
-    # The KV cache is preallocated: size it to what the job can ask of this replica.
-    slots = settings.max_running_requests or -(
-        -spec.rollout.max_concurrent_rollouts * spec.algorithm.group_size // spec.rollout.replicas
-    )
+    tokenizer = load_tokenizer(spec.model.source)
     train, _ = build_prompts(spec, tokenizer)
+    # Engine capacity: what the job can ask of this replica.
+    slots = settings.max_running_requests or max_running_requests(spec)
     length = settings.max_sequence_length or (
         max(len(item.prompt_ids) for item in train) + spec.rollout.max_new_tokens
     )
-    engine = TorchEngine(
+    metrics = RolloutMetrics(job.metadata.name)
+    workflow = (
+        _workflow_factory(settings, job, tokenizer, train, metrics)
+        if settings.buffer_address else None
+    )
+    if (settings.engine or spec.rollout.engine) == "sglang":
+        serve_sglang = _serve_sglang(settings, job, slots, length, metrics, workflow)
+        try:
+            asyncio.run(serve_sglang)
+        except (SGLangExited, SGLangUnavailableError, TimeoutError, RuntimeError) as exc:
+            # Non-zero with SGLang's own last lines, so the pod restarts with the cause logged.
+            raise SystemExit(f"rollout: {exc}") from None
+        return
+    # cuda:<local rank> when the job gives rollout pods GPUs and CUDA is here, else the CPU;
+    # weights and KV cache in model.dtype (log-probabilities are computed in float32).
+    device = select_device(spec.rollout.placement.gpus, local_rank())
+    model, _ = load_policy(spec.model, device=device)
+    torch_engine = TorchEngine(
         model,
         max_running_requests=slots,
         max_sequence_length=length,
         eos_token_ids=tuple(t for t in (tokenizer.eos_token_id,) if t is not None),
-        seed=job.spec.dataset.seed,
+        seed=spec.dataset.seed,
     ).start()
-    metrics = RolloutMetrics(job.metadata.name)
-    control = serve_control(engine, settings.grpc_port, metrics, host=settings.host)
-    app = create_app(engine, model_path=job.spec.model.source, metrics=metrics)
-    workflow = (
-        _workflow_factory(settings, job, engine, tokenizer, train, metrics)
-        if settings.buffer_address else None
-    )
+    engine = TorchInferenceEngine(torch_engine)
+    control = serve_control(engine, settings.grpc_port, host=settings.host)
+    app = create_app(torch_engine, model_path=spec.model.source, metrics=metrics)
     try:
         asyncio.run(_serve_async(settings, job.metadata.name, engine, app, workflow, metrics))
     finally:
         control.stop(grace=2)
-        engine.stop()
+        torch_engine.stop()
 
 
-def _workflow_factory(settings: RolloutSettings, job, engine, tokenizer, train, metrics):
-    """The workflow coroutine: training prompts, round and round, from where the job was."""
+class SGLangExited(RuntimeError):
+    """The SGLang server this worker launched is gone."""
 
-    async def run() -> None:
+
+def sglang_command(settings: RolloutSettings, spec) -> list[str]:
+    """The SGLang server's command line: `settings.sglang_command` with {port} and
+    {model_path} filled in when set, else `python -m sglang.launch_server ...` for the job."""
+    model_path = str(model_directory(spec.model))
+    if settings.sglang_command:
+        return [part.format(port=settings.sglang_port, model_path=model_path)
+                for part in shlex.split(settings.sglang_command)]
+    return sglang_launch_command(spec, model_path=model_path, port=settings.sglang_port,
+                                 host="127.0.0.1", seed=spec.dataset.seed)
+
+
+async def _serve_sglang(settings: RolloutSettings, job, slots: int, length: int,
+                        metrics: RolloutMetrics, workflow) -> None:
+    server = SGLangServer(sglang_command(settings, job.spec),
+                          url=f"http://127.0.0.1:{settings.sglang_port}",
+                          startup_timeout=settings.sglang_startup_seconds)
+    log.info("launching SGLang: %s", " ".join(server.command))
+    await asyncio.to_thread(server.start)
+    control = None
+    try:
+        async with SGLangClient(server.url) as client:
+            engine = SGLangEngine(client, max_running_requests=slots, max_sequence_length=length)
+            control = serve_control(engine, settings.grpc_port, host=settings.host)
+            app = status_app(engine, metrics)
+            await _serve_async(settings, job.metadata.name, engine, app, workflow, metrics,
+                               watch=_watch_sglang(server, client, engine))
+    finally:
+        if control is not None:
+            control.stop(grace=2)
+        await asyncio.to_thread(server.stop)
+
+
+async def _watch_sglang(server: SGLangServer, client: SGLangClient, engine: SGLangEngine,
+                        interval: float = 2.0) -> None:
+    """Keeps the engine's health equal to SGLang's; raises SGLangExited when the server
+    process ends, which stops the worker."""
+    while True:
+        code = server.returncode
+        if code is not None:
+            engine.set_healthy(False)
+            raise SGLangExited(f"SGLang exited with code {code}; last output:\n{server.log_tail}")
+        engine.set_healthy(await client.health())
+        await asyncio.sleep(interval)
+
+
+def status_app(engine: InferenceEngine, metrics: RolloutMetrics) -> FastAPI:
+    """The worker's own HTTP front when SGLang serves generation: /health (SGLang's health
+    and the worker's) and /metrics."""
+    app = FastAPI(title="asyncrl rollout (SGLang engine)")
+    app.include_router(health_and_metrics(engine, metrics))
+    return app
+
+
+def _workflow_factory(settings: RolloutSettings, job, tokenizer, train, metrics):
+    """The workflow coroutine over an engine: training prompts, round and round, from where
+    the job was."""
+
+    async def run(engine: InferenceEngine) -> None:
         spec = job.spec
         client = BufferClient(settings.buffer_address, job.metadata.name, settings.worker,
                               lease_seconds=spec.buffer.lease_seconds)
@@ -134,8 +233,11 @@ def _workflow_factory(settings: RolloutSettings, job, engine, tokenizer, train, 
     return run
 
 
-async def _serve_async(settings: RolloutSettings, job: str, engine, app, workflow=None,
-                       metrics: RolloutMetrics | None = None) -> None:
+async def _serve_async(settings: RolloutSettings, job: str, engine: InferenceEngine, app,
+                       workflow=None, metrics: RolloutMetrics | None = None,
+                       watch: Coroutine | None = None) -> None:
+    """Serves `app`, follows announced versions and runs the workflow until one of them (or
+    `watch`) ends; an error in any stops the worker with that error."""
     server = uvicorn.Server(
         uvicorn.Config(app, host=settings.host, port=settings.http_port, log_level="warning")
     )
@@ -149,9 +251,13 @@ async def _serve_async(settings: RolloutSettings, job: str, engine, app, workflo
         )
         watcher_task = asyncio.create_task(watcher.run())
     serving = asyncio.create_task(server.serve())
-    tasks = {serving}
+    # A weight update that fails stops the worker too: serving an old version forever while
+    # the trainer moves on would silently break the staleness bound.
+    tasks = {serving} | ({watcher_task} if watcher_task else set())
     if workflow is not None:
-        tasks.add(asyncio.create_task(workflow()))
+        tasks.add(asyncio.create_task(workflow(engine)))
+    if watch is not None:
+        tasks.add(asyncio.create_task(watch))
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
@@ -162,7 +268,5 @@ async def _serve_async(settings: RolloutSettings, job: str, engine, app, workflo
             if not task.done() and task is not serving:
                 task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if watcher_task:
-            watcher_task.cancel()
         if client:
             await client.aclose()

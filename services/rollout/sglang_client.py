@@ -68,7 +68,8 @@ class SGLangResponseError(SGLangError):
 
 def sampling_params_payload(params: SamplingParams) -> dict[str, Any]:
     """`sampling_params` in SGLang's names. top_k -1 means "off" and temperature 0 means
-    greedy in SGLang too, so values pass through unchanged."""
+    greedy in SGLang too, so values pass through unchanged; ignore_eos and the penalties have
+    SGLang's names and meanings and are sent only when set."""
     body: dict[str, Any] = {
         "max_new_tokens": params.max_new_tokens,
         "temperature": params.temperature,
@@ -77,6 +78,12 @@ def sampling_params_payload(params: SamplingParams) -> dict[str, Any]:
     }
     if params.stop_token_ids:
         body["stop_token_ids"] = list(params.stop_token_ids)
+    if params.ignore_eos:
+        body["ignore_eos"] = True
+    if params.frequency_penalty:
+        body["frequency_penalty"] = params.frequency_penalty
+    if params.presence_penalty:
+        body["presence_penalty"] = params.presence_penalty
     return body
 
 
@@ -231,8 +238,14 @@ def parse_generate_response(
                 f"{output_ids[:8]}..."
             )
     logprobs = [float(t[0]) for t in triples]
-    versions = token_versions(meta, len(output_ids), known_version)
     reason, matched = parse_finish_reason(meta.get("finish_reason"))
+    if reason == "abort" and "output_token_versions" not in meta and known_version is not None:
+        # An aborted request's tokens were all generated before the pause that aborted it;
+        # the server may report its version only after a weight update has landed, so the
+        # version the caller pinned when it sent the request is the true one.
+        versions = [known_version] * len(output_ids)
+    else:
+        versions = token_versions(meta, len(output_ids), known_version)
     return GenerationResult(
         request_id=str(meta.get("id", rid)),
         prompt_ids=list(prompt_ids),
@@ -314,14 +327,18 @@ class SGLangClient:
             ) from None
 
     async def generate(
-        self, input_ids: list[int], params: SamplingParams, rid: str | None = None
+        self, input_ids: list[int], params: SamplingParams, rid: str | None = None, *,
+        version: int | None = None,
     ) -> GenerationResult:
         """Generates one response. A request aborted by `abort` (or by a pause in mode
-        "abort") returns with finish_reason "abort" and the tokens it had."""
+        "abort") returns with finish_reason "abort" and the tokens it had. `version` is the
+        policy version the caller pinned before sending (default: the client's known one):
+        it tags tokens the server reports no version for, and every token of an aborted
+        request (see parse_generate_response)."""
         rid = rid or uuid.uuid4().hex
         body = generate_payload(input_ids, params, rid)
         response = await self._request("POST", "/generate", body)
-        return self._parse(self._json(response, "/generate"), input_ids, rid)
+        return self._parse(self._json(response, "/generate"), input_ids, rid, version)
 
     async def generate_batch(
         self, prompts: list[list[int]], params: SamplingParams, rids: list[str] | None = None
@@ -336,10 +353,13 @@ class SGLangClient:
             )
         return [self._parse(o, p, r) for o, p, r in zip(outputs, prompts, rids)]
 
-    def _parse(self, body: Any, prompt_ids: list[int], rid: str) -> GenerationResult:
+    def _parse(
+        self, body: Any, prompt_ids: list[int], rid: str, version: int | None = None
+    ) -> GenerationResult:
         try:
             return parse_generate_response(
-                body, prompt_ids=prompt_ids, rid=rid, known_version=self.version
+                body, prompt_ids=prompt_ids, rid=rid,
+                known_version=self.version if version is None else version,
             )
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             raise SGLangResponseError("/generate", 200, str(exc)) from exc

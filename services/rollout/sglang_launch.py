@@ -41,6 +41,9 @@ from asyncrl.spec import RLJobSpec
 SGLANG_VERSION = "0.5.23"
 #: The interpreter that has SGLang, when it is not this one (set by the GPU image).
 SGLANG_PYTHON_ENV = "ASYNCRL_SGLANG_PYTHON"
+#: Seconds SGLang may take to become healthy (loading weights, capturing CUDA graphs) before
+#: the rollout worker gives up; the operator sizes the rollout pods' startup probe from it.
+SGLANG_STARTUP_SECONDS = 900.0
 
 
 def max_running_requests(spec: RLJobSpec) -> int:
@@ -105,7 +108,7 @@ class SGLangServer:
         command: Sequence[str],
         *,
         url: str,
-        startup_timeout: float = 900.0,
+        startup_timeout: float = SGLANG_STARTUP_SECONDS,
         env: dict[str, str] | None = None,
         log_lines: int = 60,
     ):
@@ -119,13 +122,18 @@ class SGLangServer:
 
     @classmethod
     def for_job(
-        cls, spec: RLJobSpec, *, model_path: str, port: int, startup_timeout: float = 900.0,
-        **command_options,
+        cls, spec: RLJobSpec, *, model_path: str, port: int,
+        startup_timeout: float = SGLANG_STARTUP_SECONDS, **command_options,
     ) -> SGLangServer:
         """The server for one rollout replica, reached on loopback; `command_options` go to
         `sglang_launch_command`."""
         command = sglang_launch_command(spec, model_path=model_path, port=port, **command_options)
         return cls(command, url=f"http://127.0.0.1:{port}", startup_timeout=startup_timeout)
+
+    @property
+    def returncode(self) -> int | None:
+        """The server's exit code once it has ended; None while it runs (or before start)."""
+        return None if self._process is None else self._process.poll()
 
     @property
     def log_tail(self) -> str:

@@ -19,13 +19,29 @@ class UnknownRequestError(KeyError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings (SGLang's names). temperature 0 means greedy."""
+    """Per-request sampling settings (SGLang's names and meanings). temperature 0 means greedy.
+
+    `ignore_eos`: the engine's EOS tokens do not end the request (`stop_token_ids` still do).
+    `frequency_penalty` / `presence_penalty` (OpenAI's definition, as SGLang applies them):
+    before temperature, top-k and top-p, each token's logit is lowered by
+    `frequency_penalty × (times it occurs in the output so far)` and by `presence_penalty` if
+    it occurs there at all; the prompt does not count. Negative values favour repetition.
+    Reported log-probabilities are under the penalised distribution a token was drawn from
+    (the behaviour policy), so with penalties they differ from the model's own.
+    """
 
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.frequency_penalty != 0 or self.presence_penalty != 0
 
     def check(self) -> None:
         if self.max_new_tokens < 0:
@@ -42,6 +58,14 @@ class SamplingParams:
             raise RequestError(
                 f"sampling_params.top_k must be -1 (off) or >= 1, got {self.top_k}"
             )
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError(
+                f"sampling_params.ignore_eos must be true or false, got {self.ignore_eos!r}"
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise RequestError(f"sampling_params.{name} must be in [-2, 2], got {value}")
 
 
 @dataclass

@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 import httpx
 import redis.asyncio as redis
 
+from asyncrl.rollout.engine_api import InferenceEngine
 from asyncrl.weights import WeightVersion, weights_channel, weights_key
 
 log = logging.getLogger(__name__)
@@ -92,14 +93,14 @@ async def fetch_snapshot(uri: str, cache_dir: Path) -> Path:
     return target
 
 
-def engine_applier(engine, cache_dir: Path, metrics=None) -> ApplyWeights:
-    """Applies announced versions to an in-process TorchEngine (off the event loop), counting
-    each update and its latency in `metrics` (a RolloutMetrics) when given."""
+def engine_applier(engine: InferenceEngine, cache_dir: Path, metrics=None) -> ApplyWeights:
+    """Applies announced versions to an InferenceEngine (torch or SGLang), counting each
+    update and its latency in `metrics` (a RolloutMetrics) when given."""
 
     async def apply(announced: WeightVersion) -> None:
         try:
             path = await fetch_snapshot(announced.uri, cache_dir)
-            update = await asyncio.to_thread(engine.update_weights, path, announced.version)
+            update = await engine.update_weights_from_disk(path, announced.version)
         except Exception:
             if metrics is not None:
                 metrics.observe_weight_update_failure()

@@ -20,71 +20,11 @@ from typing import Callable, Iterable, Protocol
 
 from asyncrl.algorithms.staleness import rollout_capacity
 from asyncrl.prompts import PromptItem
+from asyncrl.rollout.engine_api import InferenceEngine
 from asyncrl.rollout.types import GenerationResult, SamplingParams
-from asyncrl.v1 import common_pb2
+from asyncrl.samples import Group, Slot, Trajectory
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Trajectory:
-    """One response as the trainer consumes it (the protobuf Trajectory, as Python)."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    behaviour_logprobs: list[float]
-    token_versions: list[int]
-    reward: float
-    finish_reason: str
-    generate_seconds: float
-    reward_seconds: float
-
-    @property
-    def loss_mask(self) -> list[int]:
-        """1 on generated tokens, 0 on the prompt, over prompt + response."""
-        return [0] * len(self.prompt_ids) + [1] * len(self.response_ids)
-
-    def to_pb(self) -> common_pb2.Trajectory:
-        return common_pb2.Trajectory(
-            prompt_ids=self.prompt_ids, response_ids=self.response_ids,
-            behaviour_logprobs=self.behaviour_logprobs, token_versions=self.token_versions,
-            reward=self.reward, finish_reason=self.finish_reason,
-            generate_seconds=self.generate_seconds, reward_seconds=self.reward_seconds,
-        )
-
-    @classmethod
-    def from_pb(cls, message: common_pb2.Trajectory) -> Trajectory:
-        return cls(
-            prompt_ids=list(message.prompt_ids), response_ids=list(message.response_ids),
-            behaviour_logprobs=list(message.behaviour_logprobs),
-            token_versions=list(message.token_versions), reward=message.reward,
-            finish_reason=message.finish_reason, generate_seconds=message.generate_seconds,
-            reward_seconds=message.reward_seconds,
-        )
-
-
-@dataclass(frozen=True)
-class Group:
-    group_id: str
-    prompt_id: str
-    samples: list[Trajectory]
-    started_unix_ms: int
-
-    def to_pb(self) -> common_pb2.Group:
-        return common_pb2.Group(
-            group_id=self.group_id, prompt_id=self.prompt_id,
-            samples=[s.to_pb() for s in self.samples], started_unix_ms=self.started_unix_ms,
-        )
-
-    @classmethod
-    def from_pb(cls, message: common_pb2.Group) -> Group:
-        return cls(message.group_id, message.prompt_id,
-                   [Trajectory.from_pb(s) for s in message.samples], message.started_unix_ms)
-
-
-@dataclass(frozen=True)
-class Slot:
-    slot_id: str
 
 
 class Generator(Protocol):
@@ -107,16 +47,16 @@ class SlotGate(Protocol):
 
 
 class EngineGenerator:
-    """Generator over an in-process TorchEngine (its futures become awaitables). With
-    `metrics` (RolloutMetrics), every finished request is counted as the HTTP API counts it."""
+    """Generator over an InferenceEngine (torch or SGLang). With `metrics` (RolloutMetrics),
+    every finished request is counted as the HTTP API counts it."""
 
-    def __init__(self, engine, metrics=None):
+    def __init__(self, engine: InferenceEngine, metrics=None):
         self._engine = engine
         self._metrics = metrics
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         started = time.perf_counter()
-        result = await asyncio.wrap_future(self._engine.submit(prompt_ids, params))
+        result = await self._engine.generate(prompt_ids, params)
         if self._metrics is not None:
             self._metrics.observe_result(result, time.perf_counter() - started)
         return result
