@@ -36,14 +36,15 @@ def run_demo(spec, steps: int, on_step: Callable[[DemoStep], None] = lambda _: N
             "use examples/arith.yaml or examples/tiny.yaml"
         )
     torch.manual_seed(spec.dataset.seed)
-    model, tokenizer = load_policy(spec.model)
+    # float32 master weights, as in the trainer service (bf16 is autocast in the update).
+    model, tokenizer = load_policy(spec.model, dtype="float32")
     algorithm = spec.algorithm
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=algorithm.learning_rate, weight_decay=algorithm.weight_decay
     )
     reference = None
     if algorithm.kl.coef > 0:
-        reference, _ = load_policy(spec.model)
+        reference, _ = load_policy(spec.model, dtype="float32")
         reference.eval().requires_grad_(False)
     updater = PolicyUpdater(model, optimizer, UpdateConfig.from_spec(spec), reference)
 

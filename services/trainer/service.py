@@ -4,14 +4,23 @@
 The update runs in a worker thread so the gRPC status server and the buffer client stay
 responsive. A batch is acknowledged only after its update is applied, so a trainer killed mid-
 step gets the same batch again from the buffer when it restarts; checkpoints hold the model,
-the optimizer and the step/version, and a restart resumes from the newest one.
+the optimizer and the step/version, and a restart resumes from the newest one. metrics.jsonl
+has one record per step: on a restart the records after the restored checkpoint are dropped,
+since those steps are trained and recorded again.
+
+Under torchrun (trainer.replicas x processesPerReplica > 1) every process runs this command:
+rank 0 talks to the buffer, splits each batch across the ranks by tokens and publishes; the
+others follow its commands (asyncrl.trainer.distributed). Any rank that dies takes the group
+down (torchrun stops the rest), and the restart resumes as above.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +32,7 @@ from pydantic import Field
 from asyncrl.algorithms.advantages import compute_advantages
 from asyncrl.algorithms.staleness import staleness
 from asyncrl.buffer.client import BufferClient
+from asyncrl.devices import local_rank, select_device
 from asyncrl.models import load_policy
 from asyncrl.prompts import ArithScorer, build_prompts
 from asyncrl.reward.client import PromptScorer, RewardClient
@@ -32,15 +42,30 @@ from asyncrl.settings import ServiceSettings
 from asyncrl.spec import load_manifest
 from asyncrl.trainer.checkpoints import (
     TrainerState,
-    load_latest_checkpoint,
+    latest_checkpoint,
     publish_weights,
+    read_checkpoint,
     save_checkpoint,
+)
+from asyncrl.trainer.distributed import (
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    Command,
+    TrainerGroup,
+    full_model_state,
+    full_optimizer_state,
+    heartbeat_seconds,
+    load_full_state,
+    shard_model,
+    split_by_tokens,
+    under_torchrun,
 )
 from asyncrl.trainer.metrics import TrainerMetrics
 from asyncrl.trainer.step import PolicyUpdater, TrainSample, UpdateConfig
-from asyncrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+STATE, STOP, WAIT = Command("state"), Command("stop"), Command("wait")
 
 
 class TrainerSettings(ServiceSettings):
@@ -53,6 +78,10 @@ class TrainerSettings(ServiceSettings):
     reward_address: str | None = Field(
         default=None, description="Reward service for evaluations (default: in-process "
         "integer check, arithmetic only)."
+    )
+    collective_timeout: float = Field(
+        default=DEFAULT_COLLECTIVE_TIMEOUT, gt=0, description="Under torchrun: seconds a rank "
+        "waits in a collective before it gives up and exits (a hung peer never blocks forever)."
     )
 
 
@@ -91,91 +120,188 @@ def samples_from_groups(groups, algorithm) -> tuple[list[TrainSample], torch.Ten
 
 
 class Trainer:
-    def __init__(self, settings: TrainerSettings):
+    """One trainer process. Rank 0 (the leader, the only process outside torchrun) runs the
+    loop with the buffer; the other ranks follow its commands (asyncrl.trainer.distributed)."""
+
+    def __init__(self, settings: TrainerSettings, group: TrainerGroup | None = None,
+                 device: torch.device | None = None):
         self.settings = settings
+        self.group = group or TrainerGroup()
         self.job = load_manifest(settings.job_file)
         spec = self.job.spec
         self.spec = spec
-        self.model, self.tokenizer = load_policy(spec.model)
+        self.device = device or select_device(spec.trainer.placement.gpus, self.group.local_rank)
+        # float32 master weights whatever model.dtype says; bf16 is autocast (see step.py).
+        self.model, self.tokenizer = load_policy(spec.model, dtype="float32", device=self.device)
+        reference = None
+        if spec.algorithm.kl.coef > 0:
+            reference, _ = load_policy(spec.model, dtype="float32", device=self.device)
+            reference.eval().requires_grad_(False)
+        self.sharded = spec.trainer.sharding == "fsdp" and self.group.distributed
+        if self.sharded:
+            for model in filter(None, (self.model, reference)):
+                shard_model(model, self.device, self.group.world_size)
+        elif spec.trainer.sharding == "fsdp":
+            log.info("trainer.sharding fsdp with one process: nothing to shard")
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=spec.algorithm.learning_rate,
             weight_decay=spec.algorithm.weight_decay,
         )
-        reference = None
-        if spec.algorithm.kl.coef > 0:
-            reference, _ = load_policy(spec.model)
-            reference.eval().requires_grad_(False)
         self.updater = PolicyUpdater(self.model, self.optimizer, UpdateConfig.from_spec(spec), reference)
-        self.status = Status(max_steps=spec.algorithm.max_steps)
+        self.status = Status(max_steps=spec.algorithm.max_steps,
+                             phase="starting" if self.group.leader else "following")
         self.metrics = TrainerMetrics(self.job.metadata.name)
-        _, held_out = build_prompts(spec, self.tokenizer)
-        self.eval_items = held_out[: settings.eval_prompts]
-        self.reward = RewardClient(settings.reward_address, self.job.metadata.name) if (
-            settings.reward_address) else None
-        self.scorer = PromptScorer(self.reward, self.tokenizer) if self.reward else ArithScorer(
-            self.tokenizer, spec.reward.math.extract)
         self.metrics_file = settings.run_dir / "metrics.jsonl"
+        self.heartbeat = heartbeat_seconds(settings.collective_timeout)
         self._evaluator: TorchEngine | None = None
+        self.eval_items, self.reward = [], None
+        if self.group.leader:
+            _, held_out = build_prompts(spec, self.tokenizer)
+            self.eval_items = held_out[: settings.eval_prompts]
+            self.reward = RewardClient(settings.reward_address, self.job.metadata.name) if (
+                settings.reward_address) else None
+            self.scorer = PromptScorer(self.reward, self.tokenizer) if self.reward else (
+                ArithScorer(self.tokenizer, spec.reward.math.extract))
 
     async def run(self) -> None:
+        if self.group.leader:
+            await self._lead()
+        else:
+            await asyncio.to_thread(self.follow)
+
+    # ------------------------------------------------------------------ every rank
+
+    def execute(self, command: Command):
+        """Does one command of the leader's; every rank executes the same ones in order."""
+        if command.kind == "restore":
+            if command.path is None:
+                return None
+            checkpoint = read_checkpoint(Path(command.path), self.model)
+            load_full_state(self.model, self.optimizer, checkpoint.model, checkpoint.optimizer)
+            return checkpoint.state
+        if command.kind == "step":
+            return self.updater.step(command.samples)
+        if command.kind == "state":
+            return full_model_state(self.model)
+        if command.kind == "checkpoint":
+            return full_optimizer_state(self.model, self.optimizer)
+        return None  # wait, stop
+
+    def follow(self) -> None:
+        """A rank other than 0: executes the leader's commands until it says stop."""
+        while True:
+            command = self.group.receive()
+            if command.kind == "stop":
+                return  # its status stays "following": only rank 0's has figures
+            self.execute(command)
+
+    # ------------------------------------------------------------------ rank 0
+
+    async def _command(self, command: Command | list[Command]):
+        """Sends a command to every rank (or one per rank) and executes this rank's."""
+        return await asyncio.to_thread(lambda: self.execute(self.group.send(command)))
+
+    @contextlib.asynccontextmanager
+    async def _alone(self):
+        """Rank 0 works alone (waits for the buffer, writes, evaluates): meanwhile the others,
+        blocked in the command collective, get a heartbeat so they never reach its timeout."""
+        if not self.group.distributed:
+            yield
+            return
+        stop = asyncio.Event()
+
+        async def beat() -> None:
+            while not stop.is_set():
+                try:
+                    await asyncio.wait_for(stop.wait(), self.heartbeat)
+                except TimeoutError:
+                    await asyncio.to_thread(self.group.send, WAIT)
+
+        task = asyncio.create_task(beat())
+        try:
+            yield
+        finally:
+            stop.set()
+            await task  # a heartbeat in flight completes before the next command is sent
+
+    async def _lead(self) -> None:
         settings, spec = self.settings, self.spec
         client = BufferClient(settings.buffer_address, self.job.metadata.name)
-        restored = load_latest_checkpoint(self.model, self.optimizer, settings.run_dir)
-        step = restored.step if restored else 0
-        version = restored.version if restored else 0
-        announced = (await client.stats()).trainer_version
-        if announced > version:
-            # Crashed after announcing a version newer than the last checkpoint: keep versions
-            # moving forward and republish the restored weights under a new one.
-            version = announced + 1
-            await self._publish(client, version)
-        self.status.version, self.status.step = version, step
-        self.metrics.observe_version(version)
-        log.info("trainer starts at step %d, version %d", step, version)
-        if restored is None and self.eval_items:
-            # The starting point every later evaluation is compared with.
-            self.status.phase = "evaluating"
-            self.status.eval_accuracy = await self.evaluate()
-            self.metrics.observe_eval(self.status.eval_accuracy)
-            self._write({"kind": "eval", "step": 0, "version": version, "time": time.time(),
-                         "elapsed": 0.0, "eval_accuracy": self.status.eval_accuracy})
-        started = time.perf_counter()  # wall time of training, after the baseline evaluation
-        trained_tokens = 0.0
         try:
+            # Every rank loads the checkpoint rank 0 names, so all start from the same weights.
+            latest = latest_checkpoint(settings.run_dir)
+            restored = await self._command(Command("restore", path=str(latest) if latest else None))
+            step = restored.step if restored else 0
+            version = restored.version if restored else 0
+            forget_records_after(self.metrics_file, restored.step if restored else None)
+            async with self._alone():
+                announced = (await client.stats()).trainer_version
+            if announced > version:
+                # Crashed after announcing a version newer than the last checkpoint: keep
+                # versions moving forward and republish the restored weights under a new one.
+                version = announced + 1
+                state = await self._command(STATE)
+                async with self._alone():
+                    await self._publish(client, version, state)
+            self.status.version, self.status.step = version, step
+            self.metrics.observe_version(version)
+            log.info("trainer starts at step %d, version %d (%d processes)", step, version,
+                     self.group.world_size)
+            if restored is None and self.eval_items:
+                # The starting point every later evaluation is compared with.
+                state = await self._command(STATE)
+                async with self._alone():
+                    self.status.phase = "evaluating"
+                    self.status.eval_accuracy = await self.evaluate(state)
+                    self.metrics.observe_eval(self.status.eval_accuracy)
+                    self._write({"kind": "eval", "step": 0, "version": version,
+                                 "time": time.time(), "elapsed": 0.0,
+                                 "eval_accuracy": self.status.eval_accuracy})
+            started = time.perf_counter()  # wall time of training, after the baseline evaluation
             while step < spec.algorithm.max_steps:
                 self.status.phase = "waiting_for_batch"
                 waiting = time.perf_counter()
-                batch = await client.get_batch(settings.consumer, spec.algorithm.batch_size, wait_ms=2000)
-                while not batch.batch_id:
+                async with self._alone():
                     batch = await client.get_batch(settings.consumer, spec.algorithm.batch_size,
                                                    wait_ms=2000)
+                    while not batch.batch_id:
+                        batch = await client.get_batch(settings.consumer,
+                                                       spec.algorithm.batch_size, wait_ms=2000)
                 wait_seconds = time.perf_counter() - waiting
                 self.status.phase = "training"
                 samples, rewards = samples_from_groups(batch.groups, spec.algorithm)
                 stale = [staleness(version, _versions(g)) for g in batch.groups]
-                stats = await asyncio.to_thread(self.updater.step, samples)
-                await client.ack(batch.batch_id)
+                shares = split_by_tokens(samples, self.group.world_size)
+                stats = await self._command([Command("step", samples=s) for s in shares])
+                state = await self._command(STATE)
                 step += 1
                 version += 1
-                self.status.phase = "publishing"
-                await self._publish(client, version)
-                trained_tokens += stats["trained_tokens"]
-                record = {
-                    "kind": "train", "step": step, "version": version, "time": time.time(),
-                    "elapsed": time.perf_counter() - started,
-                    "reward_mean": float(rewards.mean()), "staleness": stale,
-                    "staleness_mean": sum(stale) / len(stale), "dropped_stale": batch.dropped_stale,
-                    "redelivered": batch.redelivered, "wait_seconds": wait_seconds,
-                    "trained_samples": len(samples), **stats,
-                }
-                if step % spec.trainer.eval_every == 0 or step == spec.algorithm.max_steps:
-                    self.status.phase = "evaluating"
-                    record["eval_accuracy"] = await self.evaluate()
-                    self.status.eval_accuracy = record["eval_accuracy"]
+                async with self._alone():
+                    await client.ack(batch.batch_id)
+                    self.status.phase = "publishing"
+                    await self._publish(client, version, state)
+                    record = {
+                        "kind": "train", "step": step, "version": version, "time": time.time(),
+                        "elapsed": time.perf_counter() - started,
+                        "reward_mean": float(rewards.mean()), "staleness": stale,
+                        "staleness_mean": sum(stale) / len(stale),
+                        "dropped_stale": batch.dropped_stale, "redelivered": batch.redelivered,
+                        "wait_seconds": wait_seconds, "trained_samples": len(samples), **stats,
+                    }
+                    if step % spec.trainer.eval_every == 0 or step == spec.algorithm.max_steps:
+                        self.status.phase = "evaluating"
+                        record["eval_accuracy"] = await self.evaluate(state)
+                        self.status.eval_accuracy = record["eval_accuracy"]
+                    # Written before the checkpoint: a crash in between redoes the step and
+                    # forget_records_after drops this record, so no step is recorded twice.
+                    self._record(record)
                 if step % spec.trainer.checkpoint_every == 0 or step == spec.algorithm.max_steps:
-                    await asyncio.to_thread(save_checkpoint, self.model, self.optimizer,
-                                            settings.run_dir, TrainerState(step, version))
-                self._record(record)
+                    optimizer_state = await self._command(Command("checkpoint"))
+                    async with self._alone():
+                        await asyncio.to_thread(save_checkpoint, self.model, state,
+                                                optimizer_state, settings.run_dir,
+                                                TrainerState(step, version))
+            await self._command(STOP)
             self.status.phase = "done"
         except BaseException:
             self.status.phase = "failed"
@@ -187,18 +313,21 @@ class Trainer:
             if self.reward:
                 await self.reward.close()
 
-    async def _publish(self, client: BufferClient, version: int) -> None:
-        path = await asyncio.to_thread(publish_weights, self.model, self.settings.run_dir, version)
+    async def _publish(self, client: BufferClient, version: int, state: dict) -> None:
+        dtype = getattr(torch, self.spec.model.dtype)
+        path = await asyncio.to_thread(publish_weights, self.model, state, self.settings.run_dir,
+                                       version, dtype)
         await client.set_version(version, str(path.resolve()))
         self.status.version = version
 
-    async def evaluate(self) -> float:
-        """Greedy accuracy on held-out prompts. The evaluation engine keeps its own copy of the
-        model and takes the current weights the way rollout workers do (a weight update)."""
+    async def evaluate(self, state: dict[str, torch.Tensor]) -> float:
+        """Greedy accuracy on held-out prompts, with the weights of `state` (the whole model).
+        The evaluation engine keeps its own copy of the model, in the model's dtype, and takes
+        the weights the way rollout workers do (a weight update)."""
         if not self.eval_items:
             return -1.0
         if self._evaluator is None:
-            model, _ = load_policy(self.spec.model)
+            model, _ = load_policy(self.spec.model, device=self.device)
             longest = max(len(item.prompt_ids) for item in self.eval_items)
             self._evaluator = TorchEngine(
                 model, max_running_requests=len(self.eval_items),
@@ -206,8 +335,7 @@ class Trainer:
                 eos_token_ids=(self.tokenizer.eos_token_id,), seed=0,
             ).start()
         engine = self._evaluator
-        await asyncio.to_thread(engine.update_weights_from_state_dict, self.model.state_dict(),
-                                self.status.version)
+        await asyncio.to_thread(engine.update_weights_from_state_dict, state, self.status.version)
         params = SamplingParams(max_new_tokens=self.spec.rollout.max_new_tokens, temperature=0)
         futures = [engine.submit(item.prompt_ids, params) for item in self.eval_items]
         results = [await asyncio.wrap_future(f) for f in futures]
@@ -230,6 +358,25 @@ class Trainer:
             out.write(json.dumps(record) + "\n")
 
 
+def forget_records_after(metrics_file: Path, step: int | None) -> None:
+    """On a (re)start: metrics.jsonl keeps the records of steps up to the restored
+    checkpoint's, none without a checkpoint, since the steps after it are trained and recorded
+    again. A line cut short by a crash goes too."""
+    if not metrics_file.exists():
+        return
+    kept = []
+    for line in metrics_file.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if step is not None and record.get("step", 0) <= step:
+            kept.append(line + "\n")
+    partial = metrics_file.with_name(f".{metrics_file.name}.partial")
+    partial.write_text("".join(kept))
+    partial.replace(metrics_file)
+
+
 def _versions(group) -> list[int]:
     return [v for sample in group.samples for v in sample.token_versions] or [0]
 
@@ -248,28 +395,41 @@ class StatusServicer(trainer_pb2_grpc.TrainerStatusServiceServicer):
             eval_accuracy=s.eval_accuracy,
         )
 
-    async def Health(self, request, context):
-        return common_pb2.HealthResponse(serving=self._status.phase != "failed",
-                                         detail=self._status.phase)
-
 
 def serve(settings: TrainerSettings) -> None:
+    """One trainer process: the whole trainer, or one rank of it under torchrun. The status
+    gRPC server runs on each node's local rank 0 (one per pod, so probes pass on every node;
+    only rank 0's has figures), Prometheus metrics on rank 0 only."""
     if settings.threads:
         torch.set_num_threads(settings.threads)
     settings.run_dir.mkdir(parents=True, exist_ok=True)
+    spec = load_manifest(settings.job_file).spec
+    device = select_device(spec.trainer.placement.gpus, local_rank())
+    if under_torchrun():
+        # A rank may be blocked in a collective (or in joining the group), which no Python
+        # handler interrupts: SIGTERM (torchrun stopping the group after a rank died, or the
+        # pod stopping) ends it at once, and the restart resumes from the checkpoint.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    group = TrainerGroup.from_environment(device, settings.collective_timeout)
 
     async def run() -> None:
-        trainer = Trainer(settings)
-        server = grpc.aio.server()
-        trainer_pb2_grpc.add_TrainerStatusServiceServicer_to_server(StatusServicer(trainer.status), server)
-        server.add_insecure_port(f"{settings.host}:{settings.grpc_port}")
-        await server.start()
-        if settings.metrics_port:
+        trainer = Trainer(settings, group, device)
+        server = None
+        if group.local_rank == 0:
+            server = grpc.aio.server()
+            trainer_pb2_grpc.add_TrainerStatusServiceServicer_to_server(
+                StatusServicer(trainer.status), server)
+            server.add_insecure_port(f"{settings.host}:{settings.grpc_port}")
+            await server.start()
+        if group.leader and settings.metrics_port:
             trainer.metrics.serve(settings.metrics_port, settings.host)
         try:
             await trainer.run()
-            await asyncio.sleep(1.0)  # let a watcher read the final status
+            if server is not None:
+                await asyncio.sleep(1.0)  # let a watcher read the final status
         finally:
-            await server.stop(grace=1)
+            if server is not None:
+                await server.stop(grace=1)
 
     asyncio.run(run())
+    group.close()  # only after success: a failed rank exits and torchrun stops the rest

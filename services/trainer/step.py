@@ -1,12 +1,19 @@
 """One policy update: proximal log-probs, decoupled PPO over token-balanced micro-batches,
 gradients summed across data-parallel ranks, one optimizer step.
 
+Precision: the model's parameters (the master weights) and the optimizer state stay float32;
+with `model.dtype: bfloat16` the forward passes run under bf16 autocast (on CPU and GPU), so
+matmuls are bf16 while updates are never rounded to bf16 (a 5e-6 learning rate would vanish
+in a bf16 weight). The published snapshot is cast to the model's dtype.
+
 The trainer service wraps this in its GetBatch -> update -> Ack -> publish loop; this module
 knows nothing about the buffer, Redis or gRPC.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -14,6 +21,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from asyncrl.algorithms.packing import PackedBatch, balance_micro_batches, pack_sequences
 from asyncrl.algorithms.ppo import decoupled_ppo_loss, kl_penalty
@@ -50,6 +59,7 @@ class UpdateConfig:
     max_grad_norm: float = 1.0
     temperature: float = 1.0
     micro_batch_max_tokens: int = 4096
+    compute_dtype: str = "float32"  # bfloat16: forward passes under bf16 autocast
 
     @classmethod
     def from_spec(cls, spec) -> "UpdateConfig":
@@ -66,8 +76,11 @@ class UpdateConfig:
             max_grad_norm=algorithm.max_grad_norm,
             temperature=spec.rollout.temperature,
             micro_batch_max_tokens=spec.trainer.micro_batch_max_tokens,
+            compute_dtype=spec.model.dtype,
         )
 
+
+_COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 _TOKEN_MEAN_STATS = (
     "clip_fraction", "approx_kl", "behaviour_weight_mean", "behaviour_capped_fraction",
@@ -77,9 +90,14 @@ _TOKEN_MEAN_STATS = (
 class PolicyUpdater:
     """Applies decoupled-PPO updates to a model; data parallel when torch.distributed is up.
 
-    Each rank passes its own share of the global batch. The loss is a token mean over the
-    whole global batch, so per-rank gradients are summed (not averaged) before the step;
-    this makes N ranks give the same update as one rank with all the samples.
+    Each rank passes its own share of the global batch (possibly none). The loss is a token
+    mean over the whole global batch, so per-rank gradients are summed (not averaged) before
+    the step; this makes N ranks give the same update as one rank with all the samples.
+
+    A model sharded with FSDP2 (`fully_shard`, see asyncrl.trainer.distributed) reduces its
+    own gradients during backward, averaging them, so the loss it back-propagates is scaled
+    by the world size; every forward pass is then a collective, so all ranks run the same
+    number of micro-batches (a rank short of work runs empty ones).
     """
 
     def __init__(
@@ -91,7 +109,13 @@ class PolicyUpdater:
     ):
         if config.kl_coef > 0 and reference_model is None:
             raise ValueError("algorithm.kl.coef > 0 needs a reference model")
+        if config.compute_dtype not in _COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {sorted(_COMPUTE_DTYPES)}, "
+                             f"got {config.compute_dtype!r}")
         self.model = model
+        self.device = next(model.parameters()).device
+        self.sharded = isinstance(model, FSDPModule)
+        self._gradient_scale = dist.get_world_size() if self.sharded else 1
         self.optimizer = optimizer
         self.config = config
         self.reference_model = reference_model
@@ -99,18 +123,25 @@ class PolicyUpdater:
     def step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         started = time.perf_counter()
         micro_batches = [
-            _pack([samples[i] for i in indices])
+            _to_device(_pack([samples[i] for i in indices]), self.device)
             for indices in balance_micro_batches(
                 [s.input_ids.numel() for s in samples], self.config.micro_batch_max_tokens
             )
         ]
+        if self.sharded:
+            # Every forward is a collective under FSDP: pad to the most micro-batches any
+            # rank has with empty ones (one token, no loss).
+            most = _all_reduce(torch.tensor(len(micro_batches), device=self.device),
+                               dist.ReduceOp.MAX)
+            micro_batches += [_empty_micro_batch(self.device)] * (int(most) - len(micro_batches))
         local_tokens = sum(int(s.loss_mask.sum()) for s in samples)
-        global_tokens = _all_reduce_sum(torch.tensor(float(local_tokens)))
+        global_tokens = _all_reduce_sum(
+            torch.tensor(float(local_tokens), device=self.device))
 
         # The proximal policy is the current weights before this update (AReaL's
         # decoupled objective); standard PPO needs no extra forward pass.
         self.model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self._autocast():
             if self.config.decoupled:
                 proximal = [self._logprobs(self.model, mb) for mb in micro_batches]
             else:
@@ -124,9 +155,12 @@ class PolicyUpdater:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         # Token-weighted sums of the per-micro-batch stats, normalised once at the end.
-        sums = dict.fromkeys(("loss", *_TOKEN_MEAN_STATS), 0.0)
+        # The same keys on every rank (one with no samples too): they are all-reduced together.
+        kl_names = ("kl",) if reference is not None else ()
+        sums = dict.fromkeys(("loss", *_TOKEN_MEAN_STATS, *kl_names), 0.0)
         for index, mb in enumerate(micro_batches):
-            logprobs = self._logprobs(self.model, mb)
+            with self._autocast():
+                logprobs = self._logprobs(self.model, mb)
             mask = mb.fields["loss_mask"]
             loss, stats = decoupled_ppo_loss(
                 logprobs,
@@ -145,21 +179,26 @@ class PolicyUpdater:
             if reference is not None:
                 kl = (kl_penalty(logprobs, reference[index], self.config.kl_estimator) * mask).sum()
                 loss = loss + self.config.kl_coef * kl / global_tokens
-                sums["kl"] = sums.get("kl", 0.0) + float(kl.detach())
-            loss.backward()
+                sums["kl"] += float(kl.detach())
+            # FSDP averages the gradients across ranks: scaled, the average is the sum.
+            (loss * self._gradient_scale).backward()
             sums["loss"] += float(loss.detach())  # already divided by the global token count
             for name in _TOKEN_MEAN_STATS:
                 sums[name] += float(stats[name]) * float(stats["num_tokens"])
 
-        _all_reduce_gradients(self.model)
+        if not self.sharded:  # FSDP reduced them (summed, see distributed.shard_model)
+            _all_reduce_gradients(self.model)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), self.config.max_grad_norm
         )
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
 
         # Sum across ranks so every rank reports the figures of the global batch.
         names = sorted(sums)
-        summed = _all_reduce_sum(torch.tensor([sums[n] for n in names], dtype=torch.float64))
+        summed = _all_reduce_sum(
+            torch.tensor([sums[n] for n in names], dtype=torch.float64, device=self.device))
         tokens = float(global_tokens)
         result = {
             name: float(value) if name == "loss" else float(value) / max(tokens, 1.0)
@@ -167,11 +206,17 @@ class PolicyUpdater:
         }
         result.update(
             trained_tokens=tokens,
-            micro_batches=float(len(micro_batches)),
+            micro_batches=float(len(micro_batches)),  # on this rank
             grad_norm=float(grad_norm),
             step_seconds=time.perf_counter() - started,
         )
         return result
+
+    def _autocast(self):
+        dtype = _COMPUTE_DTYPES[self.config.compute_dtype]
+        if dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
 
     def _logprobs(self, model: torch.nn.Module, mb: PackedBatch) -> Tensor:
         return packed_token_logprobs(
@@ -192,14 +237,33 @@ def _pack(samples: Sequence[TrainSample]) -> PackedBatch:
     )
 
 
+def _to_device(mb: PackedBatch, device: torch.device) -> PackedBatch:
+    return dataclasses.replace(
+        mb, input_ids=mb.input_ids.to(device), position_ids=mb.position_ids.to(device),
+        cu_seqlens=mb.cu_seqlens.to(device),
+        fields={name: value.to(device) for name, value in mb.fields.items()},
+    )
+
+
+def _empty_micro_batch(device: torch.device) -> PackedBatch:
+    """Two tokens with no loss: a forward and backward that add nothing to the gradients."""
+    return _to_device(_pack([TrainSample(torch.zeros(2, dtype=torch.long),
+                                         torch.zeros(2, dtype=torch.bool), torch.zeros(2), 0.0)]),
+                      device)
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _all_reduce_sum(tensor: Tensor) -> Tensor:
+def _all_reduce(tensor: Tensor, op) -> Tensor:
     if _distributed():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op=op)
     return tensor
+
+
+def _all_reduce_sum(tensor: Tensor) -> Tensor:
+    return _all_reduce(tensor, dist.ReduceOp.SUM)
 
 
 def _all_reduce_gradients(model: torch.nn.Module) -> None:
