@@ -22,7 +22,7 @@ def buffer(redis_server):
                   lease_seconds=30, ack_timeout_seconds=1.0)
         for eta in (0, 1, 4)
     ] + [JobConfig(name="short-lease", max_staleness=1, batch_size=1, group_size=GROUP,
-                   lease_seconds=1.0), JobConfig(name="capped", max_staleness=4, batch_size=2,
+                   lease_seconds=2.0), JobConfig(name="capped", max_staleness=4, batch_size=2,
                                                  group_size=GROUP, max_concurrent=3),
          JobConfig(name="tiny-records", max_staleness=1, batch_size=1, group_size=GROUP,
                    max_group_bytes=200)]
@@ -133,12 +133,21 @@ def test_unacknowledged_batch_is_redelivered(stub):
         put(stub, job, acquire(stub, job).slot_id, f"g{index}")
     first = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t0", num_groups=BATCH), timeout=10)
     # The same trainer restarted: it gets its batch back at once.
+    redelivered_at = time.monotonic()  # at or before Redis stamps the redelivery
     again = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t0", num_groups=BATCH), timeout=10)
     assert again.redelivered and again.batch_id == first.batch_id
     assert [g.group_id for g in again.groups] == [g.group_id for g in first.groups]
-    # Another trainer takes it over once the ack timeout (1 s) passed.
-    time.sleep(1.1)
-    other = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t1", num_groups=BATCH), timeout=10)
+    # Another trainer takes it over once the ack timeout (1 s) passed, and not before: until
+    # then it gets nothing (every group is in that batch). The limit only catches a hang.
+    deadline = redelivered_at + 60
+    while True:
+        other = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t1", num_groups=BATCH),
+                              timeout=10)
+        if other.batch_id:
+            break
+        assert not other.groups and time.monotonic() < deadline, other
+        time.sleep(0.1)
+    assert time.monotonic() - redelivered_at >= 1.0  # a lower bound: a slow machine only adds
     assert other.redelivered and other.batch_id == first.batch_id
     stub.AckBatch(buffer_pb2.AckBatchRequest(job=job, batch_id=other.batch_id), timeout=10)
     assert stats(stub, job).redelivered_total == 2
@@ -181,11 +190,16 @@ def test_lease_expiry_frees_a_dead_workers_slot(stub):
     job = "short-lease"  # bound (1 + 0 + 1) * 1 = 2 slots
     dead, alive = acquire(stub, job, "dead"), acquire(stub, job, "alive")
     assert dead.granted and alive.granted and not acquire(stub, job).granted
-    for _ in range(6):  # the live worker heart-beats; the dead one does not
-        time.sleep(0.25)
+    # The live worker heart-beats (20 times a lease); the dead one does not. Its slot is
+    # granted again once its lease ran out; the limit only catches a hang.
+    deadline = time.monotonic() + 60
+    while True:
         assert stub.Heartbeat(buffer_pb2.HeartbeatRequest(job=job, slot_id=alive.slot_id), timeout=10).alive
-    assert acquire(stub, job).granted
-    assert stats(stub, job).expired_slots_total == 1
+        if acquire(stub, job).granted:
+            break
+        assert time.monotonic() < deadline, "the dead worker's slot was never freed"
+        time.sleep(0.1)
+    assert stats(stub, job).expired_slots_total == 1  # the dead one's; the live one kept its
     with pytest.raises(grpc.RpcError) as error:
         put(stub, job, dead.slot_id, "too-late")
     assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -199,15 +213,30 @@ def test_put_retry_is_idempotent(stub):
     assert stats(stub, "eta4").accepted_total == 1
 
 
-def test_version_watch_streams_changes(stub):
-    stream = stub.WatchVersion(buffer_pb2.GetVersionRequest(job="eta4"), timeout=10)
-    assert next(stream).version == 0
-    stub.SetVersion(buffer_pb2.SetVersionRequest(job="eta4", version=3, weights_uri="/w/3"), timeout=10)
-    update = next(stream)
-    assert (update.version, update.weights_uri) == (3, "/w/3")
-    stream.cancel()
-    info = stub.GetVersion(buffer_pb2.GetVersionRequest(job="eta4"), timeout=10)
-    assert info.version == 3 and info.updated_unix_ms > 0
+def test_set_version_announces_where_rollout_workers_look(stub, redis_server):
+    """Rollout workers read versions from Redis (asyncrl.weights), not through the buffer:
+    SetVersion writes the hash and publishes on the channel."""
+    import redis
+
+    from asyncrl.weights import WeightVersion, weights_channel, weights_key
+
+    client = redis.Redis.from_url(redis_server.url)
+    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(weights_channel("eta4"))
+    try:
+        info = stub.SetVersion(buffer_pb2.SetVersionRequest(job="eta4", version=3,
+                                                            weights_uri="/w/3"), timeout=10)
+        assert (info.version, info.weights_uri) == (3, "/w/3") and info.updated_unix_ms > 0
+        assert WeightVersion.from_hash(client.hgetall(weights_key("eta4"))) == \
+            WeightVersion(3, "/w/3", info.updated_unix_ms)
+        deadline = time.monotonic() + 30
+        message = None
+        while message is None and time.monotonic() < deadline:
+            message = pubsub.get_message(timeout=1.0)
+        assert message is not None and message["type"] == "message"
+    finally:
+        pubsub.close()
+        client.close()
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,5 @@
 """Math rewards: answer extraction, and verification by math-verify in real worker processes."""
 
-import time
-
 import pytest
 
 from asyncrl.reward.extract import extract_answer
@@ -117,12 +115,13 @@ def test_garbage_answer_is_wrong_and_a_bad_reference_is_a_verifier_error(loop, p
     assert (result.score, result.failure) == (0.0, Failure.VERIFIER_ERROR)
 
 
-def test_a_slow_verification_times_out_and_the_pool_stays_fast(loop, pool):
+def test_a_slow_verification_times_out_and_every_worker_answers_after(loop, pool):
     result = score(loop, pool, "9^{9^{9^{9}}}", "5", timeout=1.0)
     assert (result.score, result.failure) == (0.0, Failure.TIMEOUT)
-    start = time.perf_counter()
-    assert score(loop, pool, "1/4", "0.25").score == 1.0
-    assert time.perf_counter() - start < 5
+    # One request per worker (the pool hands them out in turn), each with a generous limit
+    # that only catches a hang: a worker left computing the tower would never answer.
+    for _ in range(pool.size):
+        assert score(loop, pool, "1/4", "0.25", timeout=30).score == 1.0
 
 
 def test_a_worker_that_overruns_is_killed_and_replaced(loop):

@@ -1,11 +1,13 @@
 """The code sandbox with real processes: correct and incorrect programs, and hostile programs
-that must each score 0 while the sandbox stays healthy and fast for the next run."""
+that must each score 0 while the sandbox stays healthy for the next run. (How fast it runs is
+measured in bench/; the limits here only catch hangs.)"""
 
+import ast
+import asyncio
 import os
 import secrets
 import socket
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -28,8 +30,6 @@ TIMEOUT = 1.5
 LIMITS = SandboxLimits(timeout_seconds=TIMEOUT, memory_mb=256, max_processes=16,
                        max_file_size_mb=4, max_output_bytes=256 << 10)
 WORKERS = 2
-# Under a loaded machine a trivial run takes ~0.1-0.3 s; "fast" leaves room for that.
-FAST_SECONDS = 3.0
 
 ADD_IO = CodeReference(io_cases=(IoCase("3 4\n", "7\n"), IoCase("10 -2\n", "8")))
 ADD_TESTS = CodeReference(test_code=(
@@ -82,12 +82,11 @@ def sandbox_processes() -> list[int]:
 
 @pytest.fixture
 def still_healthy(loop, scorer):
-    """After the test: a correct program scores 1, quickly, and nothing of the sandbox runs."""
+    """After the test: a correct program scores 1 (the loop's limit catches a sandbox that
+    hangs), and nothing of the sandbox runs."""
     yield
-    start = time.perf_counter()
     result = score(loop, scorer, "a, b = map(int, input().split())\nprint(a + b)")
-    assert result.score == 1.0, result
-    assert time.perf_counter() - start < FAST_SECONDS
+    assert (result.score, result.failure) == (1.0, Failure.NONE), result
     assert sandbox_processes() == []
 
 
@@ -114,6 +113,48 @@ def test_the_sandbox_isolates_with_namespaces_as_root(sandbox):
         pytest.skip("the machine's tests run as root; as a user the sandbox uses userns")
     assert sandbox.isolation is Isolation.NAMESPACES
     assert sandbox.health() == (True, "code sandbox: namespaces isolation")
+
+
+def test_each_slot_runs_as_its_own_uid_with_no_new_privileges(loop):
+    """Two runs at once, in the default (namespaces) mode, each read their identity from
+    inside: uid and gid are their slot's (`uid_base + slot`), no supplementary groups, no
+    capabilities, and no_new_privs set, so nothing they exec can gain privileges."""
+    if os.geteuid() != 0:
+        pytest.skip("the machine's tests run as root; as a user the sandbox uses userns")
+    uid_base = DEFAULT_UID_BASE + 100
+    sandbox = Sandbox(LIMITS, workers=2, uid_base=uid_base)
+    # Each run sleeps a second so that the two overlap and hold both slots; were they not to
+    # overlap, a fresh pool still hands out slot 0 and then slot 1.
+    program = ("import os, time\nstatus = dict(line.split(':', 1) for line in "
+               "open('/proc/self/status').read().splitlines())\n"
+               "print({k: status[k].split() for k in "
+               "('Uid', 'Gid', 'Groups', 'NoNewPrivs', 'CapEff', 'CapPrm')})\n"
+               "time.sleep(1)\n")
+
+    async def both():
+        await sandbox.start()
+        return await asyncio.gather(*(
+            sandbox.run({"main.py": program.encode()}, [sandbox.python, "-I", "main.py"],
+                        timeout=30) for _ in range(2)))
+
+    try:
+        reports = loop.run(both())
+        assert sandbox.isolation is Isolation.NAMESPACES
+        # Each run's processes were gone before it gave its slot back (not by close()).
+        assert _processes_of(uid_base) == [] and _processes_of(uid_base + 1) == []
+    finally:
+        loop.run(sandbox.close())
+    seen = []
+    for report in reports:
+        assert report.exit_code == 0, report
+        status = ast.literal_eval(report.stdout.decode())
+        (uid,) = set(status["Uid"])             # real, effective, saved and filesystem uid
+        assert set(status["Gid"]) == {uid}
+        assert status["Groups"] == []
+        assert status["NoNewPrivs"] == ["1"]
+        assert int(status["CapEff"][0], 16) == 0 and int(status["CapPrm"][0], 16) == 0
+        seen.append(int(uid))
+    assert sorted(seen) == [uid_base, uid_base + 1]
 
 
 # ---------------------------------------------------------------------- correct and incorrect
@@ -181,18 +222,17 @@ def test_a_response_without_code_has_no_answer(loop, scorer):
 # ---------------------------------------------------------------------- hostile programs
 
 
+# Without its timeout the sandbox would never answer these: the loop's 60 s limit fails them.
+
+
 def test_infinite_loop(loop, scorer, still_healthy):
-    start = time.perf_counter()
     result = score(loop, scorer, "while True:\n    pass")
     assert (result.score, result.failure) == (0.0, Failure.TIMEOUT)
-    assert time.perf_counter() - start < TIMEOUT + FAST_SECONDS
 
 
 def test_sleeping_past_the_timeout(loop, scorer, still_healthy):
-    start = time.perf_counter()
-    result = score(loop, scorer, "import time\ntime.sleep(60)\nprint(7)")
+    result = score(loop, scorer, "import time\ntime.sleep(3600)\nprint(7)")
     assert (result.score, result.failure) == (0.0, Failure.TIMEOUT)
-    assert time.perf_counter() - start < TIMEOUT + FAST_SECONDS
 
 
 def test_fork_bomb(loop, sandbox, scorer, still_healthy):
@@ -216,10 +256,9 @@ def test_memory_bomb(loop, scorer, still_healthy):
 
 
 def test_huge_output_to_stdout(loop, scorer, still_healthy):
-    start = time.perf_counter()
     result = score(loop, scorer, "while True:\n    print('x' * 1000)")
+    # OUTPUT_LIMIT, not TIMEOUT: cut off at the cap, before the timeout.
     assert (result.score, result.failure) == (0.0, Failure.OUTPUT_LIMIT)
-    assert time.perf_counter() - start < TIMEOUT  # cut off at the cap, not at the timeout
 
 
 def test_huge_file(loop, sandbox, scorer, still_healthy):

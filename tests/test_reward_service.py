@@ -4,7 +4,6 @@ workers and a real sandbox, the Python client, metrics, and `asyncrl serve rewar
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 
 import grpc
@@ -75,7 +74,7 @@ def test_a_mixed_batch_is_scored_in_order(stub):
     assert (right.passed, right.total) == (1, 1) and right.wall_seconds > 0
 
 
-def test_the_service_stays_fast_after_hostile_programs(stub):
+def test_the_service_still_scores_after_hostile_programs(stub):
     bombs = [
         "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
         "x = bytearray(8 << 30)",
@@ -85,10 +84,10 @@ def test_the_service_stays_fast_after_hostile_programs(stub):
     tasks = [ScoreTask(f"bomb{i}", f"```python\n{b}\n```", ADD) for i, b in enumerate(bombs)]
     reply = stub.ScoreBatch(batch(*tasks), timeout=60)
     assert [r.score for r in reply.results] == [0.0] * len(bombs)
-    start = time.perf_counter()
+    # The RPC's limit only catches a hang; how fast it answers is measured in bench/.
     reply = stub.ScoreBatch(batch(ScoreTask("after", CORRECT, ADD)), timeout=60)
-    assert reply.results[0].score == 1.0
-    assert time.perf_counter() - start < 3.0
+    assert (reply.results[0].score, reply.results[0].failure) == (
+        1.0, reward_pb2.FAILURE_UNSPECIFIED)
 
 
 async def _client_scores(address, tasks):

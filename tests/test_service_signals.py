@@ -27,7 +27,7 @@ def _listening(port: int) -> bool:
 
 
 def _only_child(pid: int) -> int:
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # catches a hang only
     while time.monotonic() < deadline:
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
         if children:
@@ -57,10 +57,12 @@ def test_a_service_as_pid_1_stops_on_sigterm(redis_server, tmp_path):
             assert launcher.poll() is None, (tmp_path / "buffer.log").read_text()
             assert time.monotonic() < deadline, "the buffer never listened"
             time.sleep(0.1)
-        started = time.monotonic()
         os.kill(service, signal.SIGTERM)
-        launcher.wait(timeout=15)
-        assert time.monotonic() - started < 15
+        # Ignored, it would never stop (nothing here sends the SIGKILL a kubelet would): the
+        # limit only catches that hang. How fast it stops is not asserted.
+        returncode = launcher.wait(timeout=120)
+        # 130: it stopped as on Ctrl-C, through its handler (as PID 1 nothing else stops it).
+        assert returncode == 130, (tmp_path / "buffer.log").read_text()
         assert not _listening(port)
     finally:
         if launcher.poll() is None:

@@ -8,7 +8,7 @@ import logging
 
 import grpc
 
-from asyncrl.rollout.workflow import Group, Slot
+from asyncrl.samples import Group, Slot
 from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)

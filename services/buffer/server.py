@@ -29,7 +29,7 @@ from asyncrl.grpc_errors import map_errors
 from asyncrl.settings import ServiceSettings
 from asyncrl.spec import load_manifest
 from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
-from asyncrl.weights import WeightVersion, weights_channel
+from asyncrl.weights import WeightVersion
 
 log = logging.getLogger(__name__)
 
@@ -143,24 +143,6 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
     async def SetVersion(self, request, context):
         announced = await self._store.set_version(request.job, request.version, request.weights_uri)
         return _version_pb(announced)
-
-    @_mapped
-    async def GetVersion(self, request, context):
-        return _version_pb(await self._store.get_version(request.job))
-
-    @_mapped
-    async def WatchVersion(self, request, context):
-        job = self._store.job(request.job)
-        async with self._client.pubsub() as pubsub:
-            await pubsub.subscribe(weights_channel(job.name))
-            last = -1
-            while True:
-                current = await self._store.get_version(job.name)
-                if current.version > last:
-                    last = current.version
-                    await context.write(_version_pb(current))
-                # The message only says "look again"; the hash is re-read either way.
-                await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0)
 
     @_mapped
     async def GetStats(self, request, context):
