@@ -37,7 +37,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Tokens/s", "type": "number", "jsonPath": ".status.tokensPerSecond"},
     {"name": "Staleness", "type": "number", "jsonPath": ".status.stalenessMean"},
     {"name": "Reward", "type": "number", "jsonPath": ".status.rewardMean"},
-    {"name": "Eval", "type": "number", "jsonPath": ".status.evalAccuracy", "priority": 1},
+    {"name": "Eval", "type": "number", "jsonPath": ".status.evalAccuracy"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

@@ -332,24 +332,23 @@ class ModelSpec(SpecModel):
         return self.source in BUILTIN_MODELS
 
 
+def _refuse_unimplemented(value: Any, unimplemented: str, what: str, *, fix: str) -> Any:
+    """For a `mode="before"` validator: runs before the enum check, so a value the code does
+    not run yet is refused saying why, not only with the list of allowed values."""
+    if value == unimplemented:
+        raise rule_error(f"{what} is not implemented yet", fix=fix)
+    return value
+
+
 class DatasetSpec(SpecModel):
     """Where prompts (and their reference answers or tests) come from."""
 
-    kind: Literal["arith", "code", "jsonl"] = Field(
+    kind: Literal["arith", "code"] = Field(
         default="arith",
         description="arith: generated arithmetic problems (math reward); code: generated "
-        "programming tasks with unit tests (code reward); jsonl: records read from path.",
+        "programming tasks with unit tests (code reward).",
     )
-    path: str | None = Field(
-        default=None,
-        min_length=1,
-        description="JSONL file to read (kind jsonl only), as seen by the pods.",
-    )
-    num_prompts: int = Field(
-        default=2000,
-        ge=1,
-        description="Prompts to generate (arith, code) or the most to read (jsonl).",
-    )
+    num_prompts: int = Field(default=2000, ge=1, description="Prompts to generate.")
     eval_fraction: float = Field(
         default=0.05, ge=0, le=0.5, description="Share of the prompts held out for evaluation."
     )
@@ -358,21 +357,11 @@ class DatasetSpec(SpecModel):
         default=2, ge=1, le=5, description="Difficulty of generated problems, 1 (easy) to 5."
     )
 
-    @model_validator(mode="after")
-    def _path_matches_kind(self) -> DatasetSpec:
-        if self.kind == "jsonl" and self.path is None:
-            raise rule_error(
-                "kind jsonl reads its prompts from a file, but path is not set",
-                field="path",
-                fix="add path: /path/to/prompts.jsonl",
-            )
-        if self.kind != "jsonl" and self.path is not None:
-            raise rule_error(
-                f"path is only read for kind jsonl; kind {self.kind} generates its prompts",
-                field="path",
-                fix="remove path, or set kind: jsonl",
-            )
-        return self
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _kind_has_prompts(cls, value: Any) -> Any:
+        return _refuse_unimplemented(value, "jsonl", "reading prompts from a JSONL file",
+                                     fix="use kind: arith or kind: code (generated prompts)")
 
 
 class KLSpec(SpecModel):
@@ -396,7 +385,10 @@ class AlgorithmSpec(SpecModel):
         default=False, description="Also normalise advantages over the whole batch."
     )
     group_size: int = Field(
-        default=8, ge=1, description="Responses generated per prompt (n), scored as one group."
+        default=8,
+        ge=2,
+        description="Responses generated per prompt (n), scored as one group; at least 2, "
+        "since each response's advantage is measured against the others in its group.",
     )
     batch_size: int = Field(
         default=8, ge=1, description="Prompts (groups) consumed per training step."
@@ -451,14 +443,42 @@ class AlgorithmSpec(SpecModel):
         return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
 
     @model_validator(mode="after")
-    def _group_baseline(self) -> AlgorithmSpec:
-        if self.advantage_estimator == "rloo" and self.group_size < 2:
+    def _cap_keeps_tokens(self) -> AlgorithmSpec:
+        # A token the current policy generated has weight pi_prox / pi_behav = 1, and plain PPO
+        # (decoupled false) uses weight 1 for every token: a mask below 1 drops them all.
+        cap = self.behaviour_weight_cap
+        if cap is not None and cap < 1 and self.behaviour_cap_mode == "mask":
             raise rule_error(
-                "rloo's leave-one-out baseline needs at least 2 responses per prompt",
-                field="groupSize",
-                fix="set groupSize to 2 or more",
+                "a cap below 1 with behaviourCapMode mask drops every token whose behaviour "
+                "weight is 1: all tokens of plain PPO (decoupled false) and every token the "
+                "current policy generated, so the job learns nothing from fresh samples",
+                field="behaviourWeightCap",
+                fix="set behaviourWeightCap to 1 or more (the default is 5), or "
+                "behaviourCapMode: clamp",
             )
         return self
+
+    @field_validator("group_size", mode="before")
+    @classmethod
+    def _group_baseline(cls, value: Any) -> Any:
+        # Before the bound (ge=2, also the CRD's minimum) so that 1 is refused saying why.
+        # Every estimator compares a response with the other responses to its prompt (grpo:
+        # z-score in the group, dr_grpo: minus the group mean, rloo: minus the mean of the
+        # others), so a group of one gets advantage 0, and normalising a batch of zeros
+        # (batchNormAdvantages) leaves zeros: the policy gradient is 0 on every step.
+        if value == 1 and not isinstance(value, bool):
+            raise rule_error(
+                "with one response per prompt every advantage is 0 (grpo, dr_grpo and rloo "
+                "all measure a response against the others to the same prompt), so the job "
+                "can never learn",
+                fix="set groupSize to 2 or more (the default is 8)",
+            )
+        return value
+
+
+#: Why greedy rollouts are refused: they cannot produce a learning signal.
+_GREEDY = ("the responses to a prompt come out identical, so each group's rewards are equal "
+           "and every advantage is 0; the job can never learn")
 
 
 class RolloutSpec(SpecModel):
@@ -477,13 +497,19 @@ class RolloutSpec(SpecModel):
         "all rollout replicas; enforced by the buffer together with the staleness bound.",
     )
     max_new_tokens: int = Field(default=256, ge=1, description="Most tokens per response.")
-    temperature: float = Field(default=1.0, ge=0, description="Sampling temperature; 0 is greedy.")
+    temperature: float = Field(
+        default=1.0,
+        gt=0,
+        description="Sampling temperature; above 0, since greedy decoding (0) would make the "
+        "responses to a prompt identical.",
+    )
     top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass; 1 is off.")
     top_k: int = Field(
         default=-1,
         ge=-1,
-        description="Sample from the k most likely tokens; -1 is off (0 is not allowed).",
-        json_schema_extra={"not": {"enum": [0]}},
+        description="Sample from the k most likely tokens; -1 is off (0 is not allowed, and 1 "
+        "is greedy).",
+        json_schema_extra={"not": {"enum": [0, 1]}},
     )
     resources: Resources = Field(default_factory=Resources, description="Per-pod resources.")
     placement: Placement = Field(default_factory=Placement, description="Per-pod placement.")
@@ -492,7 +518,23 @@ class RolloutSpec(SpecModel):
     @classmethod
     def _top_k_not_zero(cls, value: int) -> int:
         if value == 0:
-            raise rule_error("0 is not a valid topK", fix="use -1 to turn top-k off, or 1 or more")
+            raise rule_error("0 is not a valid topK", fix="use -1 to turn top-k off, or 2 or more")
+        if value == 1:
+            raise rule_error(
+                f"topK 1 always samples the most likely token: {_GREEDY}",
+                fix="use -1 to turn top-k off, or 2 or more",
+            )
+        return value
+
+    @field_validator("temperature", mode="before")
+    @classmethod
+    def _not_greedy(cls, value: Any) -> Any:
+        # Before the bound (gt=0, also the CRD's), so that 0 is refused saying why.
+        if value == 0 and not isinstance(value, bool):
+            raise rule_error(
+                f"temperature 0 is greedy decoding: {_GREEDY}",
+                fix="use a temperature above 0, e.g. 1.0 (the default)",
+            )
         return value
 
     @model_validator(mode="after")
@@ -583,6 +625,15 @@ class SecretKeyRef(SpecModel):
 class RedisSpec(SpecModel):
     """The Redis that holds the buffer's state."""
 
+    # The managed-Redis half of _tls_matches_url, for the API server (a CEL rule in the CRD).
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": "!has(self.tls) || !self.tls || has(self.url)",
+        "message": "tls is set but no url is given: the managed Redis serves plain TCP; give "
+                   "the rediss:// url of an external Redis or remove tls",
+        "fieldPath": ".tls",
+        "reason": "FieldValueInvalid",
+    }]})
+
     url: str | None = Field(
         default=None,
         pattern=r"^rediss?://",
@@ -594,7 +645,9 @@ class RedisSpec(SpecModel):
         description="Secret key holding the Redis password; a managed Redis is started with it.",
     )
     tls: bool = Field(
-        default=False, description="Connect with TLS (an external url uses rediss://)."
+        default=False,
+        description="Connect with TLS: an external url then uses rediss://. The managed Redis "
+        "does not serve TLS.",
     )
     persistence: Literal["aof", "none"] = Field(
         default="aof",
@@ -604,6 +657,13 @@ class RedisSpec(SpecModel):
 
     @model_validator(mode="after")
     def _tls_matches_url(self) -> RedisSpec:
+        if self.url is None and self.tls:
+            raise rule_error(
+                "the managed Redis (no url) serves plain TCP, so tls would be ignored",
+                field="tls",
+                fix="remove tls, or give the url of an external Redis that serves TLS "
+                "(rediss://)",
+            )
         if self.url is not None and self.tls != self.url.startswith("rediss://"):
             scheme = "rediss" if self.tls else "redis"
             raise rule_error(
@@ -635,9 +695,9 @@ class BufferSpec(SpecModel):
 class TrainerSpec(SpecModel):
     """The trainer: backend, parallelism, packing and checkpoints."""
 
-    backend: Literal["pytorch", "megatron"] = Field(
+    backend: Literal["pytorch"] = Field(
         default="pytorch",
-        description="pytorch: torch.distributed (CPU or GPU); megatron: Megatron-Core (GPU only).",
+        description="pytorch: torch.distributed (CPU or GPU), the only backend so far.",
     )
     replicas: int = Field(default=1, ge=1, description="Trainer nodes (pods).")
     processes_per_replica: int = Field(
@@ -646,16 +706,35 @@ class TrainerSpec(SpecModel):
     micro_batch_max_tokens: int = Field(
         default=4096, ge=1, description="Most tokens packed into one micro-batch."
     )
+    sharding: Literal["none", "fsdp"] = Field(
+        default="none",
+        description="none: every trainer process holds the whole model and optimizer (data "
+        "parallel); fsdp: parameters, gradients and optimizer state are sharded across the "
+        "trainer processes (FSDP2), for models that do not fit on one device.",
+    )
     checkpoint_every: int = Field(default=10, ge=1, description="Save a checkpoint every N steps.")
     eval_every: int = Field(default=10, ge=1, description="Evaluate every N steps.")
     resources: Resources = Field(default_factory=Resources, description="Per-pod resources.")
     placement: Placement = Field(default_factory=Placement, description="Per-pod placement.")
 
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _backend_runs(cls, value: Any) -> Any:
+        return _refuse_unimplemented(value, "megatron", "the Megatron-Core backend",
+                                     fix="use backend: pytorch")
+
     @model_validator(mode="after")
     def _placement(self) -> TrainerSpec:
         _check_gpu_placement(self.resources)
-        if self.backend == "megatron":
-            _require_gpus(self.placement, "backend megatron", "trainer")
+        gpus = self.placement.gpus
+        if gpus and self.processes_per_replica > gpus:
+            # Each process computes on cuda:<local rank>; a process without a GPU would fail.
+            raise rule_error(
+                f"{self.processes_per_replica} processes per pod need a GPU each, but "
+                f"placement.gpus is {gpus}",
+                field="processesPerReplica",
+                fix=f"set processesPerReplica to at most {gpus}, or raise placement.gpus",
+            )
         return self
 
 
@@ -681,8 +760,8 @@ class RLJobSpec(SpecModel):
 
     @model_validator(mode="after")
     def _sections_agree(self) -> RLJobSpec:
-        expected = _REWARD_FOR_DATASET.get(self.dataset.kind)
-        if expected is not None and self.reward.kind != expected:
+        expected = _REWARD_FOR_DATASET[self.dataset.kind]
+        if self.reward.kind != expected:
             raise rule_error(
                 f"dataset kind {self.dataset.kind} is scored by reward kind {expected}, "
                 f"not {self.reward.kind}",
@@ -749,9 +828,11 @@ class RLJobStatus(SpecModel):
     rollout_ready_replicas: int | None = Field(
         default=None, description="Rollout worker pods that are ready."
     )
-    trainer_step: int | None = Field(default=None, description="Training steps completed.")
+    trainer_step: int | None = Field(
+        default=None, description="Training steps completed, as the trainer reports them."
+    )
     tokens_per_second: float | None = Field(
-        default=None, description="Trained tokens per second (recent average)."
+        default=None, description="Trained tokens per second of the trainer's last step."
     )
     samples_per_second: float | None = Field(
         default=None, description="Accepted samples per second (recent average)."
@@ -759,8 +840,12 @@ class RLJobStatus(SpecModel):
     staleness_mean: float | None = Field(
         default=None, description="Mean policy-version lag of recently trained tokens."
     )
-    reward_mean: float | None = Field(default=None, description="Mean reward of recent samples.")
-    eval_accuracy: float | None = Field(default=None, description="Latest evaluation accuracy.")
+    reward_mean: float | None = Field(
+        default=None, description="Mean reward of the last batch the trainer trained on."
+    )
+    eval_accuracy: float | None = Field(
+        default=None, description="Latest evaluation accuracy (greedy, held-out prompts)."
+    )
 
 
 # --------------------------------------------------------------------------- manifest

@@ -16,21 +16,28 @@ What runs where:
     <job>-trainer   StatefulSet      PPO updates, nodes x processes via torchrun (gRPC 50071)
     <job>-trainer-headless  Service  stable pod DNS for torch rendezvous (29400)
     <job>-run       PVC              checkpoints and weight snapshots: trainer writes, rollout reads
-    <job>-redis, <job>-buffer, <job>-reward   NetworkPolicy   only the job's own pods (and the
-                    operator, for buffer statistics) reach Redis and the buffer; reward pods,
-                    which run untrusted programs, make no outgoing connection at all
+    <job>-redis, <job>-buffer, <job>-trainer, <job>-reward   NetworkPolicy   only the job's own
+                    pods (and the operator, for buffer statistics and trainer status) reach
+                    Redis, the buffer and the trainer; reward pods, which run untrusted
+                    programs, make no outgoing connection at all
+
+Pods of a component that requests GPUs (`placement.gpus` > 0) run `OperatorConfig.gpu_image`
+(CUDA torch and SGLang), the others `OperatorConfig.image` (CPU torch).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
 import asyncrl
+from asyncrl.rollout.sglang_launch import SGLANG_STARTUP_SECONDS
 from asyncrl.spec import GPU_RESOURCE, RLJob
+from asyncrl.trainer.launch import torchrun_arguments
 
 MANAGED_BY = "asyncrl-operator"
 JOB_LABEL = "asyncrl.io/job"
@@ -47,6 +54,11 @@ REWARD_PORT, REWARD_METRICS = 50081, 9102
 ROLLOUT_HTTP, ROLLOUT_GRPC = 30000, 50061
 TRAINER_PORT, TRAINER_METRICS, RENDEZVOUS_PORT = 50071, 9103, 29400
 REDIS_PORT = 6379
+
+#: Seconds a service container may take to start (loading a model can take minutes) before
+#: its startup probe fails and the kubelet restarts it; the probe runs every PROBE_PERIOD.
+STARTUP_SECONDS = 600
+PROBE_PERIOD = 5
 
 #: Unprivileged uid/gid of the asyncrl image; Redis runs as the official image's redis user.
 APP_UID = 10001
@@ -66,7 +78,11 @@ DEFAULT_REQUESTS = {
 class OperatorConfig:
     """Settings of the operator itself (flags / env of `asyncrl operator`), not of a job."""
 
+    #: Image of the pods that request no GPUs: the Dockerfile's `service` target (CPU torch).
     image: str = f"ghcr.io/asyncrl/asyncrl:{asyncrl.__version__}"
+    #: Image of the pods whose component requests GPUs (`placement.gpus` > 0: rollout,
+    #: trainer): the `service-gpu` target, with CUDA torch and SGLang.
+    gpu_image: str = f"ghcr.io/asyncrl/asyncrl:{asyncrl.__version__}-gpu"
     redis_image: str = "redis:7.4-alpine"
     image_pull_policy: str = "IfNotPresent"
     run_volume_size: str = "20Gi"
@@ -260,7 +276,7 @@ def reward_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
     reward = job.spec.reward
     args = ["serve", "reward", "--job-file", JOB_FILE, "--host", "0.0.0.0",
             "--grpc-port", str(REWARD_PORT), "--metrics-port", str(REWARD_METRICS)]
-    container = _container(job, config, "reward", args,
+    container = _container(job, config, "reward", args, gpus=reward.placement.gpus,
                            ports=[("grpc", REWARD_PORT), ("metrics", REWARD_METRICS)],
                            resources=_resources(reward.resources, "reward",
                                                 gpus=reward.placement.gpus),
@@ -297,11 +313,12 @@ def rollout_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
             "--redis-url", redis_url_with_password(job), "--worker", "$(POD_NAME)"]
     env = [_pod_name_env()] + ([_password_env(job)] if password_ref(job) else [])
     health = {"httpGet": {"path": "/health", "port": "http"}}
-    container = _container(job, config, "rollout", args, env=env,
+    container = _container(job, config, "rollout", args, env=env, gpus=rollout.placement.gpus,
                            ports=[("http", ROLLOUT_HTTP), ("grpc", ROLLOUT_GRPC)],
                            resources=_resources(rollout.resources, "rollout",
                                                 gpus=rollout.placement.gpus),
-                           probe=health, mounts=[_run_mount(read_only=True)])
+                           probe=health, startup_seconds=rollout_startup_seconds(job),
+                           mounts=[_run_mount(read_only=True)])
     replicas = 0 if job.spec.suspend else rollout.replicas
     deployment = _deployment(job, config, "rollout", replicas, [container],
                              placement=rollout.placement, volumes=[_run_volume(job)])
@@ -320,15 +337,25 @@ def rollout_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
     return deployment
 
 
+def rollout_startup_seconds(job: RLJob) -> float:
+    """How long a rollout worker may take to answer /health. With engine sglang it answers only
+    once the SGLang server it launched is healthy, which it allows SGLANG_STARTUP_SECONDS: the
+    probe waits for the worker's own start plus that."""
+    if job.spec.rollout.engine == "sglang":
+        return STARTUP_SECONDS + SGLANG_STARTUP_SECONDS
+    return STARTUP_SECONDS
+
+
 def rollout_service(job: RLJob) -> dict[str, Any]:
     return _service(job, "rollout", [("http", ROLLOUT_HTTP), ("grpc", ROLLOUT_GRPC)])
 
 
 def trainer_statefulset(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
     """Trainer pods: `replicas` nodes x `processesPerReplica` processes. More than one process
-    in all runs under torchrun, which meets at pod 0 through the headless Service. A template
-    change restarts the pods, and the trainer resumes from the last checkpoint in the run
-    volume."""
+    in all runs under torchrun: on its own in a single pod (`--standalone`), else meeting at
+    pod 0 through the headless Service, each pod starting torchrun only once that rendezvous
+    can work (`rendezvous_wait_container`). A template change restarts the pods, and the
+    trainer resumes from the last checkpoint in the run volume."""
     trainer = job.spec.trainer
     serve = ["serve", "trainer", "--job-file", JOB_FILE, "--host", "0.0.0.0",
              "--grpc-port", str(TRAINER_PORT), "--metrics-port", str(TRAINER_METRICS),
@@ -339,14 +366,17 @@ def trainer_statefulset(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
            {"name": "ASYNCRL_NNODES", "value": str(trainer.replicas)},
            {"name": "ASYNCRL_NPROC_PER_NODE", "value": str(trainer.processes_per_replica)}]
     command = None
+    rendezvous_host = trainer_rendezvous_host(job) if trainer.replicas > 1 else None
     if trainer.replicas * trainer.processes_per_replica > 1:
-        rendezvous = (f"{child_name(job, 'trainer')}-0.{child_name(job, 'trainer-headless')}:"
-                      f"{RENDEZVOUS_PORT}")
-        command = ["torchrun", f"--nnodes={trainer.replicas}",
-                   f"--nproc-per-node={trainer.processes_per_replica}",
-                   "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}",
-                   f"--rdzv-id={job.metadata.name}", "-m", "asyncrl.cli"]
+        # A rank that dies stops the pod's torchrun (no --max-restarts); the pod restarts and
+        # every node resumes from the last checkpoint.
+        command = ["torchrun", *torchrun_arguments(
+            trainer.processes_per_replica, nnodes=trainer.replicas,
+            rendezvous_endpoint=(f"{rendezvous_host}:{RENDEZVOUS_PORT}" if rendezvous_host
+                                 else None),
+            rendezvous_id=job.metadata.name)]
     container = _container(job, config, "trainer", serve, env=env, command=command,
+                           gpus=trainer.placement.gpus,
                            ports=[("grpc", TRAINER_PORT), ("metrics", TRAINER_METRICS),
                                   ("rendezvous", RENDEZVOUS_PORT)],
                            resources=_resources(trainer.resources, "trainer",
@@ -357,6 +387,10 @@ def trainer_statefulset(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
                     gpu_tolerations=config.gpu_tolerations)
     if trainer.placement.gpus:
         _add_shared_memory(pod, container)
+    if rendezvous_host:
+        pod["initContainers"] = [rendezvous_wait_container(
+            rendezvous_host, image=image_for(config, trainer.placement.gpus),
+            pull_policy=config.image_pull_policy)]
     return {
         "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(job, "trainer"),
         "spec": {
@@ -367,6 +401,47 @@ def trainer_statefulset(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
             "selector": {"matchLabels": selector_labels(job, "trainer")},
             "template": _template(job, "trainer", pod),
         },
+    }
+
+
+def trainer_rendezvous_host(job: RLJob) -> str:
+    """Trainer pod 0's name under the headless Service: torchrun's rendezvous across pods."""
+    return f"{child_name(job, 'trainer')}-0.{child_name(job, 'trainer-headless')}"
+
+
+#: Run by `rendezvous_wait_container` as `python -c WAIT_FOR_RENDEZVOUS <host> <port>`.
+WAIT_FOR_RENDEZVOUS = """\
+import os, socket, sys, time
+host, port = sys.argv[1], int(sys.argv[2])
+hosting = host.split(".")[0] == socket.gethostname()
+while True:
+    try:
+        if hosting:
+            if os.environ["POD_IP"] in {a[4][0] for a in socket.getaddrinfo(host, port)}:
+                break
+        else:
+            socket.create_connection((host, port), timeout=5).close()
+            break
+    except OSError:
+        pass
+    print(f"waiting for the trainer rendezvous at {host}:{port}", flush=True)
+    time.sleep(2)
+"""
+
+
+def rendezvous_wait_container(host: str, *, image: str, pull_policy: str) -> dict[str, Any]:
+    """Init container of a multi-pod trainer. torch's c10d rendezvous picks the pod that hosts
+    its store by resolving the endpoint's name when torchrun starts, and the other pods give
+    up after 60 s without a store: pod 0 waits until its name under the headless Service
+    resolves to its own address, the others until pod 0's store accepts connections (pod 0
+    may still be pulling the image). Otherwise torchrun fails and the pod restarts, and a
+    trainer restarting `trainer_max_restarts` times fails the job."""
+    return {
+        "name": "wait-for-rendezvous", "image": image, "imagePullPolicy": pull_policy,
+        "command": ["python", "-c", WAIT_FOR_RENDEZVOUS, host, str(RENDEZVOUS_PORT)],
+        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}},
+        "securityContext": _container_security(read_only_root=True),
     }
 
 
@@ -405,9 +480,21 @@ def _network_policy(job: RLJob, component: str, *, ingress: list[dict],
             "metadata": _meta(job, component), "spec": spec}
 
 
-def _from_own_pods(job: RLJob, ports: list[int]) -> dict[str, Any]:
-    return {"from": [{"podSelector": {"matchLabels": {JOB_LABEL: job.metadata.name}}}],
-            "ports": [{"protocol": "TCP", "port": port} for port in ports]}
+def _from_own_pods(job: RLJob, ports: list[int] | None) -> dict[str, Any]:
+    """From the job's own pods, on `ports` (None: every port)."""
+    rule: dict[str, Any] = {
+        "from": [{"podSelector": {"matchLabels": {JOB_LABEL: job.metadata.name}}}]}
+    if ports is not None:
+        rule["ports"] = [{"protocol": "TCP", "port": port} for port in ports]
+    return rule
+
+
+def _from_operator(port: int) -> dict[str, Any]:
+    """The operator's pods, in whatever namespace the chart put them, read the figures of
+    status (buffer statistics, trainer status)."""
+    return {"from": [{"namespaceSelector": {},
+                      "podSelector": {"matchLabels": {OPERATOR_LABEL: "true"}}}],
+            "ports": [{"protocol": "TCP", "port": port}]}
 
 
 def _from_anywhere(ports: list[int]) -> dict[str, Any]:
@@ -424,11 +511,19 @@ def redis_network_policy(job: RLJob, config: OperatorConfig) -> dict[str, Any] |
 def buffer_network_policy(job: RLJob, config: OperatorConfig) -> dict[str, Any] | None:
     if not config.network_policies:
         return None
-    from_operator = {"from": [{"namespaceSelector": {},
-                               "podSelector": {"matchLabels": {OPERATOR_LABEL: "true"}}}],
-                     "ports": [{"protocol": "TCP", "port": BUFFER_PORT}]}
     return _network_policy(job, "buffer", ingress=[
-        _from_own_pods(job, [BUFFER_PORT]), from_operator, _from_anywhere([BUFFER_METRICS])])
+        _from_own_pods(job, [BUFFER_PORT]), _from_operator(BUFFER_PORT),
+        _from_anywhere([BUFFER_METRICS])])
+
+
+def trainer_network_policy(job: RLJob, config: OperatorConfig) -> dict[str, Any] | None:
+    """The job's own pods on every port (torchrun's rendezvous, then the process group's
+    ports, which torch.distributed picks at run time); the operator on the status port."""
+    if not config.network_policies:
+        return None
+    return _network_policy(job, "trainer", ingress=[
+        _from_own_pods(job, None), _from_operator(TRAINER_PORT),
+        _from_anywhere([TRAINER_METRICS])])
 
 
 def reward_network_policy(job: RLJob, config: OperatorConfig) -> dict[str, Any] | None:
@@ -446,6 +541,7 @@ def build_children(job: RLJob, config: OperatorConfig, *, redis_password: str) -
         config_map(job),
         redis_network_policy(job, config),
         buffer_network_policy(job, config),
+        trainer_network_policy(job, config),
         reward_network_policy(job, config),
         redis_secret(job, redis_password),
         redis_service(job),
@@ -542,20 +638,29 @@ def _pod_spec(job: RLJob, containers: list[dict], *, placement=None, volumes=(),
     return pod
 
 
+def image_for(config: OperatorConfig, gpus: int) -> str:
+    """The GPU image (CUDA torch, SGLang) for a component that requests GPUs, else the CPU
+    one."""
+    return config.gpu_image if gpus else config.image
+
+
 def _container(job: RLJob, config: OperatorConfig, component: str, args: list[str], *,
-               ports: list[tuple[str, int]], resources: dict, probe: dict,
+               ports: list[tuple[str, int]], resources: dict, probe: dict, gpus: int = 0,
                env: list[dict] = (), command: list[str] | None = None,
-               mounts: list[dict] = ()) -> dict[str, Any]:
+               mounts: list[dict] = (),
+               startup_seconds: float = STARTUP_SECONDS) -> dict[str, Any]:
     container = {
-        "name": component, "image": config.image, "imagePullPolicy": config.image_pull_policy,
+        "name": component, "image": image_for(config, gpus),
+        "imagePullPolicy": config.image_pull_policy,
         "command": command or ["asyncrl"], "args": args,
         "env": [{"name": "HOME", "value": "/tmp"}, {"name": "PYTHONUNBUFFERED", "value": "1"},
                 *env],
         "ports": [{"name": name, "containerPort": port, "protocol": "TCP"}
                   for name, port in ports],
         # Model loading can take minutes; the startup probe holds the others off until then.
-        "startupProbe": {**probe, "periodSeconds": 5, "failureThreshold": 120},
-        "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 3},
+        "startupProbe": {**probe, "periodSeconds": PROBE_PERIOD,
+                         "failureThreshold": math.ceil(startup_seconds / PROBE_PERIOD)},
+        "readinessProbe": {**probe, "periodSeconds": PROBE_PERIOD, "failureThreshold": 3},
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
         "resources": resources,
         "securityContext": _container_security(read_only_root=True),

@@ -31,6 +31,7 @@ from asyncrl.operator.builders import OperatorConfig
 from asyncrl.operator.status import (
     BufferStats,
     Observation,
+    TrainerStatus,
     Workload,
     compute_status,
     status_changes,
@@ -42,6 +43,8 @@ from asyncrl.spec_errors import describe
 FIELD_MANAGER = "asyncrl-operator"
 APPLY = "application/apply-patch+yaml"
 INTERVAL = float(os.environ.get("ASYNCRL_OPERATOR_INTERVAL", "10"))
+#: Ask the job's services for their figures (buffer GetStats, trainer GetStatus); they are
+#: reachable when the operator runs in the cluster.
 BUFFER_STATS = os.environ.get("ASYNCRL_OPERATOR_BUFFER_STATS", "1") not in ("0", "false", "")
 
 log = logging.getLogger("asyncrl.operator")
@@ -249,11 +252,15 @@ def observe(job: RLJob, body: Any) -> Observation:
             if before is not None and now > before[1]:
                 rate = max(0.0, (stats.accepted_total - before[0]) / (now - before[1]))
             _accepted[uid] = (stats.accepted_total, now)
+
+    trainer, trainer_error = None, None
+    if BUFFER_STATS and next(w for w in found if w.component == "trainer").ready:
+        trainer, trainer_error = trainer_status(job)
     return Observation(
         generation=body["metadata"].get("generation"), suspend=job.spec.suspend,
         max_steps=job.spec.algorithm.max_steps, workloads=tuple(found), trainer_failure=failure,
         stats=stats, stats_error=stats_error, samples_per_second=rate,
-        now=datetime.now(timezone.utc))
+        trainer=trainer, trainer_error=trainer_error, now=datetime.now(timezone.utc))
 
 
 def buffer_stats(job: RLJob, address: str | None = None,
@@ -274,6 +281,44 @@ def buffer_stats(job: RLJob, address: str | None = None,
         return None, f"{address}: {exc.code().name}"
     return BufferStats(reply.trainer_version, reply.accepted_total, reply.consumed_total,
                        tuple(reply.staleness_counts)), None
+
+
+#: The phase a trainer process that is not the leader reports (see trainer.proto).
+FOLLOWING = "following"
+
+
+def trainer_status(job: RLJob, addresses: list[str] | None = None,
+                   timeout: float = 1.0) -> tuple[TrainerStatus | None, str | None]:
+    """GetStatus from the job's trainer. Each trainer pod serves the status of its first
+    process, and only the leader (global rank 0, on whichever pod the rendezvous made it) has
+    figures; the others report phase "following". By default the pods are asked in order
+    through the headless Service's cluster DNS names (pod 0 first), which resolve when the
+    operator runs in the cluster. Returns (status, None) or (None, why)."""
+    import grpc
+
+    from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
+
+    if addresses is None:
+        headless = f"{builders.child_name(job, 'trainer-headless')}.{job.metadata.namespace}.svc"
+        addresses = [f"{builders.child_name(job, 'trainer')}-{pod}.{headless}:"
+                     f"{builders.TRAINER_PORT}" for pod in range(job.spec.trainer.replicas)]
+    problems = []
+    for address in addresses:
+        try:
+            with grpc.insecure_channel(address) as channel:
+                reply = trainer_pb2_grpc.TrainerStatusServiceStub(channel).GetStatus(
+                    trainer_pb2.GetTrainerStatusRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            problems.append(f"{address}: {exc.code().name}")
+            continue
+        if reply.phase == FOLLOWING:
+            problems.append(f"{address}: a following rank")
+            continue
+        return TrainerStatus(
+            step=reply.step, phase=reply.phase,
+            tokens_per_second=reply.trained_tokens_per_second, reward_mean=reply.reward_mean,
+            eval_accuracy=reply.eval_accuracy if reply.eval_accuracy >= 0 else None), None
+    return None, "; ".join(problems)
 
 
 # --------------------------------------------------------------------------- status + events

@@ -1,9 +1,10 @@
 """RLJob status, recomputed from observation every time (a pure function, tested alone).
 
-The handlers observe the children (replicas ready per workload, trainer pods' restarts) and
-the buffer's statistics, and `compute_status` turns that, the spec and the previous status into
-the new status: a phase, typed conditions with reasons, observedGeneration and the training
-figures. The handler writes it only when it differs from what is stored.
+The handlers observe the children (replicas ready per workload, trainer pods' restarts), the
+buffer's statistics and the trainer's status, and `compute_status` turns that, the spec and the
+previous status into the new status: a phase, typed conditions with reasons,
+observedGeneration and the training figures. The handler writes it only when it differs from
+what is stored.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ VALID = "Valid"            # the spec passed the operator's validation
 READY = "Ready"            # every workload has its desired replicas ready
 SUSPENDED = "Suspended"    # spec.suspend: workers at zero, state kept
 BUFFER = "BufferReachable"  # the buffer answered GetStats
+TRAINER = "TrainerReachable"  # the trainer answered GetStatus
 FAILED = "Failed"          # terminal failure (e.g. the trainer keeps crashing)
 COMPLETE = "Complete"      # the trainer reached algorithm.maxSteps
 
@@ -25,6 +27,7 @@ SPEC_VALID, SPEC_INVALID = "SpecValid", "InvalidSpec"
 ALL_READY, NOT_READY, NOT_CREATED = "AllWorkloadsReady", "WorkloadsNotReady", "ChildrenNotCreated"
 SUSPENDED_BY_SPEC, RESUMED = "SuspendedBySpec", "NotSuspended"
 REACHABLE, UNREACHABLE = "GetStatsAnswered", "GetStatsFailed"
+TRAINER_REACHABLE, TRAINER_UNREACHABLE = "GetStatusAnswered", "GetStatusFailed"
 TRAINER_FAILED, NO_FAILURE = "TrainerFailed", "NoFailure"
 MAX_STEPS, IN_PROGRESS = "MaxStepsReached", "Training"
 
@@ -57,6 +60,20 @@ class BufferStats:
 
 
 @dataclass(frozen=True)
+class TrainerStatus:
+    """What the trainer reports (TrainerStatusService.GetStatus)."""
+
+    step: int
+    phase: str
+    #: Of the last step; 0 before the first.
+    tokens_per_second: float = 0.0
+    #: Mean reward of the last trained batch; meaningless before the first step.
+    reward_mean: float = 0.0
+    #: Greedy accuracy on held-out prompts; None before the first evaluation.
+    eval_accuracy: float | None = None
+
+
+@dataclass(frozen=True)
 class Observation:
     generation: int | None
     suspend: bool
@@ -66,6 +83,8 @@ class Observation:
     trainer_failure: str | None = None  # why the trainer is considered failed
     stats: BufferStats | None = None
     stats_error: str | None = None
+    trainer: TrainerStatus | None = None
+    trainer_error: str | None = None
     #: accepted samples per second since the previous observation (the handler keeps the
     #: previous count in memory), None when unknown.
     samples_per_second: float | None = None
@@ -93,17 +112,29 @@ def compute_status(observed: Observation, previous: dict[str, Any] | None) -> di
     if rollout is not None:
         status["rolloutReplicas"] = rollout.replicas
         status["rolloutReadyReplicas"] = rollout.ready
-    for key in ("policyVersion", "trainerStep", "samplesPerSecond", "stalenessMean"):
+    for key in _FIGURES:
         if previous.get(key) is not None:
             status[key] = previous[key]
     if observed.stats is not None:
         status["policyVersion"] = observed.stats.trainer_version
-        status["trainerStep"] = observed.stats.trainer_version
         if observed.stats.staleness_mean is not None:
             status["stalenessMean"] = round(observed.stats.staleness_mean, 3)
     if observed.samples_per_second is not None:
         status["samplesPerSecond"] = round(observed.samples_per_second, 2)
+    trainer = observed.trainer
+    if trainer is not None:
+        status["trainerStep"] = trainer.step
+        if trainer.step > 0:  # before the first step the trainer reports zeros
+            status["tokensPerSecond"] = round(trainer.tokens_per_second, 1)
+            status["rewardMean"] = round(trainer.reward_mean, 4)
+        if trainer.eval_accuracy is not None:
+            status["evalAccuracy"] = round(trainer.eval_accuracy, 4)
     return status
+
+
+#: Training figures; an observation that cannot see them keeps the previous values.
+_FIGURES = ("policyVersion", "trainerStep", "tokensPerSecond", "samplesPerSecond",
+            "stalenessMean", "rewardMean", "evalAccuracy")
 
 
 def _phase(observed: Observation, conditions: list) -> str:
@@ -119,6 +150,13 @@ def _phase(observed: Observation, conditions: list) -> str:
     else:
         conditions.append((BUFFER, False, UNREACHABLE,
                            observed.stats_error or "The buffer has not answered yet."))
+    if observed.trainer is not None:
+        conditions.append((TRAINER, True, TRAINER_REACHABLE,
+                           f"Step {observed.trainer.step} of {observed.max_steps} "
+                           f"({observed.trainer.phase.replace('_', ' ')})."))
+    else:
+        conditions.append((TRAINER, False, TRAINER_UNREACHABLE,
+                           observed.trainer_error or "The trainer has not answered yet."))
     done = observed.stats is not None and observed.stats.trainer_version >= observed.max_steps
     conditions.append((COMPLETE, done, MAX_STEPS if done else IN_PROGRESS,
                        f"Policy version {observed.stats.trainer_version if observed.stats else 0}"

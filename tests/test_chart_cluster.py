@@ -180,6 +180,11 @@ def test_the_installed_operator_reconciles_an_rljob_with_leader_election(
         assert found == expected("one")
         rollout = kube.apps.read_namespaced_deployment("one-rollout", namespace)
         assert [t.key for t in rollout.spec.template.spec.tolerations] == ["nvidia.com/gpu"]
+        # The chart's default images: `-gpu` for the GPU rollout, the CPU one elsewhere.
+        assert rollout.spec.template.spec.containers[0].image == \
+            "ghcr.io/asyncrl/asyncrl:0.1.0-gpu"
+        trainer = kube.apps.read_namespaced_stateful_set("one-trainer", namespace)
+        assert trainer.spec.template.spec.containers[0].image == "ghcr.io/asyncrl/asyncrl:0.1.0"
         out = run(tools, "kubectl", "get", "rljobs", "-n", namespace)
         assert "Running" in out.stdout
         # Each phase transition is announced once, though handlers and resync race.

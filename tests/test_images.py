@@ -4,7 +4,8 @@ no Docker daemon or image registry is reachable from the development machines.
 hadolint lints the file; a small parser (instructions, line continuations, stages, global
 ARGs) checks what the operator and the chart rely on: the targets exist, each runs as the
 operator's pod uid, the service images start the `asyncrl` console script, base images are
-pinned, Python pins agree with pyproject.toml, and the build context leaves out local state.
+pinned, Python pins agree with pyproject.toml, the operator's modules import with only what
+the operator image installs, and the build context leaves out local state.
 """
 
 from __future__ import annotations
@@ -291,6 +292,65 @@ def test_operator_image_installs_no_torch(dockerfile):
                 assert heavy not in instruction.value, f"line {instruction.line}: {heavy}"
             if re.search(r"asyncrl-\S*\.whl", instruction.value):
                 assert "--no-deps" in instruction.value, "the wheel's dependencies include torch"
+
+
+def _operator_venv_run(dockerfile: Dockerfile) -> str:
+    (run,) = [i.value for i in dockerfile.stage("operator-venv").all("RUN")
+              if "import asyncrl" in i.value]
+    return run
+
+
+def _installed_with(names: set[str]) -> set[str]:
+    """The distributions pip installs for `names` (their requirements, recursively, for this
+    Python), found in this environment."""
+    from importlib import metadata
+
+    found: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in found:
+            continue
+        found.add(name)
+        for text in metadata.requires(name) or []:
+            requirement = Requirement(text)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(requirement.name)
+    return found
+
+
+def test_the_operator_imports_only_what_its_image_installs(dockerfile):
+    """The operator image's own import check, run here with every module of a distribution
+    that image does not install (torch, numpy, ...) made unimportable."""
+    run = _operator_venv_run(dockerfile)
+    installs = [part for part in run.split("&&") if "install" in part and ".whl" not in part]
+    assert installs, "the operator-venv stage installs no dependencies of asyncrl"
+    pinned = {canonicalize_name(name) for part in installs
+              for name in re.findall(r"([A-Za-z][\w.-]*)==", part)}
+    allowed = sorted(_installed_with(pinned) | {"asyncrl"})
+    (imports,) = re.findall(r'-c "(import [^"]+)"', run)
+    check = f"""
+import importlib.abc, importlib.metadata, re, sys
+allowed = set({allowed!r})
+owners = importlib.metadata.packages_distributions()
+
+class NotInTheImage(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        top = name.partition(".")[0]
+        dists = {{re.sub(r"[-_.]+", "-", d).lower() for d in owners.get(top, [])}}
+        if dists and not dists & allowed:
+            raise ModuleNotFoundError(f"No module named {{name!r}} in the operator image "
+                                      f"(from {{', '.join(sorted(dists))}})", name=name)
+        return None
+
+sys.meta_path.insert(0, NotInTheImage())
+{imports}
+"""
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0, (
+        "the operator imports a package its image does not install; add its pin to the "
+        f"operator-venv stage of docker/Dockerfile:\n{out.stderr[-3000:]}")
 
 
 def test_final_stages_install_nothing(dockerfile):

@@ -3,26 +3,36 @@
 from __future__ import annotations
 
 import copy
+import os
+import socket
+import subprocess
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+import kopf
+import kubernetes_validate
 import pytest
 import yaml
+from kubernetes_validate.utils import latest_version
 
+import asyncrl
 from asyncrl.operator import builders
 from asyncrl.operator.builders import OperatorConfig, build_children
 from asyncrl.operator.status import (
     BufferStats,
     Observation,
+    TrainerStatus,
     Workload,
     compute_status,
     status_changes,
     trainer_failure,
 )
+from asyncrl.rollout.sglang_launch import SGLANG_STARTUP_SECONDS
 from asyncrl.spec import load_manifest, parse_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = OperatorConfig(image="example.org/asyncrl:test")
+CONFIG = OperatorConfig(image="example.org/asyncrl:test", gpu_image="example.org/asyncrl:test-gpu")
 
 
 def job_from(path: str = "examples/tiny.yaml", namespace: str = "ml", **spec_overrides):
@@ -61,7 +71,7 @@ def test_children_of_a_managed_redis_job(tiny):
         ("Service", "tiny-trainer-headless"), ("StatefulSet", "tiny-trainer"),
         ("Service", "tiny-rollout"), ("Deployment", "tiny-rollout"),
         ("NetworkPolicy", "tiny-redis"), ("NetworkPolicy", "tiny-buffer"),
-        ("NetworkPolicy", "tiny-reward"),
+        ("NetworkPolicy", "tiny-trainer"), ("NetworkPolicy", "tiny-reward"),
     }
     for child in children.values():
         meta = child["metadata"]
@@ -74,9 +84,6 @@ def test_children_of_a_managed_redis_job(tiny):
 
 
 def test_every_child_is_a_valid_kubernetes_object(tiny, gpu):
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
-    from kubernetes_validate.utils import latest_version
-
     for job in (tiny, gpu):
         for child in build_children(job, CONFIG, redis_password="pw"):
             kubernetes_validate.validate(child, latest_version(), strict=True)
@@ -93,14 +100,26 @@ def test_network_policies_admit_only_the_jobs_own_pods(tiny):
     assert redis["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "redis"
     assert redis["ingress"] == [{"from": [own_pods], "ports": [{"protocol": "TCP", "port": 6379}]}]
 
+    operator = {"podSelector": {"matchLabels": {"asyncrl.io/operator": "true"}},
+                "namespaceSelector": {}}
     buffer = children[("NetworkPolicy", "tiny-buffer")]["spec"]
     grpc_rules = [r for r in buffer["ingress"] if builders.BUFFER_PORT in ports(r)]
     # gRPC: the job's pods and the operator (buffer statistics); never an open rule.
     assert all(r.get("from") for r in grpc_rules)
-    assert {"podSelector": {"matchLabels": {"asyncrl.io/operator": "true"}},
-            "namespaceSelector": {}} in [f for r in grpc_rules for f in r["from"]]
+    assert operator in [f for r in grpc_rules for f in r["from"]]
     assert [r for r in buffer["ingress"] if "from" not in r] == [
         {"ports": [{"protocol": "TCP", "port": builders.BUFFER_METRICS}]}]
+
+    trainer = children[("NetworkPolicy", "tiny-trainer")]["spec"]
+    assert trainer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "trainer"
+    # The job's pods on every port (rendezvous, then torch.distributed's own ports), the
+    # operator on the status port only (trainer status), metrics from anywhere.
+    assert {"from": [own_pods]} in trainer["ingress"]
+    assert {"from": [operator], "ports": [{"protocol": "TCP", "port": builders.TRAINER_PORT}]} \
+        in trainer["ingress"]
+    assert [r for r in trainer["ingress"] if "from" not in r] == [
+        {"ports": [{"protocol": "TCP", "port": builders.TRAINER_METRICS}]}]
+    assert len(trainer["ingress"]) == 3
 
     reward = children[("NetworkPolicy", "tiny-reward")]["spec"]
     assert reward["policyTypes"] == ["Ingress", "Egress"] and reward["egress"] == []
@@ -115,7 +134,7 @@ def test_network_policies_follow_the_operator_setting_and_external_redis(tiny):
     external = job_from(buffer__redis={"url": "redis://redis.example:6379/0"})
     names = {c["metadata"]["name"] for c in build_children(external, CONFIG, redis_password="pw")
              if c["kind"] == "NetworkPolicy"}
-    assert names == {"tiny-buffer", "tiny-reward"}  # no Redis of ours to guard
+    assert names == {"tiny-buffer", "tiny-trainer", "tiny-reward"}  # no Redis of ours to guard
 
 
 def test_gpu_pods_without_tolerations_get_the_operators_gpu_tolerations():
@@ -268,9 +287,112 @@ def test_multi_node_trainer_runs_under_torchrun(gpu):
 
 
 def test_single_process_trainer_runs_asyncrl_directly(tiny):
-    container = builders.trainer_statefulset(tiny, CONFIG)["spec"]["template"]["spec"][
-        "containers"][0]
-    assert container["command"] == ["asyncrl"]
+    pod = builders.trainer_statefulset(tiny, CONFIG)["spec"]["template"]["spec"]
+    assert pod["containers"][0]["command"] == ["asyncrl"]
+    assert "initContainers" not in pod
+
+
+def test_gpu_pods_run_the_gpu_image_and_the_others_the_cpu_image(gpu, tiny):
+    def images(job):
+        found = {}
+        for child in build_children(job, CONFIG, redis_password="pw"):
+            if child["kind"] in ("Deployment", "StatefulSet"):
+                pod = child["spec"]["template"]["spec"]
+                for container in pod.get("initContainers", []) + pod["containers"]:
+                    found[(child["metadata"]["name"], container["name"])] = container["image"]
+        return found
+
+    # SGLang rollout and the multi-node trainer (its init container too) request GPUs.
+    assert images(gpu) == {
+        ("qwen-math-buffer", "buffer"): "example.org/asyncrl:test",
+        ("qwen-math-reward", "reward"): "example.org/asyncrl:test",
+        ("qwen-math-trainer", "wait-for-rendezvous"): "example.org/asyncrl:test-gpu",
+        ("qwen-math-trainer", "trainer"): "example.org/asyncrl:test-gpu",
+        ("qwen-math-rollout", "rollout"): "example.org/asyncrl:test-gpu",
+    }
+    # A CPU job runs the CPU image everywhere; a torch rollout on a GPU is a GPU pod.
+    assert set(images(tiny).values()) == {"example.org/asyncrl:test", "redis:7.4-alpine"}
+    on_gpu = job_from(rollout__placement={"gpus": 1, "nodeSelector": {"pool": "gpu"}})
+    assert images(on_gpu)[("tiny-rollout", "rollout")] == "example.org/asyncrl:test-gpu"
+    assert images(on_gpu)[("tiny-trainer", "trainer")] == "example.org/asyncrl:test"
+
+
+def test_default_gpu_image_is_the_service_gpu_tag():
+    defaults = OperatorConfig()
+    assert defaults.gpu_image == f"{defaults.image}-gpu"
+    assert defaults.image == f"ghcr.io/asyncrl/asyncrl:{asyncrl.__version__}"
+
+
+def startup_window(container) -> float:
+    probe = container["startupProbe"]
+    return probe["periodSeconds"] * probe["failureThreshold"]
+
+
+def test_an_sglang_rollout_may_take_sglangs_start_up_allowance(gpu, tiny):
+    # The worker serves /health only once SGLang is healthy, which it allows this long.
+    (sglang,) = builders.rollout_deployment(gpu, CONFIG)["spec"]["template"]["spec"]["containers"]
+    assert startup_window(sglang) >= builders.STARTUP_SECONDS + SGLANG_STARTUP_SECONDS
+    assert sglang["readinessProbe"]["periodSeconds"] == sglang["startupProbe"]["periodSeconds"]
+    # The torch engine (CPU or GPU) and every other service keep the 600 s.
+    torch_on_gpu = job_from("examples/gpu-cluster.yaml", rollout__engine="torch")
+    for job in (tiny, torch_on_gpu):
+        for child in build_children(job, CONFIG, redis_password="pw"):
+            if child["kind"] in ("Deployment", "StatefulSet") and \
+                    not child["metadata"]["name"].endswith("-redis"):
+                (container,) = child["spec"]["template"]["spec"]["containers"]
+                assert startup_window(container) == 600, child["metadata"]["name"]
+
+
+def test_a_single_pod_trainer_runs_torchrun_standalone():
+    job = job_from(trainer__processesPerReplica=4)
+    pod = builders.trainer_statefulset(job, CONFIG)["spec"]["template"]["spec"]
+    command = pod["containers"][0]["command"]
+    assert command == ["torchrun", "--nnodes=1", "--nproc-per-node=4", "--standalone",
+                       "-m", "asyncrl.cli"]
+    assert "initContainers" not in pod
+
+
+def test_a_multi_pod_trainer_waits_for_its_rendezvous(gpu):
+    pod = builders.trainer_statefulset(gpu, CONFIG)["spec"]["template"]["spec"]
+    (wait,) = pod["initContainers"]
+    assert wait["command"][:2] == ["python", "-c"]
+    assert wait["command"][3:] == ["qwen-math-trainer-0.qwen-math-trainer-headless", "29400"]
+    assert "$(" not in wait["command"][2]  # the kubelet would expand it
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in \
+        wait["env"]
+    assert wait["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "resources" in wait and "limits" not in wait["resources"]  # no GPU for the wait
+
+
+def run_wait(host: str, port: int, pod_ip: str, timeout: float) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-c", builders.WAIT_FOR_RENDEZVOUS, host, str(port)]
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "POD_IP": pod_ip})
+    except subprocess.TimeoutExpired as exc:  # still waiting; its output is bytes here
+        return subprocess.CompletedProcess(command, None, (exc.stdout or b"").decode(),
+                                           (exc.stderr or b"").decode())
+
+
+def test_the_rendezvous_wait_ends_when_the_store_accepts_connections():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert run_wait("127.0.0.1", port, "10.0.0.9", timeout=20).returncode == 0
+    # Nothing listens any more: the other pods keep waiting for pod 0's store.
+    waiting = run_wait("127.0.0.1", port, "10.0.0.9", timeout=3)
+    assert waiting.returncode is None
+    assert f"waiting for the trainer rendezvous at 127.0.0.1:{port}" in waiting.stdout
+
+
+def test_the_rendezvous_host_waits_until_its_name_resolves_to_itself():
+    # Pod 0 hosts the store: its name must resolve to its own address before torchrun starts.
+    me = socket.gethostname()
+    address = socket.getaddrinfo(me, 0)[0][4][0]
+    assert run_wait(me, 29400, address, timeout=20).returncode == 0
+    # Still an old address (or none) in DNS: wait, and never connect to anyone.
+    assert run_wait(me, 29400, "10.255.255.254", timeout=3).returncode is None
 
 
 def test_every_pod_is_unprivileged_and_reward_is_locked_down(tiny):
@@ -323,7 +445,6 @@ def test_a_config_change_rolls_the_pods(tiny):
 
 
 def test_kopf_adopt_gives_owner_references(tiny):
-    kopf = pytest.importorskip("kopf")
     owner = {"apiVersion": "asyncrl.io/v1alpha1", "kind": "RLJob",
              "metadata": {"name": "tiny", "namespace": "ml", "uid": "1234",
                           "labels": {"team": "x"}}}
@@ -467,3 +588,96 @@ def test_buffer_stats_says_why_when_unreachable(tiny):
     stats, error = buffer_stats(tiny, address=f"127.0.0.1:{free_port()}", timeout=0.5)
     assert stats is None
     assert "UNAVAILABLE" in error or "DEADLINE_EXCEEDED" in error, error
+
+
+# --------------------------------------------------------------------------- trainer status
+
+
+def test_trainer_figures_are_written_from_its_status():
+    trainer = TrainerStatus(step=12, phase="waiting_for_batch", tokens_per_second=812.54,
+                            reward_mean=0.62512, eval_accuracy=0.40625)
+    status = compute_status(observation(trainer=trainer), None)
+    assert (status["trainerStep"], status["tokensPerSecond"], status["rewardMean"],
+            status["evalAccuracy"]) == (12, 812.5, 0.6251, 0.4062)
+    reachable = condition(status, "TrainerReachable")
+    assert (reachable["status"], reachable["reason"]) == ("True", "GetStatusAnswered")
+    assert reachable["message"] == "Step 12 of 10 (waiting for batch)."
+
+
+def test_trainer_figures_wait_for_the_first_step_and_evaluation():
+    starting = TrainerStatus(step=0, phase="evaluating")
+    status = compute_status(observation(trainer=starting), None)
+    assert status["trainerStep"] == 0
+    assert not {"tokensPerSecond", "rewardMean", "evalAccuracy"} & set(status)
+
+
+def test_an_unreachable_trainer_keeps_the_figures_and_says_why():
+    trainer = TrainerStatus(step=3, phase="training", tokens_per_second=100.0, reward_mean=0.5,
+                            eval_accuracy=0.25)
+    first = compute_status(observation(trainer=trainer), None)
+    later = compute_status(observation(trainer_error="tiny-trainer-0...:50071: UNAVAILABLE"),
+                           copy.deepcopy(first))
+    for key in ("trainerStep", "tokensPerSecond", "rewardMean", "evalAccuracy"):
+        assert later[key] == first[key], key
+    unreachable = condition(later, "TrainerReachable")
+    assert (unreachable["status"], unreachable["reason"]) == ("False", "GetStatusFailed")
+    assert unreachable["message"] == "tiny-trainer-0...:50071: UNAVAILABLE"
+    assert condition(compute_status(observation(), None), "TrainerReachable")["message"] == \
+        "The trainer has not answered yet."
+
+
+def test_trainer_status_from_a_real_trainer_status_server(tiny):
+    from operator_helpers import TrainerStatusThread
+
+    from asyncrl.operator.handlers import trainer_status
+    from asyncrl.trainer.service import Status
+
+    served = Status(version=5, step=4, max_steps=10, phase="training",
+                    trained_tokens_per_second=250.0, reward_mean=0.75, eval_accuracy=-1.0)
+    with TrainerStatusThread(served) as server:
+        found, error = trainer_status(tiny, [server.address])
+        assert error is None
+        assert found == TrainerStatus(step=4, phase="training", tokens_per_second=250.0,
+                                      reward_mean=0.75, eval_accuracy=None)
+        served.eval_accuracy = 0.5  # the trainer evaluated
+        assert trainer_status(tiny, [server.address])[0].eval_accuracy == 0.5
+    status = compute_status(observation(trainer=found), None)
+    assert (status["trainerStep"], status["tokensPerSecond"], status["rewardMean"]) == \
+        (4, 250.0, 0.75)
+
+
+def test_trainer_status_comes_from_the_leader_whichever_pod_it_is_on(tiny):
+    from operator_helpers import TrainerStatusThread
+
+    from asyncrl.operator.handlers import trainer_status
+    from asyncrl.redis_server import free_port
+    from asyncrl.trainer.service import Status
+
+    # Under torchrun every pod serves its first process's status; the rendezvous may put the
+    # leader (global rank 0) on any pod, and the others follow it with no figures of their own.
+    follower = Status(step=0, max_steps=10, phase="following")
+    leader = Status(step=6, max_steps=10, phase="training", trained_tokens_per_second=90.0,
+                    reward_mean=0.5)
+    with TrainerStatusThread(follower) as pod0, TrainerStatusThread(leader) as pod1:
+        found, error = trainer_status(tiny, [pod0.address, pod1.address])
+        assert error is None and (found.step, found.phase) == (6, "training")
+        found, error = trainer_status(tiny, [pod0.address, f"127.0.0.1:{free_port()}"],
+                                      timeout=0.5)
+        assert found is None
+        assert error.startswith(f"{pod0.address}: a following rank; 127.0.0.1:"), error
+
+
+def test_trainer_status_says_why_when_unreachable(tiny):
+    from asyncrl.operator.handlers import trainer_status
+    from asyncrl.redis_server import free_port
+
+    found, error = trainer_status(tiny, [f"127.0.0.1:{free_port()}"], timeout=0.5)
+    assert found is None
+    assert "UNAVAILABLE" in error or "DEADLINE_EXCEEDED" in error, error
+    # By default: every trainer pod in order, through the headless Service.
+    two = job_from(trainer__replicas=2)
+    found, error = trainer_status(two, timeout=0.5)
+    assert found is None
+    first, second = error.split("; ")
+    assert first.startswith("tiny-trainer-0.tiny-trainer-headless.ml.svc:50071: "), error
+    assert second.startswith("tiny-trainer-1.tiny-trainer-headless.ml.svc:50071: "), error

@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from asyncrl.crd import build_crd
+from asyncrl.rollout.sglang_launch import SGLANG_STARTUP_SECONDS
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +75,8 @@ class OperatorProcess:
         handle = open(self.log, "ab")
         self.process = subprocess.Popen(
             [ASYNCRL, "operator", "--interval", str(RESYNC_SECONDS),
-             "--image", "example.org/asyncrl:test", "--verbose"],
+             "--image", "example.org/asyncrl:test", "--gpu-image", "example.org/asyncrl:test-gpu",
+             "--verbose"],
             env=env, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         handle.close()
 
@@ -111,7 +113,11 @@ def namespace(kube):
     wait_for(lambda: _exists(lambda: kube.core.read_namespaced_service_account("default", name)),
              30, "the default service account")
     yield name
-    kube.core.delete_namespace(name)  # frees the fake GPUs for the next test
+    # Wait until it is gone: its pods hold the GPU node's fake GPUs, and the next test's GPU
+    # pods are scheduled only once they are free.
+    kube.core.delete_namespace(name)
+    wait_for(lambda: not _exists(lambda: kube.core.read_namespace(name)), 180,
+             f"namespace {name} to be deleted")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -127,7 +133,9 @@ def wait_for(predicate, timeout: float, what: str, operator: OperatorProcess | N
         if last:
             return last
         time.sleep(0.25)
-    detail = f"\noperator log:\n{operator.tail()}" if operator else ""
+    seen = getattr(predicate, "seen", None)  # what a predicate last looked at, if it says
+    detail = f"\nlast seen: {seen!r}" if seen is not None else ""
+    detail += f"\noperator log:\n{operator.tail()}" if operator else ""
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r}){detail}")
 
 
@@ -193,10 +201,11 @@ def status_of(kube, namespace, name) -> dict:
 
 def phase_is(kube, namespace, name, phase):
     def check():
-        status = status_of(kube, namespace, name)
         job = read_job(kube, namespace, name)
+        status = check.seen = job.get("status") or {}
         current = status.get("observedGeneration") == job["metadata"]["generation"]
         return status.get("phase") == phase and current and status
+    check.seen = None
     return check
 
 
@@ -237,7 +246,7 @@ EXPECTED = {
     "PersistentVolumeClaim": ["{j}-run"],
     "Deployment": ["{j}-buffer", "{j}-reward", "{j}-rollout"],
     "StatefulSet": ["{j}-redis", "{j}-trainer"],
-    "NetworkPolicy": ["{j}-buffer", "{j}-redis", "{j}-reward"],
+    "NetworkPolicy": ["{j}-buffer", "{j}-redis", "{j}-reward", "{j}-trainer"],
 }
 
 
@@ -260,7 +269,8 @@ def test_crd_is_served_with_scale_and_status(kube, crd):
     version = served.spec.versions[0]
     assert version.subresources.scale.spec_replicas_path == ".spec.rollout.replicas"
     assert version.subresources.status is not None
-    assert [c.name for c in version.additional_printer_columns][:2] == ["Phase", "Version"]
+    assert [c.name for c in version.additional_printer_columns] == [
+        "Phase", "Version", "Step", "Tokens/s", "Staleness", "Reward", "Eval", "Age"]
 
 
 @pytest.mark.parametrize(("change", "field", "words"), [
@@ -270,6 +280,16 @@ def test_crd_is_served_with_scale_and_status(kube, crd):
     ({"rollout__engine": "vllm"}, "spec.rollout.engine", "Unsupported value"),
     ({"trainer__placement": {"gpus": 2}}, "spec.trainer.placement.nodeSelector",
      "no GPU node pool is selected"),
+    # Accepted before, and then silently trained with pytorch.
+    ({"trainer__backend": "megatron"}, "spec.trainer.backend",
+     'Unsupported value: \\"megatron\\"'),  # (quotes as the JSON body escapes them)
+    # Settings that leave every advantage 0: the job could never learn.
+    ({"algorithm__groupSize": 1}, "spec.algorithm.groupSize", "greater than or equal to 2"),
+    ({"rollout__temperature": 0}, "spec.rollout.temperature", "greater than 0"),
+    # Accepted before and ignored: the managed Redis serves no TLS.
+    ({"buffer__redis": {"tls": True}}, "spec.buffer.redis.tls", "the managed Redis serves plain"),
+    # Accepted before, and then the rollout workers and trainer failed at start-up.
+    ({"dataset__kind": "jsonl"}, "spec.dataset.kind", 'Unsupported value: \\"jsonl\\"'),
 ])
 def test_the_api_server_rejects_invalid_specs_naming_the_field(kube, crd, namespace, change,
                                                                 field, words):
@@ -301,7 +321,19 @@ def test_operator_rejects_what_only_the_model_checks_and_creates_nothing(kube, o
     valid = next(c for c in status["conditions"] if c["type"] == "Valid")
     assert (valid["status"], valid["reason"]) == ("False", "InvalidSpec")
     assert "spec.reward.kind" in valid["message"] and "set reward.kind: code" in valid["message"]
-    time.sleep(RESYNC_SECONDS * 2)  # a resync pass must not create anything either
+    # A resync pass must not create anything either. A pass is seen when a deleted child of a
+    # valid job comes back (only the resync recreates children); passes run one after another,
+    # so a second comeback means a whole pass ran after "mixed" had failed.
+    def valid_buffer() -> bool:
+        found = kube.apps.list_namespaced_deployment(
+            namespace, field_selector="metadata.name=valid-buffer").items
+        return bool(found) and found[0].metadata.deletion_timestamp is None
+
+    create_job(kube, manifest("valid", namespace))
+    wait_for(valid_buffer, 60, "valid-buffer", operator)
+    for _ in range(2):
+        kube.apps.delete_namespaced_deployment("valid-buffer", namespace)
+        wait_for(valid_buffer, 60, "valid-buffer to be recreated by a resync pass", operator)
     assert all(not names for names in children(kube, namespace, "mixed").values())
     events = kube.core.list_namespaced_event(
         namespace, field_selector="involvedObject.name=mixed").items
@@ -327,6 +359,10 @@ def test_apply_creates_owned_children_and_runs_gpu_pods_on_gpu_nodes(kube, opera
     rollout = kube.apps.read_namespaced_deployment("tiny-rollout", namespace)
     container = rollout.spec.template.spec.containers[0]
     assert container.resources.limits["nvidia.com/gpu"] == "1"
+    # The GPU rollout runs the GPU image, the CPU trainer the CPU one.
+    assert container.image == "example.org/asyncrl:test-gpu"
+    trainer = kube.apps.read_namespaced_stateful_set("tiny-trainer", namespace)
+    assert trainer.spec.template.spec.containers[0].image == "example.org/asyncrl:test"
     assert container.args[:2] == ["serve", "rollout"]
     assert rollout.spec.template.spec.node_selector == {"node-pool": "gpu"}
     # The scheduler put GPU pods on the GPU pool and everything else on CPU nodes.
@@ -342,6 +378,10 @@ def test_apply_creates_owned_children_and_runs_gpu_pods_on_gpu_nodes(kube, opera
     assert status["rolloutReplicas"] == status["rolloutReadyReplicas"] == 1
     buffer = next(c for c in status["conditions"] if c["type"] == "BufferReachable")
     assert buffer["status"] == "False"  # the pods run no containers; the operator says so
+    trainer = next(c for c in status["conditions"] if c["type"] == "TrainerReachable")
+    assert (trainer["status"], trainer["reason"]) == ("False", "GetStatusFailed")
+    assert trainer["message"].startswith(f"tiny-trainer-0.tiny-trainer-headless.{namespace}"
+                                         f".svc:50071: "), trainer
     events = kube.core.list_namespaced_event(
         namespace, field_selector="involvedObject.name=tiny").items
     assert {"Starting", "Running"} <= {e.reason for e in events}
@@ -420,7 +460,8 @@ def test_operator_restart_converges_without_duplicates(kube, operator, namespace
     operator.stop(signal.SIGKILL)  # a crash, mid-flight
     try:
         patch_spec(kube, namespace, "tiny", {"rollout": {"replicas": 2}})
-        time.sleep(1)
+        # No operator runs (stop waited for it to exit), so nothing can apply the change: the
+        # update is missed, with no need to wait and see.
         assert kube.apps.read_namespaced_deployment("tiny-rollout", namespace).spec.replicas == 1
     finally:
         operator.start()
@@ -447,11 +488,90 @@ def test_delete_garbage_collects_everything(kube, operator, namespace):
     assert not kube.apps.list_namespaced_replica_set(namespace).items
 
 
+def test_status_and_kubectl_get_show_the_trainers_figures(kube, crd, namespace, monkeypatch):
+    """What the operator writes from a real trainer's GetStatus survives the CRD's status
+    schema and fills `kubectl get rljobs`' columns. The trainer runs on loopback here (kwok
+    pods run nothing), so the handler is given its address."""
+    from operator_helpers import TrainerStatusThread
+
+    from asyncrl.operator import handlers
+    from asyncrl.operator.status import Observation
+    from asyncrl.spec import parse_manifest
+    from asyncrl.trainer.service import Status
+
+    monkeypatch.setattr(handlers, "_api_client", kube.api)
+    body = create_job(kube, manifest("figures", namespace))
+    job = parse_manifest(handlers._manifest(body))
+    served = Status(version=7, step=7, max_steps=job.spec.algorithm.max_steps, phase="training",
+                    trained_tokens_per_second=812.5, reward_mean=0.625, eval_accuracy=0.375)
+    with TrainerStatusThread(served) as server:
+        trainer, error = handlers.trainer_status(job, [server.address])
+    assert error is None
+    handlers._write_status(body, Observation(
+        generation=body["metadata"]["generation"], suspend=False,
+        max_steps=job.spec.algorithm.max_steps, trainer=trainer))
+
+    status = wait_for(lambda: (s := status_of(kube, namespace, "figures")).get("trainerStep")
+                      == 7 and s, 30, "the trainer's figures in status")
+    assert (status["tokensPerSecond"], status["rewardMean"], status["evalAccuracy"]) == \
+        (812.5, 0.625, 0.375)
+    reachable = next(c for c in status["conditions"] if c["type"] == "TrainerReachable")
+    assert (reachable["status"], reachable["reason"]) == ("True", "GetStatusAnswered")
+
+    # kubectl get rljobs: the API server's Table rendering of the printer columns.
+    table = kube.custom.get_namespaced_custom_object(
+        "asyncrl.io", "v1alpha1", namespace, "rljobs", "figures",
+        _headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"})
+    columns = [c["name"] for c in table["columnDefinitions"]]
+    (row,) = table["rows"]
+    shown = dict(zip(columns, row["cells"]))
+    assert (shown["Step"], shown["Tokens/s"], shown["Reward"], shown["Eval"]) == \
+        (7, 812.5, 0.625, 0.375), shown
+
+
 def test_examples_gpu_cluster_is_accepted_by_the_api_server(kube, crd, namespace):
     data = copy.deepcopy(yaml.safe_load((ROOT / "examples" / "gpu-cluster.yaml").read_text()))
     data["metadata"]["namespace"] = namespace
     kube.custom.create_namespaced_custom_object("asyncrl.io", "v1alpha1", namespace, "rljobs",
                                                 data, dry_run="All", field_validation="Strict")
+
+
+def test_examples_gpu_cluster_gets_gpu_pods_that_can_run_it(kube, operator, namespace):
+    """examples/gpu-cluster.yaml as written (SGLang rollout, 2 x 8-GPU trainer nodes, external
+    Redis): what the operator applies, as the API server stored it."""
+    data = copy.deepcopy(yaml.safe_load((ROOT / "examples" / "gpu-cluster.yaml").read_text()))
+    data["metadata"]["namespace"] = namespace
+    create_job(kube, data)
+    wait_for(lambda: children(kube, namespace, "qwen-math")["Deployment"] ==
+             ["qwen-math-buffer", "qwen-math-reward", "qwen-math-rollout"] and
+             _exists(lambda: kube.apps.read_namespaced_stateful_set("qwen-math-trainer",
+                                                                    namespace)),
+             60, "the job's workloads", operator)
+
+    def pod_template(kind, name):
+        return kube.api.sanitize_for_serialization(
+            _read(kube, kind, namespace, name))["spec"]["template"]["spec"]
+
+    rollout = pod_template("Deployment", "qwen-math-rollout")
+    (worker,) = rollout["containers"]
+    assert worker["image"] == "example.org/asyncrl:test-gpu"
+    startup = worker["startupProbe"]
+    # /health answers once SGLang is healthy, which may take SGLANG_STARTUP_SECONDS.
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600 + SGLANG_STARTUP_SECONDS
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in worker["volumeMounts"]
+    assert {"name": "tmp", "mountPath": "/tmp"} in worker["volumeMounts"]  # HOME, caches
+
+    trainer = pod_template("StatefulSet", "qwen-math-trainer")
+    (node,) = trainer["containers"]
+    assert node["image"] == "example.org/asyncrl:test-gpu"
+    assert node["command"][0] == "torchrun"
+    (wait,) = trainer["initContainers"]
+    assert wait["image"] == "example.org/asyncrl:test-gpu"
+    assert wait["command"][-2:] == ["qwen-math-trainer-0.qwen-math-trainer-headless", "29400"]
+
+    for name in ("qwen-math-buffer", "qwen-math-reward"):
+        (container,) = pod_template("Deployment", name)["containers"]
+        assert container["image"] == "example.org/asyncrl:test", name
 
 
 def test_a_crash_looping_trainer_fails_the_job(kube, operator, namespace):
@@ -479,3 +599,55 @@ def test_a_crash_looping_trainer_fails_the_job(kube, operator, namespace):
     events = kube.core.list_namespaced_event(
         namespace, field_selector="involvedObject.name=tiny").items
     assert any(e.type == "Warning" and e.reason == "TrainerFailed" for e in events)
+
+
+def test_a_replica_that_loses_the_lease_exits(kube, crd, namespace, control_plane, tmp_path):
+    """Leader election: once another identity holds the Lease, the replica that led stops
+    reconciling and exits non-zero (Kubernetes restarts it as a follower); it does not take
+    the Lease back."""
+    from datetime import datetime, timezone
+
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    leases = client.CoordinationV1Api(kube.api)
+    lease = f"asyncrl-operator-{uuid.uuid4().hex[:6]}"
+    leader = OperatorProcess(control_plane, tmp_path / "operator.log")
+    env = {**os.environ, "KUBECONFIG": str(control_plane.kubeconfig), "POD_NAME": "replica-a",
+           "POD_NAMESPACE": namespace, "ASYNCRL_OPERATOR_LEASE_NAME": lease}
+    with leader.log.open("ab") as handle:
+        leader.process = subprocess.Popen(
+            [ASYNCRL, "operator", "--leader-election", "--namespace", namespace,
+             "--interval", str(RESYNC_SECONDS), "--image", "example.org/asyncrl:test",
+             "--gpu-image", "example.org/asyncrl:test-gpu", "--verbose"],
+            env=env, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def holder() -> str | None:
+        try:
+            return leases.read_namespaced_lease(lease, namespace).spec.holder_identity
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def now() -> str:
+        return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+    try:
+        wait_for(lambda: (holder() or "").startswith("replica-a_")
+                 and "leading: lease" in leader.tail(), 60, "replica-a to lead", leader)
+        # Another replica takes the Lease and keeps renewing it, as a new leader would; the
+        # old one must notice at its next renewal and exit (the deadline only catches a hang).
+        usurper, acquired = "replica-b_0000", now()
+        deadline = time.monotonic() + 120
+        while leader.process.poll() is None:
+            assert time.monotonic() < deadline, f"the operator kept running:\n{leader.tail()}"
+            leases.patch_namespaced_lease(lease, namespace, {"spec": {
+                "holderIdentity": usurper, "acquireTime": acquired, "renewTime": now(),
+                "leaseDurationSeconds": 15}})
+            time.sleep(1)
+        assert leader.process.returncode == 1, leader.tail()
+        assert "lost the lease" in leader.tail()
+        assert holder() == usurper
+    finally:
+        leader.stop()

@@ -112,6 +112,6 @@ fi
 
 timing "total" "$((SECONDS - total_start))s"
 "$BIN/kube-apiserver" --version
-"$BIN/etcd" --version | head -1
+"$BIN/etcd" --version | sed -n 1p  # reads all: head could leave the writer a SIGPIPE (exit 141 under pipefail)
 "$BIN/helm" version --short
-"$BIN/kubectl" version --client | head -1
+"$BIN/kubectl" version --client | sed -n 1p
