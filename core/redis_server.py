@@ -50,12 +50,17 @@ class RedisServer:
         deadline = time.monotonic() + timeout
         while not self._answers_ping():
             if self._process.poll() is not None:
-                raise RuntimeError(f"redis-server exited: {self._log_tail()}")
+                raise RuntimeError(f"redis-server exited: {self.log_tail()}")
             if time.monotonic() > deadline:
                 self.kill()
                 raise TimeoutError(f"redis-server did not answer on port {self.port}")
             time.sleep(0.02)
         return self
+
+    @property
+    def returncode(self) -> int | None:
+        """None while it runs (or before it started); its exit code once it ended."""
+        return self._process.poll() if self._process else None
 
     def stop(self) -> None:
         if self._process and self._process.poll() is None:
@@ -76,9 +81,11 @@ class RedisServer:
         except OSError:
             return False
 
-    def _log_tail(self) -> str:
+    def log_tail(self, lines: int = 30) -> str:
         log = self.data_dir / "redis.log"
-        return log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
+        if not log.exists():
+            return "(no log)"
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
     def __enter__(self) -> RedisServer:
         return self.start()

@@ -8,6 +8,8 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from asyncrl.outage import DEFAULT_OUTAGE_SECONDS
+
 
 class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ASYNCRL_", extra="forbid")
@@ -20,6 +22,11 @@ class ServiceSettings(BaseSettings):
         default=None, ge=1, description="torch threads for this process (default: all cores)."
     )
     host: str = Field(default="127.0.0.1", description="Address to listen on.")
+    outage_seconds: float = Field(
+        default=DEFAULT_OUTAGE_SECONDS, gt=0,
+        description="How long the service waits out Redis (or the buffer) being unreachable, "
+        "retrying with backoff and reporting not ready, before it exits non-zero.",
+    )
 
     @field_validator("job_file")
     @classmethod

@@ -58,18 +58,20 @@ class BufferThread:
 class BufferProcess:
     """`asyncrl serve buffer` as its own process, on a free port, logging to `log`."""
 
-    def __init__(self, job_file: Path, redis_url: str, log: Path):
+    def __init__(self, job_file: Path, redis_url: str, log: Path, env: dict | None = None):
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.args = [str(Path(sys.executable).parent / "asyncrl"), "serve", "buffer",
                      "--job-file", str(job_file), "--redis-url", redis_url,
                      "--grpc-port", str(self.port), "--metrics-port", "0"]
         self.log = log
+        self.env = env  # None: this process' environment
         self.process: subprocess.Popen | None = None
 
     def start(self) -> BufferProcess:
         with self.log.open("a") as log:
-            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
+                                            env=self.env)
         return self
 
     def kill(self) -> None:

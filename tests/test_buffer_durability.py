@@ -1,60 +1,46 @@
-"""Kill -9 of redis-server (AOF) and of the buffer process in the middle of a run: every
-acknowledged put is delivered to the trainer, and acknowledged, exactly once."""
+"""Redis going away under a real buffer process: kill -9 of redis-server (AOF) and of the
+buffer in the middle of a run, where every acknowledged put is delivered to the trainer, and
+acknowledged, exactly once; and a Redis that is stopped and started again, which the buffer
+rides through (not serving meanwhile) up to its outage bound, past which it exits."""
 
 import asyncio
-import subprocess
-import sys
+import os
 import time
 from pathlib import Path
 
+import grpc
 import pytest
+import redis as sync_redis
 import yaml
 
 from asyncrl.buffer.client import BufferClient
-from asyncrl.redis_server import free_port
-from buffer_helpers import make_group
+from asyncrl.buffer.store import prefix
+from asyncrl.outage import OutageTooLong
+from asyncrl.v1 import buffer_pb2, common_pb2
+from buffer_helpers import BufferProcess, make_group, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = 24
 
 
-class BufferProcess:
-    def __init__(self, job_file: Path, redis_url: str, log: Path):
-        self.port = free_port()
-        self.args = [str(Path(sys.executable).parent / "asyncrl"), "serve", "buffer",
-                     "--job-file", str(job_file), "--redis-url", redis_url,
-                     "--grpc-port", str(self.port), "--metrics-port", "0"]
-        self.log = log
-        self.process = None
-
-    def start(self) -> "BufferProcess":
-        self.process = subprocess.Popen(self.args, stdout=self.log.open("a"), stderr=subprocess.STDOUT)
-        return self
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.wait(timeout=10)
-
-
-async def wait_healthy(client, timeout=60):
-    deadline = time.monotonic() + timeout
-    while not await client.healthy():
-        assert time.monotonic() < deadline, "buffer never became healthy"
-        await asyncio.sleep(0.1)
+def write_job(tmp_path: Path) -> tuple[Path, dict]:
+    """examples/tiny.yaml where the producer never waits for the trainer."""
+    manifest = yaml.safe_load((ROOT / "examples/tiny.yaml").read_text())
+    manifest["spec"]["algorithm"]["maxStaleness"] = 100
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(manifest))
+    return job_file, manifest
 
 
 @pytest.mark.slow
 def test_nothing_acknowledged_is_lost_or_duplicated(redis_server, tmp_path):
-    manifest = yaml.safe_load((ROOT / "examples/tiny.yaml").read_text())
-    manifest["spec"]["algorithm"]["maxStaleness"] = 100  # the producer never waits for the trainer
-    job_file = tmp_path / "job.yaml"
-    job_file.write_text(yaml.safe_dump(manifest))
+    job_file, manifest = write_job(tmp_path)
     group_size = manifest["spec"]["algorithm"]["groupSize"]
     batch_size = manifest["spec"]["algorithm"]["batchSize"]
     buffer = BufferProcess(job_file, redis_server.url, tmp_path / "buffer.log").start()
 
     async def scenario():
-        client = BufferClient(f"127.0.0.1:{buffer.port}", "tiny", "producer")
+        client = BufferClient(buffer.address, "tiny", "producer")
         await wait_healthy(client)
         acknowledged = []
         for index in range(GROUPS):
@@ -96,3 +82,102 @@ def test_nothing_acknowledged_is_lost_or_duplicated(redis_server, tmp_path):
     assert len(delivered) == GROUPS
     assert stats.accepted_total == GROUPS and stats.consumed_total == GROUPS
     assert stats.depth_groups == 0 and stats.running_slots == 0
+
+
+async def health(client: BufferClient) -> common_pb2.HealthResponse:
+    """The buffer's own answer to Health (an RPC error fails the test: it must keep running)."""
+    return await client.stub.Health(common_pb2.HealthRequest(), timeout=10)
+
+
+async def wait_serving(client: BufferClient, serving: bool, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while (await health(client)).serving != serving:
+        assert time.monotonic() < deadline, f"Health never said serving={serving}"
+        await asyncio.sleep(0.1)
+
+
+async def wait_for_line(log: Path, text: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        assert time.monotonic() < deadline, f"{text!r} never logged:\n{log.read_text()}"
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_the_buffer_rides_through_a_redis_restart_and_loses_nothing(redis_server, tmp_path):
+    job_file, manifest = write_job(tmp_path)
+    group_size = manifest["spec"]["algorithm"]["groupSize"]
+    log = tmp_path / "buffer.log"
+    buffer = BufferProcess(job_file, redis_server.url, log).start()
+    redis_down = f"Redis at 127.0.0.1:{redis_server.port} is unreachable"
+
+    async def scenario():
+        client = BufferClient(buffer.address, "tiny", "producer")
+        await wait_healthy(client)
+        before = [f"before-{i}" for i in range(6)]
+        for group_id in before:
+            await client.put(await client.acquire(), make_group(group_id, group_size))
+        refused_slot, retried_slot = await client.acquire(), await client.acquire()
+
+        redis_server.stop()
+        await wait_serving(client, False)
+        assert "Redis" in (await health(client)).detail
+        # One attempt, as a caller without retries makes it: an error, never OK.
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.stub.PutGroup(buffer_pb2.PutGroupRequest(
+                job="tiny", slot_id=refused_slot.slot_id,
+                group=make_group("refused", group_size)), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        # The client's put waits the outage out; the buffer's watch has seen it, and waits too.
+        retried = asyncio.create_task(client.put(retried_slot, make_group("retried", group_size)))
+        await wait_for_line(log, redis_down)
+        assert not retried.done() and buffer.process.poll() is None
+
+        redis_server.start()  # the same port and files
+        await wait_serving(client, True)
+        await retried
+        stats = await client.stats()
+        await client.close()
+        return before, stats
+
+    try:
+        before, stats = asyncio.run(scenario())
+        assert buffer.process.poll() is None  # it never exited
+    finally:
+        buffer.kill()
+    assert "reachable again" in log.read_text()
+    # What Redis holds: everything written before the outage, and the put that waited.
+    client = sync_redis.Redis(port=redis_server.port)
+    try:
+        stored = [f[b"id"].decode() for _, f in client.xrange(prefix("tiny") + "groups")]
+    finally:
+        client.close()
+    assert sorted(stored) == sorted([*before, "retried"])
+    assert stats.accepted_total == len(before) + 1
+
+
+@pytest.mark.slow
+def test_past_the_outage_bound_the_buffer_exits_naming_redis(redis_server, tmp_path):
+    job_file, _ = write_job(tmp_path)
+    log = tmp_path / "buffer.log"
+    env = {**os.environ, "ASYNCRL_OUTAGE_SECONDS": "2"}
+    buffer = BufferProcess(job_file, redis_server.url, log, env=env).start()
+
+    async def scenario():
+        client = BufferClient(buffer.address, "tiny", "producer", outage_seconds=2)
+        await wait_healthy(client)
+        redis_server.stop()
+        # Its callers give up too, past the same bound, naming what they waited for.
+        with pytest.raises(OutageTooLong, match=f"the buffer at {buffer.address}"):
+            await client.acquire()
+        await client.close()
+
+    try:
+        asyncio.run(scenario())
+        code = buffer.process.wait(timeout=120)
+    finally:
+        buffer.kill()
+    assert code != 0
+    text = " ".join(log.read_text().split())
+    assert (f"buffer: Redis at 127.0.0.1:{redis_server.port} has been unreachable" in text), text
+    assert "ASYNCRL_OUTAGE_SECONDS" in text

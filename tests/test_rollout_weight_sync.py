@@ -4,12 +4,14 @@ messages were missed."""
 import asyncio
 import time
 
+import pytest
 import redis.asyncio as redis
 import torch
 from safetensors.torch import save_model
 
 from asyncrl.buffer.store import BufferStore, JobConfig
 from asyncrl.models import TinyModelConfig, build_tiny_model
+from asyncrl.outage import Outage, OutageTooLong, connect, redis_address
 from asyncrl.rollout.engine import TorchEngine
 from asyncrl.rollout.engine_api import TorchInferenceEngine
 from asyncrl.rollout.types import SamplingParams
@@ -91,16 +93,39 @@ def test_watcher_survives_a_redis_restart(redis_server, tmp_path, caplog):
         applied.append(version.version)
 
     async def scenario():
-        client = redis.from_url(redis_server.url)
-        watcher = CountingWatcher(client, JOB, apply, poll_seconds=0.2)
+        client = connect(redis_server.url)
+        outage = Outage(f"Redis at {redis_address(redis_server.url)}")
+        watcher = CountingWatcher(client, JOB, apply, poll_seconds=0.2, outage=outage)
         task = asyncio.create_task(watcher.run())
         await wait_for(lambda: watcher.reads >= 1)  # subscribed and watching
+        assert outage.available
         redis_server.kill()
-        await wait_for(lambda: "weights watcher lost Redis" in caplog.text)
+        await wait_for(lambda: not outage.available)  # the worker's /ready says 503
+        assert f"Redis at 127.0.0.1:{redis_server.port} is unreachable" in caplog.text
         redis_server.start()
         await announce(client, 1, str(path), publish=False)
         await wait_for(lambda: applied == [1])
+        assert outage.available and not task.done()
         task.cancel()
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_watcher_gives_up_past_the_outage_bound_naming_redis(redis_server):
+    async def apply(version):
+        raise AssertionError("nothing is announced")
+
+    async def scenario():
+        client = connect(redis_server.url)
+        outage = Outage(f"Redis at {redis_address(redis_server.url)}", bound=1.0)
+        watcher = CountingWatcher(client, JOB, apply, poll_seconds=0.2, outage=outage)
+        task = asyncio.create_task(watcher.run())
+        await wait_for(lambda: watcher.reads >= 1)
+        redis_server.stop()
+        with pytest.raises(OutageTooLong, match=f"Redis at 127.0.0.1:{redis_server.port} has "
+                                                "been unreachable"):
+            await asyncio.wait_for(task, timeout=120)
         await client.aclose()
 
     asyncio.run(scenario())

@@ -8,6 +8,7 @@ import logging
 
 import grpc
 
+from asyncrl.outage import DEFAULT_OUTAGE_SECONDS, Outage, retry
 from asyncrl.samples import Group, Slot
 from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
 
@@ -17,28 +18,31 @@ log = logging.getLogger(__name__)
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
-async def _with_retries(call, *, attempts: int = 60, delay: float = 0.25):
-    """Retries a call while the buffer or its Redis is briefly unavailable (a restart)."""
-    for attempt in range(attempts):
-        try:
-            return await call()
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() not in _RETRYABLE or attempt == attempts - 1:
-                raise
-            await asyncio.sleep(delay)
+def _unavailable(exc: BaseException) -> bool:
+    """The buffer or its Redis is down for now (a restart): worth waiting for."""
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in _RETRYABLE
 
 
 class BufferClient:
-    def __init__(self, address: str, job: str, worker: str = "worker", *, lease_seconds: float = 30):
+    def __init__(self, address: str, job: str, worker: str = "worker", *, lease_seconds: float = 30,
+                 outage_seconds: float = DEFAULT_OUTAGE_SECONDS):
         self._channel = grpc.aio.insecure_channel(address, options=[
             ("grpc.max_receive_message_length", 256 << 20),
             ("grpc.max_send_message_length", 64 << 20),
         ])
         self.stub = buffer_pb2_grpc.BufferStub(self._channel)
+        self.address = address
+        self._outage_seconds = outage_seconds
         self.job = job
         self.worker = worker
         self._heartbeat_every = max(lease_seconds / 3, 0.05)
         self._heartbeats: dict[str, asyncio.Task] = {}
+
+    async def _with_retries(self, call):
+        """`call()`, retried with backoff while the buffer (or its Redis) is unavailable, for up
+        to `outage_seconds`; then OutageTooLong."""
+        outage = Outage(f"the buffer at {self.address} (or its Redis)", self._outage_seconds)
+        return await retry(call, outage, transient=_unavailable)
 
     async def close(self) -> None:
         for task in self._heartbeats.values():
@@ -50,7 +54,7 @@ class BufferClient:
     async def acquire(self) -> Slot:
         """Waits (politely) until the staleness gate grants a slot, then keeps its lease alive."""
         while True:
-            reply = await _with_retries(lambda: self.stub.AcquireSlot(
+            reply = await self._with_retries(lambda: self.stub.AcquireSlot(
                 buffer_pb2.AcquireSlotRequest(job=self.job, worker=self.worker), timeout=10))
             if reply.granted:
                 self._heartbeats[reply.slot_id] = asyncio.create_task(self._keep_alive(reply.slot_id))
@@ -59,14 +63,14 @@ class BufferClient:
 
     async def put(self, slot: Slot, group: Group) -> None:
         message = group.to_pb() if isinstance(group, Group) else group
-        await _with_retries(lambda: self.stub.PutGroup(
+        await self._with_retries(lambda: self.stub.PutGroup(
             buffer_pb2.PutGroupRequest(job=self.job, slot_id=slot.slot_id, group=message),
             timeout=30))
         self._stop_heartbeat(slot)
 
     async def release(self, slot: Slot, reason: str) -> None:
         self._stop_heartbeat(slot)
-        await _with_retries(lambda: self.stub.ReleaseSlot(
+        await self._with_retries(lambda: self.stub.ReleaseSlot(
             buffer_pb2.ReleaseSlotRequest(job=self.job, slot_id=slot.slot_id, reason=reason),
             timeout=10))
 
@@ -90,20 +94,20 @@ class BufferClient:
     # ------------------------------------------------------------------ trainer side
 
     async def get_batch(self, consumer: str, num_groups: int, wait_ms: int = 1000) -> buffer_pb2.Batch:
-        return await _with_retries(lambda: self.stub.GetBatch(buffer_pb2.GetBatchRequest(
+        return await self._with_retries(lambda: self.stub.GetBatch(buffer_pb2.GetBatchRequest(
             job=self.job, consumer=consumer, num_groups=num_groups, wait_ms=wait_ms),
             timeout=wait_ms / 1000 + 30))
 
     async def ack(self, batch_id: str) -> None:
-        await _with_retries(lambda: self.stub.AckBatch(
+        await self._with_retries(lambda: self.stub.AckBatch(
             buffer_pb2.AckBatchRequest(job=self.job, batch_id=batch_id), timeout=30))
 
     async def set_version(self, version: int, weights_uri: str) -> buffer_pb2.VersionInfo:
-        return await _with_retries(lambda: self.stub.SetVersion(buffer_pb2.SetVersionRequest(
+        return await self._with_retries(lambda: self.stub.SetVersion(buffer_pb2.SetVersionRequest(
             job=self.job, version=version, weights_uri=weights_uri), timeout=30))
 
     async def stats(self) -> buffer_pb2.BufferStats:
-        return await _with_retries(lambda: self.stub.GetStats(
+        return await self._with_retries(lambda: self.stub.GetStats(
             buffer_pb2.GetStatsRequest(job=self.job), timeout=10))
 
     async def healthy(self) -> bool:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 
 import grpc
@@ -26,6 +25,7 @@ from asyncrl.buffer.store import (
     ResourceExhausted,
 )
 from asyncrl.grpc_errors import map_errors
+from asyncrl.outage import Outage, OutageTooLong, connect, redis_address, redis_down, retry
 from asyncrl.settings import ServiceSettings
 from asyncrl.spec import load_manifest
 from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
@@ -179,6 +179,7 @@ class RunningBuffer:
     store: BufferStore
     metrics: BufferMetrics
     job: str
+    redis: Outage
 
     async def close(self) -> None:
         await self.server.stop(grace=2)
@@ -187,12 +188,14 @@ class RunningBuffer:
 
 async def start_server(settings: BufferSettings) -> RunningBuffer:
     job = load_manifest(settings.job_file)
-    client = redis.from_url(settings.redis_url, password=settings.redis_password)
+    client = connect(settings.redis_url, password=settings.redis_password)
     store = BufferStore(client, [JobConfig.from_job(job)])
-    await _retry_until_ready(store.register)
+    # Redis may still be starting (a pod, or a restart): wait for it rather than crash.
+    outage = Outage(f"Redis at {redis_address(settings.redis_url)}", settings.outage_seconds)
+    await retry(store.register, outage)
     metrics = BufferMetrics()
     server = await create_server(store, client, metrics, f"{settings.host}:{settings.grpc_port}")
-    return RunningBuffer(server, client, store, metrics, job.metadata.name)
+    return RunningBuffer(server, client, store, metrics, job.metadata.name, outage)
 
 
 async def create_server(
@@ -210,25 +213,21 @@ async def create_server(
     return server
 
 
-async def _retry_until_ready(call, timeout: float = 60.0) -> None:
-    """Redis may still be starting (a pod, or a restart): wait for it rather than crash."""
-    deadline = time.monotonic() + timeout
+async def _watch_redis(running: RunningBuffer, every: float = 2.0) -> None:
+    """Reads the job's totals from Redis every `every` seconds, which keeps the exported
+    metrics fresh when nobody calls GetStats and notices an outage: meanwhile requests get
+    UNAVAILABLE (clients retry) and Health says not serving. Raises OutageTooLong once Redis
+    has been unreachable for longer than the bound."""
     while True:
         try:
-            return await call()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            if time.monotonic() > deadline:
-                raise ConnectionError(f"Redis did not answer within {timeout:.0f}s: {exc}") from exc
-            await asyncio.sleep(0.5)
-
-
-async def _refresh_metrics(running: RunningBuffer, every: float = 2.0) -> None:
-    """Keeps the exported totals fresh even when nobody calls GetStats."""
-    while True:
-        try:
-            running.metrics.observe_stats(running.job, await running.store.stats(running.job))
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            log.warning("buffer stats refresh failed: %s", exc)
+            stats = await running.store.stats(running.job)
+        except Exception as exc:
+            if not redis_down(exc):
+                raise
+            await asyncio.sleep(running.redis.failed(exc))
+            continue
+        running.redis.recovered()
+        running.metrics.observe_stats(running.job, stats)
         await asyncio.sleep(every)
 
 
@@ -237,11 +236,17 @@ def serve(settings: BufferSettings) -> None:
         running = await start_server(settings)
         if settings.metrics_port:
             running.metrics.serve(settings.metrics_port, settings.host)
-        refresher = asyncio.create_task(_refresh_metrics(running))
+        watch = asyncio.create_task(_watch_redis(running))
+        stopped = asyncio.create_task(running.server.wait_for_termination())
         try:
-            await running.server.wait_for_termination()
+            done, _ = await asyncio.wait({watch, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # past the outage bound: OutageTooLong
         finally:
-            refresher.cancel()
+            watch.cancel()
             await running.close()
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except OutageTooLong as exc:
+        raise SystemExit(f"buffer: {exc}") from None

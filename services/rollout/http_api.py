@@ -20,7 +20,8 @@ so routes, request bodies and response shapes follow SGLang's native API
   extension**: SGLang has no per-token versions, so the SGLang client must not rely on it.
 - `POST /pause_generation`, `POST /continue_generation`, `POST /update_weights_from_disk`,
   `POST /abort_request`, `GET /health` (also `/health_generate`), `GET /get_model_info`,
-  `GET /get_weight_version`, and `GET /metrics` (Prometheus text).
+  `GET /get_weight_version`, and `GET /metrics` (Prometheus text). `GET /ready` is ours:
+  /health plus the worker's own dependencies (Redis, which announces the weights).
 
 Errors use SGLang's body, `{"error": {"message": ...}}`: a request the engine refuses and a
 body that fails validation are 400 (not FastAPI's 422), an unknown request id is 404. An
@@ -39,7 +40,7 @@ import asyncio
 import time
 import uuid
 from concurrent.futures import Future
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 from fastapi import APIRouter, Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -350,8 +351,10 @@ def _validation_message(exc: RequestValidationError) -> str:
 # ---------------------------------------------------------------------------- the app
 
 
-def create_app(engine, *, model_path: str, metrics: RolloutMetrics) -> FastAPI:
-    """The HTTP front of one engine (a started TorchEngine or anything with its interface)."""
+def create_app(engine, *, model_path: str, metrics: RolloutMetrics,
+               ready: Callable[[], bool] = lambda: True) -> FastAPI:
+    """The HTTP front of one engine (a started TorchEngine or anything with its interface);
+    `ready` tells whether the worker's dependencies are reachable (see health_and_metrics)."""
     app = FastAPI(title="asyncrl rollout (SGLang-compatible)")
 
     @app.exception_handler(RequestValidationError)
@@ -476,12 +479,15 @@ def create_app(engine, *, model_path: str, metrics: RolloutMetrics) -> FastAPI:
     async def get_weight_version():
         return {"weight_version": str(engine.version)}
 
-    app.include_router(health_and_metrics(engine, metrics))
+    app.include_router(health_and_metrics(engine, metrics, ready))
     return app
 
 
-def health_and_metrics(engine, metrics: RolloutMetrics) -> APIRouter:
-    """`/health` (and SGLang's `/health_generate`): 200 while the engine serves, else 503;
+def health_and_metrics(engine, metrics: RolloutMetrics,
+                       ready: Callable[[], bool] = lambda: True) -> APIRouter:
+    """`/health` (and SGLang's `/health_generate`): 200 while the engine serves, else 503 (the
+    liveness probe); `/ready`: 200 while the engine serves and `ready()`, else 503 (the
+    readiness probe: not ready while Redis is down, without the worker being restarted);
     `/metrics`: Prometheus text. Any engine with `alive` and `status()` (an InferenceEngine or
     a TorchEngine)."""
     router = APIRouter()
@@ -490,6 +496,10 @@ def health_and_metrics(engine, metrics: RolloutMetrics) -> APIRouter:
     @router.get("/health_generate")
     async def health():
         return Response(status_code=200 if engine.alive else 503)
+
+    @router.get("/ready")
+    async def readiness():
+        return Response(status_code=200 if engine.alive and ready() else 503)
 
     @router.get("/metrics")
     async def prometheus_metrics():

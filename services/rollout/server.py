@@ -5,7 +5,9 @@ behind an SGLang-compatible HTTP API, or an SGLang server it launches as a child
 drives over SGLang's HTTP API (its own HTTP port then serves /health and /metrics). Either way
 it runs the rollout workflow against the buffer, follows the policy versions the trainer
 announces in Redis, and serves the RolloutControl gRPC status API. If the SGLang child dies,
-the worker exits non-zero with SGLang's last output, so Kubernetes restarts the pod.
+the worker exits non-zero with SGLang's last output, so Kubernetes restarts the pod. While
+Redis or the buffer is unreachable it waits (GET /ready answers 503 meanwhile), and exits
+non-zero only past the outage bound (`outage_seconds`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import shlex
 from pathlib import Path
 from typing import Coroutine, Literal
 
-import redis.asyncio as redis
 import torch
 import uvicorn
 from fastapi import FastAPI
@@ -26,6 +27,7 @@ from pydantic import Field
 from asyncrl.buffer.client import BufferClient
 from asyncrl.devices import local_rank, select_device
 from asyncrl.models import load_policy, load_tokenizer, model_directory
+from asyncrl.outage import Outage, OutageTooLong, connect, redis_address
 from asyncrl.prompts import ArithScorer, build_prompts
 from asyncrl.reward.client import PromptScorer, RewardClient
 from asyncrl.rollout.engine import TorchEngine
@@ -112,8 +114,13 @@ def serve(settings: RolloutSettings) -> None:
         _workflow_factory(settings, job, tokenizer, train, metrics)
         if settings.buffer_address else None
     )
+    # Shared by the weight watcher (which updates it) and GET /ready (which reports it).
+    redis_outage = Outage(
+        f"Redis at {redis_address(settings.redis_url)}" if settings.redis_url else "Redis",
+        settings.outage_seconds,
+    )
     if (settings.engine or spec.rollout.engine) == "sglang":
-        serve_sglang = _serve_sglang(settings, job, slots, length, metrics, workflow)
+        serve_sglang = _serve_sglang(settings, job, slots, length, metrics, workflow, redis_outage)
         try:
             asyncio.run(serve_sglang)
         except (SGLangExited, SGLangUnavailableError, TimeoutError, RuntimeError) as exc:
@@ -133,9 +140,13 @@ def serve(settings: RolloutSettings) -> None:
     ).start()
     engine = TorchInferenceEngine(torch_engine)
     control = serve_control(engine, settings.grpc_port, host=settings.host)
-    app = create_app(torch_engine, model_path=spec.model.source, metrics=metrics)
+    app = create_app(torch_engine, model_path=spec.model.source, metrics=metrics,
+                     ready=lambda: redis_outage.available)
     try:
-        asyncio.run(_serve_async(settings, job.metadata.name, engine, app, workflow, metrics))
+        asyncio.run(_serve_async(settings, job.metadata.name, engine, app, workflow, metrics,
+                                 redis_outage=redis_outage))
+    except OutageTooLong as exc:
+        raise SystemExit(f"rollout: {exc}") from None
     finally:
         control.stop(grace=2)
         torch_engine.stop()
@@ -157,7 +168,7 @@ def sglang_command(settings: RolloutSettings, spec) -> list[str]:
 
 
 async def _serve_sglang(settings: RolloutSettings, job, slots: int, length: int,
-                        metrics: RolloutMetrics, workflow) -> None:
+                        metrics: RolloutMetrics, workflow, redis_outage: Outage) -> None:
     server = SGLangServer(sglang_command(settings, job.spec),
                           url=f"http://127.0.0.1:{settings.sglang_port}",
                           startup_timeout=settings.sglang_startup_seconds)
@@ -168,9 +179,10 @@ async def _serve_sglang(settings: RolloutSettings, job, slots: int, length: int,
         async with SGLangClient(server.url) as client:
             engine = SGLangEngine(client, max_running_requests=slots, max_sequence_length=length)
             control = serve_control(engine, settings.grpc_port, host=settings.host)
-            app = status_app(engine, metrics)
+            app = status_app(engine, metrics, ready=lambda: redis_outage.available)
             await _serve_async(settings, job.metadata.name, engine, app, workflow, metrics,
-                               watch=_watch_sglang(server, client, engine))
+                               watch=_watch_sglang(server, client, engine),
+                               redis_outage=redis_outage)
     finally:
         if control is not None:
             control.stop(grace=2)
@@ -190,11 +202,12 @@ async def _watch_sglang(server: SGLangServer, client: SGLangClient, engine: SGLa
         await asyncio.sleep(interval)
 
 
-def status_app(engine: InferenceEngine, metrics: RolloutMetrics) -> FastAPI:
+def status_app(engine: InferenceEngine, metrics: RolloutMetrics,
+               ready=lambda: True) -> FastAPI:
     """The worker's own HTTP front when SGLang serves generation: /health (SGLang's health
-    and the worker's) and /metrics."""
+    and the worker's), /ready and /metrics."""
     app = FastAPI(title="asyncrl rollout (SGLang engine)")
-    app.include_router(health_and_metrics(engine, metrics))
+    app.include_router(health_and_metrics(engine, metrics, ready))
     return app
 
 
@@ -205,7 +218,8 @@ def _workflow_factory(settings: RolloutSettings, job, tokenizer, train, metrics)
     async def run(engine: InferenceEngine) -> None:
         spec = job.spec
         client = BufferClient(settings.buffer_address, job.metadata.name, settings.worker,
-                              lease_seconds=spec.buffer.lease_seconds)
+                              lease_seconds=spec.buffer.lease_seconds,
+                              outage_seconds=settings.outage_seconds)
         # Prompts already used = groups accepted so far (a restart continues the sequence).
         start = (await client.stats()).accepted_total % len(train)
         prompts = itertools.islice(itertools.cycle(train), start, None)
@@ -235,19 +249,22 @@ def _workflow_factory(settings: RolloutSettings, job, tokenizer, train, metrics)
 
 async def _serve_async(settings: RolloutSettings, job: str, engine: InferenceEngine, app,
                        workflow=None, metrics: RolloutMetrics | None = None,
-                       watch: Coroutine | None = None) -> None:
+                       watch: Coroutine | None = None,
+                       redis_outage: Outage | None = None) -> None:
     """Serves `app`, follows announced versions and runs the workflow until one of them (or
-    `watch`) ends; an error in any stops the worker with that error."""
+    `watch`) ends; an error in any stops the worker with that error (OutageTooLong once
+    Redis has been unreachable for longer than `redis_outage` allows)."""
     server = uvicorn.Server(
         uvicorn.Config(app, host=settings.host, port=settings.http_port, log_level="warning")
     )
     watcher_task = None
     client = None
     if settings.redis_url:
-        client = redis.from_url(settings.redis_url)
+        client = connect(settings.redis_url)
         watcher = WeightWatcher(
             client, job, engine_applier(engine, settings.weights_cache, metrics),
             current_version=engine.version, poll_seconds=settings.poll_seconds,
+            outage=redis_outage,
         )
         watcher_task = asyncio.create_task(watcher.run())
     serving = asyncio.create_task(server.serve())

@@ -4,7 +4,8 @@ The worker subscribes to the job's weights channel, then reads the weights hash:
 announced before the subscription is caught up at once, and every later announcement arrives
 as a message. Messages only say "look again"; the hash is the truth, re-read on every message,
 every `poll_seconds` without one, and after reconnecting, so lost messages cost at most one
-poll interval and never a version.
+poll interval and never a version. While Redis is unreachable the watcher retries with backoff
+(`redis`, an Outage: the worker's readiness) and gives up past the outage bound.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from urllib.parse import urlparse
 import httpx
 import redis.asyncio as redis
 
+from asyncrl.outage import Outage, redis_down
 from asyncrl.rollout.engine_api import InferenceEngine
 from asyncrl.weights import WeightVersion, weights_channel, weights_key
 
@@ -36,29 +38,32 @@ class WeightWatcher:
         *,
         current_version: int = 0,
         poll_seconds: float = 5.0,
+        outage: Outage | None = None,
     ):
         self._client = client
         self._job = job
         self._apply = apply
         self.version = current_version
         self._poll_seconds = poll_seconds
+        self.redis = outage or Outage("Redis")
         self.updates = 0
 
     async def run(self) -> None:
-        """Runs until cancelled, reconnecting (with backoff) when Redis goes away."""
-        backoff = 0.1
+        """Runs until cancelled, reconnecting with backoff when Redis goes away; raises
+        OutageTooLong once it has been away for longer than the bound."""
         while True:
             try:
                 await self._watch()
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-                log.warning("weights watcher lost Redis (%s); retrying in %.1fs", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+            except Exception as exc:
+                if not redis_down(exc):
+                    raise
+                await asyncio.sleep(self.redis.failed(exc))
 
     async def _watch(self) -> None:
         async with self._client.pubsub() as pubsub:
             await pubsub.subscribe(weights_channel(self._job))
             await self.catch_up()
+            self.redis.recovered()
             while True:
                 await pubsub.get_message(ignore_subscribe_messages=True,
                                          timeout=self._poll_seconds)

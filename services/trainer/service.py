@@ -34,6 +34,7 @@ from asyncrl.algorithms.staleness import staleness
 from asyncrl.buffer.client import BufferClient
 from asyncrl.devices import local_rank, select_device
 from asyncrl.models import load_policy
+from asyncrl.outage import OutageTooLong
 from asyncrl.prompts import ArithScorer, build_prompts
 from asyncrl.reward.client import PromptScorer, RewardClient
 from asyncrl.rollout.engine import TorchEngine
@@ -226,7 +227,8 @@ class Trainer:
 
     async def _lead(self) -> None:
         settings, spec = self.settings, self.spec
-        client = BufferClient(settings.buffer_address, self.job.metadata.name)
+        client = BufferClient(settings.buffer_address, self.job.metadata.name,
+                              outage_seconds=settings.outage_seconds)
         try:
             # Every rank loads the checkpoint rank 0 names, so all start from the same weights.
             latest = latest_checkpoint(settings.run_dir)
@@ -431,5 +433,8 @@ def serve(settings: TrainerSettings) -> None:
             if server is not None:
                 await server.stop(grace=1)
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except OutageTooLong as exc:
+        raise SystemExit(f"trainer: {exc}") from None
     group.close()  # only after success: a failed rank exits and torchrun stops the rest
