@@ -7,6 +7,11 @@ the API server is ready, and registers fake nodes that kwok keeps Ready: CPU nod
 GPU pool advertising `nvidia.com/gpu`. kwok also plays the kubelet for pods bound to its nodes, so
 pods reach Running (and Ready) without containers. `stop()` ends every process it started.
 
+`ControlPlane(workdir, real_node=True, node_ip=...)` is the control plane for a real kubelet
+(tests/cluster/node.py): no kwok and no fake nodes; the API server listens on every address,
+advertises the node's IP (in its certificate) and keeps the default endpoint reconciler, so pods
+reach it through the `kubernetes` Service, and it reaches the kubelet for logs and exec.
+
 Nothing here is a mock: Deployments become ReplicaSets and Pods through the real controllers,
 the real scheduler places pods by resources, selectors and taints, and the real garbage
 collector deletes children whose owner is gone.
@@ -24,6 +29,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +38,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = ROOT / "tests" / "cluster" / "build.sh"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+SERVICE_CIDR = "10.0.0.0/24"
 
 #: Labels, capacity and taint of the fake GPU node pool.
 GPU_POOL_LABEL = {"node-pool": "gpu"}
@@ -50,8 +57,8 @@ def bin_dir() -> Path:
     return Path(out.stdout.strip())
 
 
-def missing_binaries(directory: Path) -> list[str]:
-    return [name for name in BINARIES if not os.access(directory / name, os.X_OK)]
+def missing_binaries(directory: Path, names=BINARIES) -> list[str]:
+    return [name for name in names if not os.access(directory / name, os.X_OK)]
 
 
 def free_port() -> int:
@@ -63,9 +70,9 @@ def free_port() -> int:
 # --------------------------------------------------------------------------- certificates
 
 
-def _write_certificates(directory: Path) -> None:
-    """CA, API server serving certificate, admin client certificate (system:masters) and the
-    service-account signing key, as PEM files in `directory`."""
+def _write_certificates(directory: Path, extra_ips: tuple[str, ...] = ()) -> None:
+    """CA, API server serving certificate (also valid for `extra_ips`), admin client certificate
+    (system:masters) and the service-account signing key, as PEM files in `directory`."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import rsa
@@ -119,6 +126,7 @@ def _write_certificates(directory: Path) -> None:
         x509.DNSName("kubernetes.default"), x509.DNSName("kubernetes.default.svc"),
         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
         x509.IPAddress(ipaddress.ip_address("10.0.0.1")),
+        *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in extra_ips),
     ])
     issue("admin", name("admin", "system:masters"), ExtendedKeyUsageOID.CLIENT_AUTH)
 
@@ -141,12 +149,42 @@ class _Process:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
 
 
+def spawn(name: str, argv: list[str], log: Path) -> _Process:
+    """Start `argv` with stdout and stderr into `log`."""
+    handle = open(log, "wb")
+    popen = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL)
+    handle.close()
+    return _Process(name, popen, log)
+
+
+def stop_processes(processes: list[_Process], grace: float) -> None:
+    """SIGTERM every process (last started first), then SIGKILL what is left after `grace`."""
+    for process in reversed(processes):
+        if process.popen.poll() is None:
+            process.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for process in reversed(processes):
+        try:
+            process.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.popen.kill()
+            process.popen.wait(timeout=10)
+
+
 @dataclass
 class ControlPlane:
     workdir: Path
     binaries: Path | None = None
     cpu_nodes: int = 2
     gpu_nodes: int = 1
+    #: For a real kubelet: no kwok, no fake nodes; reachable from pods at `node_ip`.
+    real_node: bool = False
+    node_ip: str | None = None
+    #: Seconds between SIGTERM and SIGKILL in stop().
+    stop_grace: float = 15.0
+    #: Called with each process right after it started (to record its pid elsewhere).
+    on_spawn: Callable[[_Process], None] | None = None
     processes: list[_Process] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -157,6 +195,12 @@ class ControlPlane:
         self.kubeconfig = self.workdir / "admin.kubeconfig"
         self.etcd_port = free_port()
         self.api_port = free_port()
+        if self.real_node and not self.node_ip:
+            raise ValueError("real_node=True needs node_ip (the address pods reach the API at)")
+
+    @property
+    def required_binaries(self) -> tuple[str, ...]:
+        return tuple(b for b in BINARIES if not (self.real_node and b == "kwok"))
 
     @property
     def server(self) -> str:
@@ -165,22 +209,23 @@ class ControlPlane:
     # ---------------------------------------------------------------- lifecycle
 
     def start(self, timeout: float = 120.0) -> ControlPlane:
-        missing = missing_binaries(self.binaries)
+        missing = missing_binaries(self.binaries, self.required_binaries)
         if missing:
             raise ControlPlaneMissing(
                 f"Kubernetes test binaries missing from {self.binaries}: {', '.join(missing)}. "
                 f"Build them (cached; slow the first time) with: bash {BUILD_SCRIPT}")
         for folder in (self.certs, self.logs):
             folder.mkdir(parents=True, exist_ok=True)
-        _write_certificates(self.certs)
+        _write_certificates(self.certs, (self.node_ip,) if self.real_node else ())
         self._write_kubeconfig()
         try:
             self._start_etcd()
             self._start_apiserver()
             self._wait_ready(timeout)
             self._start_controllers()
-            self._create_nodes()
-            self._wait_nodes_ready(timeout)
+            if not self.real_node:
+                self._create_nodes()
+                self._wait_nodes_ready(timeout)
             self._wait_default_service_account(timeout)
         except BaseException:
             self.stop()
@@ -189,16 +234,7 @@ class ControlPlane:
 
     def stop(self) -> None:
         """SIGTERM every process (last started first), then SIGKILL what is left."""
-        for process in reversed(self.processes):
-            if process.popen.poll() is None:
-                process.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for process in reversed(self.processes):
-            try:
-                process.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.popen.kill()
-                process.popen.wait(timeout=10)
+        stop_processes(self.processes, self.stop_grace)
         self.processes.clear()
 
     def __enter__(self) -> ControlPlane:
@@ -217,12 +253,10 @@ class ControlPlane:
     # ---------------------------------------------------------------- components
 
     def _spawn(self, name: str, *args: str) -> None:
-        log = self.logs / f"{name}.log"
-        handle = open(log, "wb")
-        popen = subprocess.Popen([str(self.binaries / name), *args], stdout=handle,
-                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        handle.close()
-        self.processes.append(_Process(name, popen, log))
+        process = spawn(name, [str(self.binaries / name), *args], self.logs / f"{name}.log")
+        self.processes.append(process)
+        if self.on_spawn:
+            self.on_spawn(process)
 
     def _start_etcd(self) -> None:
         peer = free_port()
@@ -236,22 +270,34 @@ class ControlPlane:
             "--unsafe-no-fsync=true", "--log-level=warn",
         )
 
+    def _network_flags(self) -> list[str]:
+        if not self.real_node:
+            # Loopback only; nothing needs the `kubernetes` Service's endpoints.
+            return ["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+                    "--endpoint-reconciler-type=none"]
+        c = self.certs
+        # Pods reach the API through the `kubernetes` Service (endpoint: the node's IP); the
+        # API server reaches the kubelet (logs, exec) as an admin client, at its InternalIP.
+        return ["--bind-address=0.0.0.0", f"--advertise-address={self.node_ip}",
+                "--kubelet-preferred-address-types=InternalIP,Hostname",
+                f"--kubelet-client-certificate={c / 'admin.crt'}",
+                f"--kubelet-client-key={c / 'admin.key'}"]
+
     def _start_apiserver(self) -> None:
         c = self.certs
         self._spawn(
             "kube-apiserver",
             f"--etcd-servers=http://127.0.0.1:{self.etcd_port}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+            *self._network_flags(),
             f"--secure-port={self.api_port}",
             f"--cert-dir={self.workdir / 'apiserver-certs'}",
             f"--tls-cert-file={c / 'apiserver.crt'}", f"--tls-private-key-file={c / 'apiserver.key'}",
             f"--client-ca-file={c / 'ca.crt'}",
-            "--service-cluster-ip-range=10.0.0.0/24",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={c / 'sa.pub'}",
             f"--service-account-signing-key-file={c / 'sa.key'}",
-            "--authorization-mode=RBAC", "--allow-privileged=true",
-            "--endpoint-reconciler-type=none", "--profiling=false",
+            "--authorization-mode=RBAC", "--allow-privileged=true", "--profiling=false",
         )
 
     def _start_controllers(self) -> None:
@@ -270,6 +316,10 @@ class ControlPlane:
             "kube-scheduler", *common, f"--secure-port={free_port()}",
             f"--cert-dir={self.workdir / 'scheduler-certs'}",
         )
+        if not self.real_node:
+            self._start_kwok()
+
+    def _start_kwok(self) -> None:
         config = self.workdir / "kwok.yaml"
         config.write_text(yaml.safe_dump({
             "apiVersion": "config.kwok.x-k8s.io/v1alpha1", "kind": "KwokConfiguration",
