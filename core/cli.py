@@ -106,9 +106,10 @@ def run(
     options = RunOptions(run_dir=run_dir, sync=sync,
                          max_steps=steps, trainer_threads=trainer_threads,
                          rollout_threads=rollout_threads, metrics=metrics)
-    local = LocalJob(job, yaml.safe_load(file.read_text()), options)
-    max_steps = local.manifest["spec"]["algorithm"].get("maxSteps", job.spec.algorithm.max_steps)
     console = Console()
+    local = LocalJob(job, yaml.safe_load(file.read_text()), options,
+                     notify=lambda line: console.print(line, style="yellow", markup=False))
+    max_steps = local.manifest["spec"]["algorithm"].get("maxSteps", job.spec.algorithm.max_steps)
     console.print(f"[bold]{job.metadata.name}[/]: {'sync' if sync else 'async'} run in "
                   f"{options.run_dir} (trainer {local.trainer_threads} / rollout "
                   f"{local.rollout_threads} threads); logs in {options.run_dir / 'logs'}")

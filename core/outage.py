@@ -59,6 +59,12 @@ def connect(url: str, password: str | None = None) -> redis.Redis:
     )
 
 
+def describe(exc: BaseException) -> str:
+    """One line about an error: a gRPC error's details (its repr spans several lines)."""
+    details = getattr(exc, "details", None)
+    return details() if callable(details) else str(exc)
+
+
 def redis_down(exc: BaseException) -> bool:
     """Whether `exc` means Redis cannot be reached now (loading its AOF counts)."""
     return isinstance(exc, (redis.ConnectionError, redis.TimeoutError))
@@ -86,19 +92,19 @@ class Outage:
         if self.down_since is None:
             self.down_since = now
             log.warning("%s is unreachable (%s); retrying with backoff for up to %.0f s",
-                        self.what, exc, self.bound)
+                        self.what, describe(exc), self.bound)
         elif now - self.down_since > self.bound:
             raise OutageTooLong(
                 f"{self.what} has been unreachable for {now - self.down_since:.0f} s, longer "
-                f"than the {self.bound:.0f} s allowed ({OUTAGE_ENV}); last error: {exc}"
+                f"than the {self.bound:.0f} s allowed ({OUTAGE_ENV}); last error: {describe(exc)}"
             ) from exc
         self._failures += 1
         return self._backoff.compute(self._failures)
 
     def recovered(self) -> None:
         if self.down_since is not None:
-            log.warning("%s is reachable again after %.1f s", self.what,
-                        time.monotonic() - self.down_since)
+            log.info("%s is reachable again after %.1f s", self.what,
+                     time.monotonic() - self.down_since)
         self.down_since = None
         self._failures = 0
 

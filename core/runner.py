@@ -5,7 +5,10 @@
 Each service is the same `asyncrl serve ...` command the operator runs in a pod. The runner
 splits the CPU cores between the trainer and the rollout worker, waits for each to be healthy,
 shows live progress, and stops everything cleanly on completion, Ctrl-C or a crash (with the
-crashed service's log tail). The run folder holds everything needed to resume.
+crashed service's log tail). A redis-server it started that dies is started again on the same
+port and files (its AOF holds every acknowledged write) while the services wait for it, as a
+StatefulSet brings a Redis pod back, up to REDIS_MAX_RESTARTS times. The run folder holds
+everything needed to resume.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 # Before grpc is imported: services are started with a preexec_fn, so Popen really forks,
 # and gRPC's fork handler can wait forever on a thread of the runner's own health-check
@@ -29,6 +33,7 @@ import grpc  # noqa: E402
 import yaml
 from google.protobuf.json_format import MessageToDict
 
+from asyncrl.outage import DEFAULT_OUTAGE_SECONDS
 from asyncrl.redis_server import RedisServer, free_port
 from asyncrl.trainer.launch import LOCAL_MAX_RESTARTS, torchrun_arguments
 from asyncrl.v1 import (
@@ -41,6 +46,13 @@ from asyncrl.v1 import (
     trainer_pb2,
     trainer_pb2_grpc,
 )
+
+
+#: How often a run restarts the redis-server it owns before it gives up (a Redis that keeps
+#: dying, e.g. on a full disk, is not going to recover by itself).
+REDIS_MAX_RESTARTS = 5
+#: A restarted Redis reloads its whole AOF before it answers; the services wait as long.
+REDIS_RESTART_SECONDS = DEFAULT_OUTAGE_SECONDS
 
 
 class ServiceFailed(RuntimeError):
@@ -132,9 +144,11 @@ def thread_split(options: RunOptions) -> tuple[int, int]:
 
 
 class LocalJob:
-    def __init__(self, job, manifest: dict, options: RunOptions):
+    def __init__(self, job, manifest: dict, options: RunOptions,
+                 notify: Callable[[str], None] = print):
         self.job = job
         self.options = options
+        self.notify = notify  # one line of the run's output, for events worth telling the user
         # Absolute from here on: services (redis-server above all, which changes into its
         # --dir before opening its log) must not read a relative path against their own cwd.
         self.run_dir = options.run_dir.resolve()
@@ -142,6 +156,7 @@ class LocalJob:
         self.config_path = self.run_dir / "config.yaml"
         self.services: list[ServiceProcess] = []
         self.redis: RedisServer | None = None
+        self.redis_restarts = 0
         self.ports = {name: free_port()
                       for name in ("buffer", "reward", "trainer", "rollout_http", "rollout_grpc")}
         # /metrics of each service (the rollout worker serves it on its HTTP port); 0 = off.
@@ -157,10 +172,7 @@ class LocalJob:
         self.config_path.write_text(yaml.safe_dump(self.manifest, sort_keys=False))
         if self.options.metrics:
             self.write_prometheus_config()
-        redis_url = self.job.spec.buffer.redis.url
-        if redis_url is None:
-            self.redis = RedisServer(self.run_dir / "redis", append_only=True).start()
-            redis_url = self.redis.url
+        redis_url = self.start_redis()
         exe = str(Path(sys.executable).parent / "asyncrl")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         common = ["--job-file", str(self.config_path)]
@@ -182,6 +194,14 @@ class LocalJob:
                                  "--grpc-port", str(self.ports["rollout_grpc"]),
                                  "--threads", str(self.rollout_threads)], env)
         self._wait(lambda: self.trainer_status() is not None, "trainer", timeout=600)
+
+    def start_redis(self) -> str:
+        """The job's Redis URL: the one the job names, else that of a redis-server this run
+        starts (and owns) with its files in <run_dir>/redis, every write in its AOF."""
+        if self.job.spec.buffer.redis.url is not None:
+            return self.job.spec.buffer.redis.url
+        self.redis = RedisServer(self.run_dir / "redis", append_only=True).start()
+        return self.redis.url
 
     def _trainer_command(self, exe: str, common: list[str], buffer_address: str,
                          reward_address: str) -> list[str]:
@@ -243,11 +263,34 @@ class LocalJob:
 
     def check(self) -> None:
         """Raises ServiceFailed for the first service that exited, the trainer excepted once it
-        finished its steps."""
+        finished its steps; restarts the run's own redis-server if it died."""
+        self._check_redis()
         for service in self.services:
             if service.name == "trainer" and service.process.poll() == 0:
                 continue
             service.check()
+
+    def _check_redis(self) -> None:
+        """A redis-server of this run that exited (only stop() ends it on purpose) is started
+        again on the same port and data folder, where it reloads its AOF; the services ride
+        through meanwhile. After REDIS_MAX_RESTARTS restarts, the run fails as for a crashed
+        service."""
+        if self.redis is None or self.redis.returncode is None:
+            return
+        code = self.redis.returncode
+        if self.redis_restarts >= REDIS_MAX_RESTARTS:
+            raise ServiceFailed(f"redis-server (restarted {self.redis_restarts} times already)",
+                                code, self.redis.log_tail())
+        self.redis_restarts += 1
+        self.notify(f"redis-server exited with code {code}; restarting it on port "
+                    f"{self.redis.port} from {self.redis.data_dir} (restart "
+                    f"{self.redis_restarts} of {REDIS_MAX_RESTARTS}); the services wait for it")
+        try:
+            self.redis.start(timeout=REDIS_RESTART_SECONDS)
+        except (RuntimeError, TimeoutError) as exc:  # it exited again, or never answered
+            raise ServiceFailed("redis-server", self.redis.returncode,
+                                self.redis.log_tail()) from exc
+        self.notify(f"redis-server is back on port {self.redis.port}")
 
     def trainer_done(self) -> bool:
         trainer = next(s for s in self.services if s.name == "trainer")

@@ -313,11 +313,14 @@ def rollout_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
             "--redis-url", redis_url_with_password(job), "--worker", "$(POD_NAME)"]
     env = [_pod_name_env()] + ([_password_env(job)] if password_ref(job) else [])
     health = {"httpGet": {"path": "/health", "port": "http"}}
+    # Not ready while Redis is down (no weight updates can reach it), yet not restarted.
+    ready = {"httpGet": {"path": "/ready", "port": "http"}}
     container = _container(job, config, "rollout", args, env=env, gpus=rollout.placement.gpus,
                            ports=[("http", ROLLOUT_HTTP), ("grpc", ROLLOUT_GRPC)],
                            resources=_resources(rollout.resources, "rollout",
                                                 gpus=rollout.placement.gpus),
-                           probe=health, startup_seconds=rollout_startup_seconds(job),
+                           probe=health, readiness=ready,
+                           startup_seconds=rollout_startup_seconds(job),
                            mounts=[_run_mount(read_only=True)])
     replicas = 0 if job.spec.suspend else rollout.replicas
     deployment = _deployment(job, config, "rollout", replicas, [container],
@@ -647,8 +650,9 @@ def image_for(config: OperatorConfig, gpus: int) -> str:
 def _container(job: RLJob, config: OperatorConfig, component: str, args: list[str], *,
                ports: list[tuple[str, int]], resources: dict, probe: dict, gpus: int = 0,
                env: list[dict] = (), command: list[str] | None = None,
-               mounts: list[dict] = (),
+               mounts: list[dict] = (), readiness: dict | None = None,
                startup_seconds: float = STARTUP_SECONDS) -> dict[str, Any]:
+    """`probe` checks start-up and liveness, and readiness too unless `readiness` is given."""
     container = {
         "name": component, "image": image_for(config, gpus),
         "imagePullPolicy": config.image_pull_policy,
@@ -660,7 +664,8 @@ def _container(job: RLJob, config: OperatorConfig, component: str, args: list[st
         # Model loading can take minutes; the startup probe holds the others off until then.
         "startupProbe": {**probe, "periodSeconds": PROBE_PERIOD,
                          "failureThreshold": math.ceil(startup_seconds / PROBE_PERIOD)},
-        "readinessProbe": {**probe, "periodSeconds": PROBE_PERIOD, "failureThreshold": 3},
+        "readinessProbe": {**(readiness or probe), "periodSeconds": PROBE_PERIOD,
+                           "failureThreshold": 3},
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
         "resources": resources,
         "securityContext": _container_security(read_only_root=True),

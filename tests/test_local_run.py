@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,9 +11,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+import redis
 import yaml
 
-from asyncrl.runner import LocalJob, RunOptions
+from asyncrl.runner import REDIS_MAX_RESTARTS, LocalJob, RunOptions, ServiceFailed
 from asyncrl.spec import load_manifest
 from buffer_helpers import group_fates
 
@@ -309,3 +311,92 @@ def test_a_crashed_service_stops_the_job_with_its_log_tail(tmp_path):
         assert run.left_running() == [], run.describe()
     finally:
         run.kill()
+
+
+def test_the_runner_restarts_the_redis_it_owns_on_its_files_a_bounded_number_of_times(tmp_path):
+    lines = []
+    local = LocalJob(load_manifest(TINY), yaml.safe_load(TINY.read_text()),
+                     RunOptions(run_dir=tmp_path / "run"), notify=lines.append)
+    url = local.start_redis()
+    client = redis.Redis.from_url(url)
+    try:
+        client.set("written-before", "kept")
+        for restart in range(1, REDIS_MAX_RESTARTS + 1):
+            local.redis.kill()  # kill -9
+            local.check()
+            # The same port (the services' URL) and files (the AOF): nothing acknowledged lost.
+            assert client.get("written-before") == b"kept"
+            assert f"redis-server exited with code -9; restarting it on port {local.redis.port}" \
+                in lines[-2]
+            assert f"(restart {restart} of {REDIS_MAX_RESTARTS})" in lines[-2]
+        local.redis.kill()
+        with pytest.raises(ServiceFailed) as failed:
+            local.check()
+        assert "redis-server" in str(failed.value) and "exited with code -9" in str(failed.value)
+        assert "Redis is starting" in failed.value.log_tail  # its own log, for the user
+    finally:
+        client.close()
+        local.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_redis_killed_mid_run_is_restarted_and_the_run_completes_losing_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    job = load_manifest(TINY)
+    steps = 8
+    run = Run(run_dir, "--steps", str(steps))
+    at_kill = tmp_path / "redis-at-kill"
+    try:
+        run.wait_until(lambda: records_so_far(run_dir), "first training step")
+        redis_server = run.service("redis-server")
+        (port,) = {c.laddr.port for c in redis_server.net_connections("tcp")
+                   if c.status == psutil.CONN_LISTEN}
+        down = f"Redis at 127.0.0.1:{port} is unreachable"
+        # The runner is paused while Redis is down: the files copied are what Redis had
+        # acknowledged when it was killed, and the outage lasts until the services saw it.
+        run.runner.suspend()
+        try:
+            redis_server.kill()  # kill -9, by pid
+            wait_until_dead(redis_server)
+            shutil.copytree(run_dir / "redis", at_kill)
+            for service in ("buffer", "rollout"):
+                run.wait_until(lambda: down in (run_dir / f"logs/{service}.log").read_text(),
+                               f"{service} seeing the outage")
+        finally:
+            run.runner.resume()
+        code = run.process.wait(timeout=1500)
+        output = flat(run.output())
+        assert code == 0, run.describe()
+        assert "redis-server exited with code -9; restarting it on port" in output, output
+        assert "redis-server is back" in output
+        assert run.left_running() == [], run.describe()
+    finally:
+        run.kill()
+    assert "reachable again" in (run_dir / "logs/buffer.log").read_text()
+    # Every training step recorded once, the run carried on after the restart.
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, steps + 1))
+    # Every group accepted before the kill (from what Redis had written then) is still in the
+    # history after the run, and was trained on, dropped as stale or still waits: none lost.
+    before = group_fates(at_kill, job.metadata.name)
+    after = group_fates(run_dir / "redis", job.metadata.name)
+    assert before.accepted
+    assert after.accepted[:len(before.accepted)] == before.accepted
+    assert after.trained[:len(before.trained)] == before.trained
+    assert set(before.waiting) <= set(after.trained + after.dropped + after.waiting)
+    assert sorted(after.trained + after.dropped + after.waiting) == sorted(after.accepted)
+    assert len(after.accepted) > len(before.accepted)  # generation went on after the restart
+
+
+def wait_until_dead(process: psutil.Process, timeout: float = 60) -> None:
+    """Until `process` is gone or a zombie (its parent is paused and cannot reap it): its
+    files are closed either way."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if process.status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        assert time.monotonic() < deadline, f"{process.pid} still runs after kill -9"
+        time.sleep(0.05)

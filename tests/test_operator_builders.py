@@ -323,6 +323,13 @@ def test_default_gpu_image_is_the_service_gpu_tag():
     assert defaults.image == f"ghcr.io/asyncrl/asyncrl:{asyncrl.__version__}"
 
 
+def test_a_rollout_worker_is_unready_but_alive_while_redis_is_down(tiny):
+    (rollout,) = builders.rollout_deployment(tiny, CONFIG)["spec"]["template"]["spec"]["containers"]
+    assert rollout["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    for probe in ("startupProbe", "livenessProbe"):
+        assert rollout[probe]["httpGet"] == {"path": "/health", "port": "http"}
+
+
 def startup_window(container) -> float:
     probe = container["startupProbe"]
     return probe["periodSeconds"] * probe["failureThreshold"]
