@@ -373,7 +373,6 @@ def test_redis_killed_mid_run_is_restarted_and_the_run_completes_losing_nothing(
         assert run.left_running() == [], run.describe()
     finally:
         run.kill()
-    assert "reachable again" in (run_dir / "logs/buffer.log").read_text()
     # Every training step recorded once, the run carried on after the restart.
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, steps + 1))
     # Every group accepted before the kill (from what Redis had written then) is still in the

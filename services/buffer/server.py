@@ -25,7 +25,7 @@ from asyncrl.buffer.store import (
     ResourceExhausted,
 )
 from asyncrl.grpc_errors import map_errors
-from asyncrl.outage import Outage, OutageTooLong, connect, redis_address, redis_down, retry
+from asyncrl.outage import Outage, OutageTooLong, connect, redis_address, retry
 from asyncrl.settings import ServiceSettings
 from asyncrl.spec import load_manifest
 from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
@@ -219,14 +219,7 @@ async def _watch_redis(running: RunningBuffer, every: float = 2.0) -> None:
     UNAVAILABLE (clients retry) and Health says not serving. Raises OutageTooLong once Redis
     has been unreachable for longer than the bound."""
     while True:
-        try:
-            stats = await running.store.stats(running.job)
-        except Exception as exc:
-            if not redis_down(exc):
-                raise
-            await asyncio.sleep(running.redis.failed(exc))
-            continue
-        running.redis.recovered()
+        stats = await retry(lambda: running.store.stats(running.job), running.redis)
         running.metrics.observe_stats(running.job, stats)
         await asyncio.sleep(every)
 
