@@ -30,3 +30,38 @@ def control_plane(tmp_path_factory):
         pytest.fail(missing, pytrace=False)
     yield plane
     plane.stop()
+
+
+@pytest.fixture(scope="session")
+def real_node(tmp_path_factory):
+    """A real one-node cluster for the whole session (tests/cluster/node.py): the control plane,
+    containerd, kubelet, kube-proxy and CoreDNS on this machine, pods as real containers. Yields
+    a RealCluster: `kubeconfig`, `api_client()`, `kubectl(*args)`, `import_image(tar)`.
+
+    Fails, never skips, when packages, binaries or the base image are missing: the message
+    names the command that installs and builds them.
+    """
+    from cluster.node import NodeMissing, RealCluster
+
+    cluster = RealCluster(tmp_path_factory.mktemp("real-node"))
+    missing = None
+    try:
+        cluster.start()
+    except NodeMissing as exc:
+        missing = str(exc)
+    if missing:
+        pytest.fail(missing, pytrace=False)
+    yield cluster
+    cluster.stop()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Real-node tests run in their own pass (`-m real_node`) or when their file is named on the
+    command line, never inside another pass: they take the machine's one real node."""
+    if "real_node" in (config.option.markexpr or "") or \
+            any("test_real_node" in arg for arg in config.args):
+        return
+    deselected = [item for item in items if item.get_closest_marker("real_node")]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if not item.get_closest_marker("real_node")]
