@@ -156,3 +156,14 @@ def test_a_pod_reads_the_api_with_its_service_account_token(core, namespace):
     # TLS verified against the cluster CA, and the token authenticated as this pod's account.
     assert answer == {"user": f"system:serviceaccount:{namespace}:default",
                       "version": "v1.34.4"}
+
+
+def test_missing_prerequisites_fail_with_the_command_that_provides_them(tmp_path):
+    from cluster.node import NODE_SCRIPT, NodeMissing, RealCluster
+
+    cluster = RealCluster(tmp_path / "work", binaries=tmp_path / "empty")
+    with pytest.raises(NodeMissing) as caught:
+        cluster.start()
+    assert f"bash {NODE_SCRIPT} prepare" in str(caught.value)
+    assert "kubelet" in str(caught.value)
+    assert cluster.plane is None and cluster.state is None

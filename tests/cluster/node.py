@@ -73,12 +73,15 @@ RULE_COMMENT = "asyncrl-real-node"
 CHAIN_PREFIXES = ("KUBE-", "CNI-")
 IPTABLES_TABLES = ("filter", "nat", "mangle")
 
-#: Host paths the node's components write to and that cannot all be pointed elsewhere; those
-#: absent before start are removed by stop.
-HOST_PATHS = ("/var/lib/kubelet", "/var/lib/cni", "/var/log/pods", "/var/log/containers",
-              "/run/containerd", "/run/netns", "/etc/cni", "/opt/cni", "/var/lib/containerd",
-              "/etc/containerd", "/var/lib/kube-proxy", "/etc/kubernetes", "/run/kubernetes",
-              "/var/run/kubernetes")
+#: Host paths only a kubelet writes to: removed by stop, content and all, if absent before.
+KUBELET_PATHS = ("/var/lib/kubelet", "/var/log/pods", "/var/log/containers")
+#: Host paths other programs may share (containerd's shims put their sockets in
+#: /run/containerd/s whatever the config says): stop removes our files there, then the
+#: folders it finds empty, if absent before.
+SHARED_PATHS = ("/run/containerd", "/run/netns", "/var/lib/cni", "/etc/cni", "/opt/cni",
+                "/var/lib/containerd", "/etc/containerd", "/var/lib/kube-proxy",
+                "/etc/kubernetes", "/run/kubernetes")
+HOST_PATHS = KUBELET_PATHS + SHARED_PATHS
 #: Sysctl folders compared before and after (kubelet and kube-proxy tune a few of them).
 SYSCTL_DIRS = ("kernel", "vm", "net/ipv4", "net/ipv4/conf/all", "net/ipv4/conf/default",
                "net/ipv6/conf/all", "net/ipv6/conf/default", "net/bridge", "net/netfilter",
@@ -162,12 +165,13 @@ def default_mtu() -> int:
 
 
 def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks: tells a pid from a reused one."""
+    """The process's start time in clock ticks (tells a pid from a reused one); None when it
+    is gone or a zombie."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def read_sysctls() -> dict[str, str]:
@@ -229,7 +233,6 @@ class HostState:
     processes: list[list] = field(default_factory=list)
     sysctls: dict[str, str] = field(default_factory=dict)
     absent_paths: list[str] = field(default_factory=list)
-    netns: list[str] = field(default_factory=list)
     chains: dict[str, list[str]] = field(default_factory=dict)
     tables: dict[str, list[str]] = field(default_factory=dict)
     cgroups: list[str] = field(default_factory=list)
@@ -242,7 +245,6 @@ class HostState:
             workdir=str(workdir),
             sysctls=read_sysctls(),
             absent_paths=[p for p in HOST_PATHS if not os.path.lexists(p)],
-            netns=_netns(),
             chains=iptables_chains(),
             tables=iptables_tables(),
             cgroups=[str(root / "kubepods") for root in cgroup_roots()
@@ -357,11 +359,6 @@ def _shims(socket_path: str) -> set[int]:
     return found
 
 
-def _netns() -> list[str]:
-    folder = Path("/run/netns")
-    return sorted(os.listdir(folder)) if folder.is_dir() else []
-
-
 def unmount_under(prefixes: list[str]) -> None:
     """Unmount everything mounted under `prefixes`, deepest first."""
     for _ in range(5):
@@ -433,12 +430,31 @@ def restore_sysctls(state: HostState) -> None:
         log(f"restored {', '.join(f'{k}={v}' for k, v in sorted(changed.items()))}")
 
 
+def _task_folders(state: HostState) -> list[Path]:
+    """One folder per container and pod sandbox of our containerd, named by its id."""
+    tasks = Path(state.workdir) / "containerd" / "state" / "io.containerd.runtime.v2.task"
+    return list(tasks.glob("*/*"))
+
+
+def remove_runtime_files(state: HostState) -> None:
+    """What the runtime leaves in shared host folders when its pods are killed rather than
+    deleted: shim sockets in /run/containerd/s (each task folder names its socket in an
+    `address` file) and CNI result caches in /var/lib/cni/results (named after the sandbox)."""
+    folders = _task_folders(state)
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            socket_path = (folder / "address").read_text().strip().removeprefix("unix://")
+            if socket_path.startswith("/run/containerd/"):
+                os.unlink(socket_path)
+    ids = {folder.name for folder in folders}
+    results = Path("/var/lib/cni/results")
+    if ids and results.is_dir():
+        for entry in results.iterdir():
+            if any(task_id in entry.name for task_id in ids):
+                entry.unlink(missing_ok=True)
+
+
 def remove_paths(state: HostState) -> None:
-    netns = Path("/run/netns")
-    if netns.is_dir() and "/run/netns" not in state.absent_paths:
-        for name in set(os.listdir(netns)) - set(state.netns):
-            with contextlib.suppress(OSError):
-                (netns / name).unlink()
     containers = Path("/var/log/containers")
     if containers.is_dir() and "/var/log/containers" not in state.absent_paths:
         # kubelet links every container's log here; drop the links into our workdir.
@@ -446,18 +462,30 @@ def remove_paths(state: HostState) -> None:
             if link.is_symlink() and os.readlink(link).startswith(state.workdir):
                 link.unlink()
     for path in state.absent_paths:
-        if os.path.islink(path):
-            os.unlink(path)
-        elif os.path.exists(path):
+        if not os.path.lexists(path):
+            continue
+        log(f"removing {path} (made during the run)")
+        if path in KUBELET_PATHS:
             shutil.rmtree(path, ignore_errors=True)
+        else:
+            _remove_empty_folders(Path(path))
+
+
+def _remove_empty_folders(root: Path) -> None:
+    for folder in sorted((Path(d) for d, _, _ in os.walk(root)), key=lambda p: len(p.parts),
+                         reverse=True):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+    if root.exists():
+        log(f"left {root}: it holds files of another program")
 
 
 def undo(state: HostState) -> None:
     """Undo everything `state` records, in dependency order. Safe to run twice."""
     kill_recorded(state.processes)
     kill_pods(state)
-    new_netns = [f"/run/netns/{name}" for name in _netns() if name not in state.netns]
-    unmount_under([state.workdir, *new_netns, *state.absent_paths])
+    remove_runtime_files(state)
+    unmount_under([state.workdir, *(p for p in state.absent_paths if p in KUBELET_PATHS)])
     remove_network(state)
     remove_iptables(state)
     restore_sysctls(state)
@@ -837,7 +865,7 @@ class RealCluster:
             self.state = HostState.capture(self.workdir)
             self.state.save()
             self.plane = ControlPlane(self.workdir / "control-plane", binaries=self.binaries,
-                                      real_node=True, node_ip=node_ip(), stop_grace=3,
+                                      real_node=True, node_ip=node_ip(), stop_grace=1,
                                       on_spawn=self.state.record)
             self.plane.start(timeout)
             self.node = Node(self.workdir, self.plane, self.state, self.binaries)
