@@ -33,12 +33,15 @@ start=$SECONDS
 # The Debian mirror this machine already uses (deb822 "URIs:" or one-line "deb URL bookworm").
 debian_mirror() {
     local file
-    for file in /etc/apt/sources.list /etc/apt/sources.list.d/*.sources /etc/apt/sources.list.d/*.list; do
+    local lists=(/etc/apt/sources.list /etc/apt/sources.list.d/*.sources
+                 /etc/apt/sources.list.d/*.list)
+    for file in "${lists[@]}"; do
         [ -f "$file" ] || continue
         awk -v suite="$SUITE" '
             /^[[:space:]]*#/ { next }
             /^deb[[:space:]]/ && $0 !~ /security/ {
-                for (i = 2; i <= NF; i++) if ($i ~ /^https?:/ && $(i + 1) == suite) { print $i; exit }
+                for (i = 2; i <= NF; i++)
+                    if ($i ~ /^https?:/ && $(i + 1) == suite) { print $i; exit }
             }
             /^URIs:/ { uri = $2 }
             /^Suites:/ && uri != "" && uri !~ /security/ {
@@ -76,7 +79,8 @@ cleanup() {
 trap cleanup EXIT
 
 say "debootstrap $SUITE from $MIRROR"
-"${NICE[@]}" debootstrap --variant=minbase "$SUITE" "$rootfs" "$MIRROR" >"$work/debootstrap.log" 2>&1 \
+"${NICE[@]}" debootstrap --variant=minbase "$SUITE" "$rootfs" "$MIRROR" \
+    >"$work/debootstrap.log" 2>&1 \
     || { tail -n 30 "$work/debootstrap.log" >&2; exit 1; }
 
 say "installing ${PACKAGES[*]}"

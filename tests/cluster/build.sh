@@ -66,7 +66,8 @@ build() {  # build <binary name> <package> [extra ldflags]
     timing "$name" "$((SECONDS - start))s"
 }
 
-echo "==> Kubernetes $K8S_VERSION (etcd $ETCD_VERSION, kwok $KWOK_VERSION, CoreDNS $COREDNS_VERSION) into $BIN"
+echo "==> Kubernetes $K8S_VERSION (etcd $ETCD_VERSION, kwok $KWOK_VERSION," \
+    "CoreDNS $COREDNS_VERSION) into $BIN"
 start=$SECONDS
 (cd "$here/go" && "$GO" mod download)
 timing "go mod download" "$((SECONDS - start))s"

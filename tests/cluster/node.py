@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import shlex
@@ -490,8 +491,9 @@ def undo(state: HostState) -> None:
     remove_iptables(state)
     restore_sysctls(state)
     remove_paths(state)
-    # Container filesystems are large; logs and configs stay for reading after a failure.
-    for heavy in ("containerd", "kubelet"):
+    # Container filesystems and etcd's preallocated files are large; logs and configs stay for
+    # reading after a failure.
+    for heavy in ("containerd", "kubelet", "control-plane/etcd"):
         shutil.rmtree(Path(state.workdir) / heavy, ignore_errors=True)
 
 
@@ -878,16 +880,19 @@ class RealCluster:
         return self
 
     def stop(self) -> None:
-        if self.node:
-            self.node.stop()
-        if self.state:
-            kill_pods(self.state)
-        if self.plane:
-            self.plane.stop()
-        if self.state:
-            undo(self.state)
-            STATE_FILE.unlink(missing_ok=True)
-        self._lock.close()
+        try:
+            if self.node:
+                self.node.stop()
+            if self.state:
+                kill_pods(self.state)
+            if self.plane:
+                self.plane.stop()
+            if self.state:
+                undo(self.state)
+                # Left in place if undo failed: the next start retries it.
+                STATE_FILE.unlink(missing_ok=True)
+        finally:
+            self._lock.close()
 
     def __enter__(self) -> RealCluster:
         return self.start()
@@ -898,7 +903,13 @@ class RealCluster:
     # ---------------------------------------------------------------- helpers for tests
 
     def api_client(self):
+        """A new kubernetes.client.ApiClient authenticated as cluster admin."""
         return self.plane.api_client()
+
+    @functools.cached_property
+    def api(self):
+        """One shared kubernetes.client.ApiClient (cluster admin)."""
+        return self.api_client()
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True,
                 timeout: float = 120) -> subprocess.CompletedProcess:
@@ -946,9 +957,14 @@ def _serve(workdir: Path) -> int:
 
 def _up(workdir: Path) -> int:
     state = HostState.load()
-    if state and state.ready and _start_time(state.owner_pid):
-        print(f"already up: KUBECONFIG={Path(state.workdir) / 'control-plane' / 'admin.kubeconfig'}")
+    if state and _start_time(state.owner_pid):
+        kubeconfig = Path(state.workdir) / "control-plane" / "admin.kubeconfig"
+        print(f"already up (or coming up): export KUBECONFIG={kubeconfig}")
         return 0
+    if state:
+        # Undone before its workdir (which names what to undo) is deleted.
+        with machine_lock(10):
+            undo_stale()
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
