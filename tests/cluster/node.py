@@ -360,13 +360,26 @@ def _shims(socket_path: str) -> set[int]:
     return found
 
 
+def mounted_under(prefixes: list[str]) -> list[str]:
+    """Mount points at or below any of `prefixes`, deepest first."""
+    mounts = [line.split()[1].replace("\\040", " ")
+              for line in Path("/proc/mounts").read_text().splitlines()]
+    return sorted({m for m in mounts for p in prefixes if m == p or m.startswith(p + "/")},
+                  key=len, reverse=True)
+
+
+def _remove_tree(path: str | Path) -> None:
+    """rmtree, unless something is still mounted below: never delete through a mount."""
+    if mounted_under([str(path)]):
+        log(f"left {path}: still mounted below it")
+        return
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def unmount_under(prefixes: list[str]) -> None:
     """Unmount everything mounted under `prefixes`, deepest first."""
     for _ in range(5):
-        mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
-        mounts = [m.replace("\\040", " ") for m in mounts]
-        ours = sorted({m for m in mounts for p in prefixes if m == p or m.startswith(p + "/")},
-                      key=len, reverse=True)
+        ours = mounted_under(prefixes)
         if not ours:
             return
         for mount in ours:
@@ -467,7 +480,7 @@ def remove_paths(state: HostState) -> None:
             continue
         log(f"removing {path} (made during the run)")
         if path in KUBELET_PATHS:
-            shutil.rmtree(path, ignore_errors=True)
+            _remove_tree(path)
         else:
             _remove_empty_folders(Path(path))
 
@@ -494,7 +507,7 @@ def undo(state: HostState) -> None:
     # Container filesystems and etcd's preallocated files are large; logs and configs stay for
     # reading after a failure.
     for heavy in ("containerd", "kubelet", "control-plane/etcd"):
-        shutil.rmtree(Path(state.workdir) / heavy, ignore_errors=True)
+        _remove_tree(Path(state.workdir) / heavy)
 
 
 def undo_stale() -> None:
