@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# Builds a container base image without any registry: Debian bookworm from a Debian mirror
-# (debootstrap --variant=minbase), plus bookworm's Python 3.11, python3-venv and ca-certificates.
-# The tree becomes a one-layer image tar that both `docker load` and
-# `ctr -n k8s.io images import` read (OCI layout with index.json, plus docker-save's
-# manifest.json), tagged asyncrl.local/debian-python:bookworm. Its command is `sleep infinity`,
-# so the same image serves as the pod sandbox ("pause") image of the test node.
+# Builds container images without any registry: Debian bookworm from a Debian mirror
+# (debootstrap --variant=minbase) plus a few of bookworm's packages, as a one-layer image tar
+# that both `docker load` and `ctr -n k8s.io images import` read (OCI layout with index.json,
+# plus docker-save's manifest.json). Two flavours:
+#   python (default): Python 3.11, python3-venv, ca-certificates, tagged
+#                     asyncrl.local/debian-python:bookworm: the base of docker/Dockerfile's
+#                     targets here, and, as its command is `sleep infinity`, the test node's
+#                     pod sandbox ("pause") image;
+#   redis:            redis-server, tagged asyncrl.local/redis:bookworm: the managed Redis of
+#                     the test node's jobs (the chart's jobs.redis.image).
 #
-#   bash tests/cluster/base_image.sh           # build if missing; print the tar's path
-#   bash tests/cluster/base_image.sh --print   # print the tar's path, build nothing
+#   bash tests/cluster/base_image.sh [python|redis]           # build if missing; print the path
+#   bash tests/cluster/base_image.sh [python|redis] --print   # print the path, build nothing
 #
 # The tar is cached under ${ASYNCRL_CACHE:-~/.cache/asyncrl}/images, its name keyed on
 # IMAGE_VERSION: change the packages or the layout below, bump it. Needs root (debootstrap,
@@ -16,11 +20,19 @@ set -euo pipefail
 
 IMAGE_VERSION=1
 SUITE=bookworm
-IMAGE_REF=asyncrl.local/debian-python:bookworm
-PACKAGES=(python3 python3-venv ca-certificates)
+FLAVOUR=python
+if [ "${1:-}" = python ] || [ "${1:-}" = redis ]; then
+    FLAVOUR=$1
+    shift
+fi
+case $FLAVOUR in
+    python) NAME=debian-python; PACKAGES=(python3 python3-venv ca-certificates) ;;
+    redis) NAME=redis; PACKAGES=(redis-server) ;;
+esac
+IMAGE_REF=asyncrl.local/$NAME:$SUITE
 
 CACHE=${ASYNCRL_CACHE:-$HOME/.cache/asyncrl}
-OUT=$CACHE/images/debian-python-$SUITE-v$IMAGE_VERSION.tar
+OUT=$CACHE/images/$NAME-$SUITE-v$IMAGE_VERSION.tar
 if [ "${1:-}" = "--print" ] || [ -s "$OUT" ]; then
     echo "$OUT"
     exit 0
@@ -101,9 +113,13 @@ rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/* "$rootfs"/var/log
     "$rootfs"/sys/*
 : >"$rootfs/etc/resolv.conf"
 : >"$rootfs/etc/hostname"
-python_version=$(chroot "$rootfs" python3 -c 'import platform; print(platform.python_version())')
+if [ "$FLAVOUR" = python ]; then
+    python_version=$(chroot "$rootfs" python3 -c 'import platform; print(platform.python_version())')
+else
+    python_version=""
+fi
 
-say "packing the image (Python $python_version)"
+say "packing $IMAGE_REF"
 layer=$work/layer.tar
 "${NICE[@]}" tar -C "$rootfs" --numeric-owner --sort=name -cf "$layer" .
 python3 - "$work" "$layer" "$IMAGE_REF" "$python_version" <<'PY'
@@ -138,7 +154,7 @@ config = json.dumps({
     "architecture": "amd64", "os": "linux", "created": created,
     "config": {
         "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                "LANG=C.UTF-8", f"PYTHON_VERSION={python_version}"],
+                "LANG=C.UTF-8"] + ([f"PYTHON_VERSION={python_version}"] if python_version else []),
         "Cmd": ["sleep", "infinity"],
         "WorkingDir": "/",
     },
