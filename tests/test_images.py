@@ -1,11 +1,13 @@
-"""The container images (docker/Dockerfile, .dockerignore), checked without building them:
-no Docker daemon or image registry is reachable from the development machines.
+"""The container images (docker/Dockerfile, .dockerignore), checked without building them
+(tests/test_images_built.py runs the images tests/cluster/images.sh builds).
 
 hadolint lints the file; a small parser (instructions, line continuations, stages, global
 ARGs) checks what the operator and the chart rely on: the targets exist, each runs as the
 operator's pod uid, the service images start the `asyncrl` console script, base images are
 pinned, Python pins agree with pyproject.toml, the operator's modules import with only what
-the operator image installs, and the build context leaves out local state.
+the operator image installs, and the build context leaves out local state; and what the
+registry-free build relies on: no `# syntax=` line, a Debian base whose python3 serves, and
+every install able to take its packages from a mounted wheelhouse.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ DOCKERIGNORE = ROOT / ".dockerignore"
 #: image) name.
 TARGETS = ("operator", "service", "service-gpu")
 SERVICE_TARGETS = ("service", "service-gpu")
+#: What a COPY --from= or a RUN --mount=...,from= names: a stage (or an image).
+FROM_STAGE = r"(?<![\w-])(?:--)?from=([\w.-]+)"
 
 
 # --------------------------------------------------------------------------- a Dockerfile parser
@@ -228,7 +232,7 @@ def _image_reference_is_pinned(reference: str) -> bool:
 
 
 def test_base_images_are_pinned(dockerfile):
-    stages = set()
+    stages = {"scratch"}  # the empty image: nothing to pin
     for stage in dockerfile.stages:
         if stage.base not in stages:
             assert _image_reference_is_pinned(stage.base), (
@@ -241,7 +245,7 @@ def test_copy_from_names_an_earlier_stage(dockerfile):
     seen: set[str] = set()
     for stage in dockerfile.stages:
         for instruction in stage.all("COPY") + stage.all("RUN"):
-            for source in re.findall(r"--from=([\w.-]+)", instruction.value):
+            for source in re.findall(FROM_STAGE, instruction.value):
                 assert source in seen, f"line {instruction.line}: --from={source} comes later"
         if stage.name:
             seen.add(stage.name)
@@ -277,8 +281,60 @@ def _stage_chain(dockerfile: Dockerfile, target: str) -> list[Stage]:
         if stage.base in names:
             todo.append(stage.base)
         for instruction in stage.instructions:
-            todo += [n for n in re.findall(r"--from=([\w.-]+)", instruction.value) if n in names]
+            todo += [n for n in re.findall(FROM_STAGE, instruction.value) if n in names]
     return chain
+
+
+def test_no_syntax_directive():
+    """A `# syntax=` line makes BuildKit pull that frontend image from a registry, which the
+    registry-free build (tests/cluster/images.sh) cannot reach."""
+    for line in DOCKERFILE.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        assert not re.match(r"#\s*syntax\s*=", line, re.IGNORECASE), line
+
+
+def test_default_base_is_the_release_and_python_the_local_build_debootstraps(dockerfile):
+    suite = re.search(r"^SUITE=(\w+)$", (ROOT / "tests/cluster/base_image.sh").read_text(),
+                      re.MULTILINE).group(1)
+    python = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    minor = re.search(r">=\s*(3\.\d+)", python).group(1)
+    tag = dockerfile.global_args["PYTHON_IMAGE"].split(":", 1)[1]
+    assert tag.startswith(minor) and tag.endswith(f"-{suite}"), (
+        f"PYTHON_IMAGE {dockerfile.global_args['PYTHON_IMAGE']}: the local build's base is "
+        f"Debian {suite} with Python {minor}")
+
+
+def test_stages_on_the_python_base_call_python3_and_their_own_pip(dockerfile):
+    """Debian's python3 package has no `python` and no pip: the stages built on PYTHON_IMAGE
+    call `python3`, and pip from a venv they make."""
+    bare = re.compile(r"(?<![\w/.-])(python|pip)(?=\s)")
+    chain = {s.name for t in ("operator", "service") for s in _stage_chain(dockerfile, t)}
+    for stage in dockerfile.stages:
+        if stage.name not in chain:
+            continue
+        for instruction in stage.all("RUN"):
+            found = bare.search(instruction.value)
+            assert not found, f"line {instruction.line}: `{found.group(1)}`; say python3 or a venv's"
+
+
+def test_every_install_can_take_its_packages_from_the_wheelhouse(dockerfile):
+    """Each `pip install` of the CPU targets runs with the `wheels` stage mounted at /wheels
+    (empty by default), whose pip.conf, when there is one, keeps pip to it."""
+    assert dockerfile.global_args["WHEELS_IMAGE"] == "scratch"
+    assert dockerfile.stage("wheels").base == "scratch"
+    assert env_of(dockerfile.stage("pip"))["PIP_CONFIG_FILE"] == "/wheels/pip.conf"
+    installs = 0
+    for target in ("operator", "service"):
+        for stage in _stage_chain(dockerfile, target):
+            for instruction in stage.all("RUN"):
+                if "pip install" in instruction.value or "pip --python" in instruction.value:
+                    installs += 1
+                    assert "from=wheels,target=/wheels" in instruction.value, (
+                        f"line {instruction.line}: installs without the wheelhouse mounted")
+                    if stage.name not in ("pip", "build"):
+                        assert stage.base == "pip", f"{stage.name}: not FROM pip"
+    assert installs >= 3
 
 
 def test_operator_image_installs_no_torch(dockerfile):
