@@ -1,0 +1,311 @@
+"""The user's commands on a real one-node cluster, every pod a real container: `helm install` of
+charts/asyncrl with the operator image built here (tests/cluster/images.sh), `kubectl apply` of
+a CPU RLJob on the tiny model, then the faults and operations a platform team meets: the
+trainer pod and the Redis pod deleted mid-run, `kubectl scale`, suspend and resume, and
+`kubectl delete`. The job's run volume and its Redis volume are host folders here, so the test
+reads what the job wrote (metrics.jsonl, Redis' append-only file) after the fact.
+
+The tests run in file order on one job: each starts where the previous one left it."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from buffer_helpers import group_fates
+
+pytestmark = pytest.mark.real_node
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = ROOT / "tests" / "cluster"
+JOB = "e2e"
+MAX_STEPS = 24
+RELEASE = "asyncrl"
+OPERATOR_NAMESPACE = "asyncrl-system"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def wait_for(predicate, timeout: float, what: str, describe=None):
+    """Poll `predicate` until it returns something truthy; a generous deadline that only
+    catches hangs. On timeout the failure shows `describe()` (cluster state for the reader)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            detail = f"\n{describe()}" if describe else ""
+            pytest.fail(f"timed out after {timeout}s waiting for {what}{detail}")
+        time.sleep(1)
+
+
+def images() -> dict[str, tuple[str, str]]:
+    """{target: (reference, tar)} of the images built from docker/Dockerfile (cached)."""
+    out = subprocess.run(["bash", str(CLUSTER / "images.sh")], capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.fail(f"tests/cluster/images.sh failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    found = {}
+    for line in out.stdout.splitlines():
+        target, reference, tar = line.split()
+        found[target] = (reference, tar)
+    return found
+
+
+def base_image(flavour: str) -> str:
+    return subprocess.run(["bash", str(CLUSTER / "base_image.sh"), flavour], check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+class Job:
+    """The RLJob under test, read through the API as `kubectl get` would."""
+
+    def __init__(self, cluster, namespace: str, volumes: Path):
+        self.cluster, self.namespace, self.volumes = cluster, namespace, volumes
+        api = cluster.api_client()
+        self.core, self.apps = client.CoreV1Api(api), client.AppsV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.volumes / "run"
+
+    @property
+    def redis_dir(self) -> Path:
+        return self.volumes / "redis"
+
+    def body(self) -> dict:
+        return self.custom.get_namespaced_custom_object("asyncrl.io", "v1alpha1", self.namespace,
+                                                        "rljobs", JOB)
+
+    def status(self) -> dict:
+        return self.body().get("status") or {}
+
+    def condition(self, kind: str) -> dict:
+        return next((c for c in self.status().get("conditions", []) if c["type"] == kind), {})
+
+    def pods(self, component: str | None = None) -> list:
+        selector = f"asyncrl.io/job={JOB}"
+        if component:
+            selector += f",app.kubernetes.io/component={component}"
+        return self.core.list_namespaced_pod(self.namespace, label_selector=selector).items
+
+    def ready_pods(self, component: str) -> list:
+        return [p for p in self.pods(component) if p.metadata.deletion_timestamp is None and any(
+            c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])]
+
+    def step(self) -> int:
+        return self.status().get("trainerStep") or 0
+
+    def steps_recorded(self) -> list[int]:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line)["step"] for line in path.read_text().splitlines()
+                if line.strip() and "step" in json.loads(line)]
+
+    def describe(self) -> str:
+        pods = "\n".join(
+            f"  {p.metadata.name}: {p.status.phase} restarts="
+            f"{sum(c.restart_count for c in p.status.container_statuses or [])}"
+            for p in self.pods())
+        operator = self.cluster.kubectl("-n", OPERATOR_NAMESPACE, "logs", "--tail=30",
+                                        f"deployment/{RELEASE}-asyncrl-operator",
+                                        check=False).stdout
+        return (f"status: {json.dumps(self.status(), indent=1)}\npods:\n{pods}\n"
+                f"operator log tail:\n{operator}")
+
+    def logs(self, component: str, tail: int = 40) -> str:
+        return "\n".join(self.cluster.kubectl("-n", self.namespace, "logs", f"--tail={tail}",
+                                              p.metadata.name, check=False).stdout
+                         for p in self.pods(component))
+
+    def wait_step(self, at_least: int, timeout: float = 300) -> int:
+        return wait_for(lambda: (s := self.step()) >= at_least and s, timeout,
+                        f"trainer step {at_least}", self.describe)
+
+
+def manifest(namespace: str) -> dict:
+    """examples/tiny.yaml as a cluster job: Redis with its append-only file (the volume
+    outlives the pod), small CPU requests (the node has 2 cores), enough steps to act on."""
+    data = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+    data["metadata"] = {"name": JOB, "namespace": namespace}
+    spec = data["spec"]
+    spec["algorithm"]["maxSteps"] = MAX_STEPS
+    spec["buffer"]["redis"]["persistence"] = "aof"
+    small = {"requests": {"cpu": "50m", "memory": "128Mi"}}
+    for component in ("rollout", "trainer", "reward", "buffer"):
+        spec.setdefault(component, {})["resources"] = small
+    return data
+
+
+def host_volume(name: str, path: Path, claim: str, namespace: str, mode: str) -> dict:
+    """What a storage class would do: a volume bound in advance to the job's claim."""
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o777)  # the pods run as unprivileged users (asyncrl 10001, redis 999)
+    return {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": name},
+            "spec": {"capacity": {"storage": "20Gi"}, "accessModes": [mode],
+                     "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                     "hostPath": {"path": str(path)},
+                     "claimRef": {"namespace": namespace, "name": claim}}}
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def installed(real_node):
+    """The chart installed with the images built here; the operator runs in a pod."""
+    built = images()
+    for tar in (built["operator"][1], built["service"][1], base_image("redis")):
+        real_node.import_image(tar)
+    operator_repo, operator_tag = built["operator"][0].rsplit(":", 1)
+    service_repo, service_tag = built["service"][0].rsplit(":", 1)
+    helm = [str(real_node.binaries / "helm"), "--kubeconfig", str(real_node.kubeconfig)]
+    subprocess.run([
+        *helm, "install", RELEASE, str(ROOT / "charts" / "asyncrl"),
+        "--namespace", OPERATOR_NAMESPACE, "--create-namespace", "--wait", "--timeout", "5m",
+        "--set", f"operator.image.repository={operator_repo}",
+        "--set", f"operator.image.tag={operator_tag}",
+        "--set", "operator.image.pullPolicy=Never",
+        "--set", "operator.resyncInterval=2",
+        "--set", f"jobs.image.repository={service_repo}",
+        "--set", f"jobs.image.tag={service_tag}",
+        "--set", "jobs.redis.image=asyncrl.local/redis:bookworm",
+    ], check=True, capture_output=True, text=True)
+    yield real_node
+    subprocess.run([*helm, "uninstall", RELEASE, "--namespace", OPERATOR_NAMESPACE,
+                    "--wait"], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def job(installed, tmp_path_factory):
+    namespace = f"e2e-{uuid.uuid4().hex[:6]}"
+    installed.kubectl("create", "namespace", namespace)
+    volumes = tmp_path_factory.mktemp("volumes")
+    for claim, folder, mode in ((f"{JOB}-run", "run", "ReadWriteMany"),
+                                (f"data-{JOB}-redis-0", "redis", "ReadWriteOnce")):
+        pv = host_volume(f"{namespace}-{folder}", volumes / folder, claim, namespace, mode)
+        installed.kubectl("apply", "-f", "-", input=yaml.safe_dump(pv))
+    installed.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest(namespace)))
+    yield Job(installed, namespace, volumes)
+    installed.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+# --------------------------------------------------------------------------- the suite
+
+
+def test_every_child_becomes_ready_and_kubectl_get_shows_the_buffers_figures(job):
+    wait_for(lambda: job.status().get("phase") == "Running", 600, "the job to be Running",
+             job.describe)
+    for component in ("redis", "buffer", "reward", "rollout", "trainer"):
+        assert job.ready_pods(component), f"no ready {component} pod\n{job.describe()}"
+    job.wait_step(2)
+    # The operator runs in a pod: it reaches the job's buffer through the cluster's DNS.
+    reachable = wait_for(lambda: job.condition("BufferReachable").get("status") == "True",
+                         120, "BufferReachable", job.describe)
+    assert reachable
+    status = wait_for(lambda: (s := job.status()).get("tokensPerSecond") and
+                      s.get("stalenessMean") is not None and s, 120, "the job's figures",
+                      job.describe)
+    assert status["policyVersion"] >= 1 and status["trainerStep"] >= 2
+    table = job.cluster.kubectl("-n", job.namespace, "get", "rljobs").stdout
+    header, row = table.splitlines()[:2]
+    assert header.split()[:6] == ["NAME", "PHASE", "VERSION", "STEP", "TOKENS/S", "STALENESS"]
+    cells = row.split()
+    assert cells[0] == JOB and cells[1] == "Running"
+    assert int(cells[2]) >= 1 and int(cells[3]) >= 2 and float(cells[4]) > 0
+    print(f"\n$ kubectl get rljobs\n{table}")
+
+
+def test_a_deleted_trainer_pod_comes_back_and_resumes_from_its_checkpoint(job):
+    # A checkpoint every 2 steps (tiny.yaml): wait for one to be on the run volume.
+    job.wait_step(3)
+    (trainer,) = job.pods("trainer")
+    job.cluster.kubectl("-n", job.namespace, "delete", "pod", trainer.metadata.name,
+                        "--grace-period=0", "--force")
+    wait_for(lambda: any(p.metadata.uid != trainer.metadata.uid for p in
+                         job.ready_pods("trainer")), 300, "a new trainer pod", job.describe)
+    # The new pod starts from the newest checkpoint on the run volume, not from step 0.
+    started = wait_for(lambda: re.search(r"trainer starts at step (\d+)",
+                                         job.logs("trainer", tail=400)), 300,
+                       "the new trainer to start", job.describe)
+    assert int(started.group(1)) >= 2, job.logs("trainer")
+    job.wait_step(int(started.group(1)) + 2)
+
+
+def test_a_deleted_redis_pod_comes_back_on_its_volume_and_the_job_rides_through(job):
+    before = job.step()
+    (redis,) = job.pods("redis")
+    job.cluster.kubectl("-n", job.namespace, "delete", "pod", redis.metadata.name,
+                        "--grace-period=0", "--force")
+    wait_for(lambda: any(p.metadata.uid != redis.metadata.uid for p in job.ready_pods("redis")),
+             300, "a new Redis pod", job.describe)
+    job.wait_step(before + 2)
+    # Nobody crash-looped through the outage: the services waited for Redis.
+    for component in ("buffer", "rollout", "trainer"):
+        for pod in job.pods(component):
+            restarts = sum(c.restart_count for c in pod.status.container_statuses or [])
+            assert restarts == 0, f"{pod.metadata.name} restarted {restarts} times\n" \
+                                  f"{job.describe()}"
+
+
+def test_kubectl_scale_adds_a_rollout_pod_and_suspend_keeps_the_state(job):
+    job.cluster.kubectl("-n", job.namespace, "scale", f"rljob/{JOB}", "--replicas=2")
+    wait_for(lambda: len(job.ready_pods("rollout")) == 2, 300, "two ready rollout pods",
+             job.describe)
+    before = job.step()
+    job.wait_step(before + 1)
+
+    job.cluster.kubectl("-n", job.namespace, "patch", f"rljob/{JOB}", "--type=merge",
+                        "-p", '{"spec": {"suspend": true}}')
+    wait_for(lambda: job.status().get("phase") == "Suspended" and not any(
+        job.pods(c) for c in ("rollout", "trainer", "buffer", "reward")), 300,
+        "the workers to be gone", job.describe)
+    assert job.ready_pods("redis"), "Redis must stay while suspended"
+    assert job.core.read_namespaced_persistent_volume_claim(f"{JOB}-run", job.namespace)
+
+    job.cluster.kubectl("-n", job.namespace, "patch", f"rljob/{JOB}", "--type=merge",
+                        "-p", '{"spec": {"suspend": false}}')
+    wait_for(lambda: len(job.ready_pods("rollout")) == 2 and job.ready_pods("trainer"), 300,
+             "the workers to be back", job.describe)
+
+
+def test_the_job_succeeds_with_every_step_recorded_once_and_no_sample_lost(job):
+    wait_for(lambda: job.status().get("phase") == "Succeeded", 900, "Succeeded", job.describe)
+    status = job.status()
+    assert status["policyVersion"] == MAX_STEPS
+    assert job.steps_recorded() == list(range(1, MAX_STEPS + 1))
+    table = job.cluster.kubectl("-n", job.namespace, "get", "rljobs").stdout
+    print(f"\n$ kubectl get rljobs\n{table}")
+
+
+def test_kubectl_delete_removes_every_child_and_redis_kept_every_accepted_sample(job):
+    job.cluster.kubectl("-n", job.namespace, "delete", "rljob", JOB, "--wait=true")
+
+    def leftovers() -> list[str]:
+        names = [p.metadata.name for p in job.pods()]
+        for lister in (job.apps.list_namespaced_deployment, job.apps.list_namespaced_stateful_set,
+                       job.core.list_namespaced_service, job.core.list_namespaced_config_map,
+                       job.core.list_namespaced_secret):
+            names += [o.metadata.name for o in lister(job.namespace,
+                                                      label_selector=f"asyncrl.io/job={JOB}").items]
+        return names
+
+    wait_for(lambda: not leftovers(), 300, "every child to be removed",
+             lambda: f"left: {leftovers()}")
+    # Redis has stopped: its append-only file holds the whole history of the buffer.
+    fates = group_fates(job.redis_dir, JOB)
+    assert len(set(fates.accepted)) == len(fates.accepted)
+    assert sorted(fates.trained + fates.dropped + fates.waiting) == sorted(fates.accepted)
+    assert len(fates.trained) >= MAX_STEPS * 2  # batchSize 2 groups per step
