@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import time
 import uuid
@@ -21,7 +22,10 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from asyncrl.redis_server import free_port
 from buffer_helpers import group_fates
+from dashboard_helpers import expressions, load_dashboard, substitute
+from test_dashboard_prometheus import READY, Prometheus, prometheus_binary, stop, tail
 
 pytestmark = pytest.mark.real_node
 
@@ -202,10 +206,51 @@ def job(installed, tmp_path_factory):
     installed.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
+def prometheus_config(kubeconfig: Path, namespace: str) -> dict:
+    """What the chart's PodMonitor asks of a prometheus-operator, as a plain configuration:
+    every pod of a job, its "metrics" and "http" ports, labelled with service and replica."""
+    return {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{
+            "job_name": "asyncrl-pods", "metrics_path": "/metrics",
+            "kubernetes_sd_configs": [{"role": "pod", "kubeconfig_file": str(kubeconfig),
+                                       "namespaces": {"names": [namespace]}}],
+            "relabel_configs": [
+                {"source_labels": ["__meta_kubernetes_pod_label_asyncrl_io_job"],
+                 "regex": ".+", "action": "keep"},
+                {"source_labels": ["__meta_kubernetes_pod_container_port_name"],
+                 "regex": "metrics|http", "action": "keep"},
+                {"source_labels": ["__meta_kubernetes_pod_label_app_kubernetes_io_component"],
+                 "target_label": "service"},
+                {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "replica"},
+            ],
+        }],
+    }
+
+
+@pytest.fixture(scope="module")
+def prometheus(job, tmp_path_factory):
+    """The dashboard test's Prometheus on this machine, scraping the job's pods by their IPs
+    (the node's pod network is routed from the host)."""
+    folder = tmp_path_factory.mktemp("prometheus")
+    config = folder / "prometheus.yml"
+    config.write_text(yaml.safe_dump(prometheus_config(job.cluster.kubeconfig, job.namespace)))
+    port, log = free_port(), folder / "prometheus.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [prometheus_binary(), f"--config.file={config}",
+             f"--storage.tsdb.path={folder / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}",
+             "--log.level=warn"], stdout=out, stderr=subprocess.STDOUT)
+    server = Prometheus(f"http://127.0.0.1:{port}")
+    server.log = log
+    yield server
+    stop(process, signal.SIGTERM, timeout=30)
+
+
 # --------------------------------------------------------------------------- the suite
 
 
-def test_every_child_becomes_ready_and_kubectl_get_shows_the_buffers_figures(job):
+def test_every_child_becomes_ready_and_kubectl_get_shows_the_buffers_figures(job, prometheus):
     wait_for(lambda: job.status().get("phase") == "Running", 600, "the job to be Running",
              job.describe)
     for component in ("redis", "buffer", "reward", "rollout", "trainer"):
@@ -226,6 +271,26 @@ def test_every_child_becomes_ready_and_kubectl_get_shows_the_buffers_figures(job
     assert cells[0] == JOB and cells[1] == "Running"
     assert int(cells[2]) >= 1 and int(cells[3]) >= 2 and float(cells[4]) > 0
     print(f"\n$ kubectl get rljobs\n{table}")
+
+
+def test_prometheus_gets_data_for_every_dashboard_expression_from_the_pods(job, prometheus):
+    ready = {expr.replace('"tiny"', f'"{JOB}"'): what for expr, what in READY.items()}
+    queries = [(where, substitute(expr, JOB)) for where, expr in expressions(load_dashboard())]
+
+    def missing() -> list[str]:
+        waiting = [what for expr, what in ready.items() if prometheus.failure(expr)]
+        return waiting or [f"{where}: {why}: {expr}" for where, expr in queries
+                           if (why := prometheus.failure(expr))]
+
+    def targets() -> str:
+        found = prometheus.http.get("/api/v1/targets").json()["data"]["activeTargets"]
+        return (f"still missing: {missing()}\ntargets: "
+                f"{[(t['labels'].get('replica'), t['health']) for t in found]}\n"
+                f"{tail(prometheus.log)}")
+
+    wait_for(lambda: not missing(), 300, "data for every dashboard expression", targets)
+    services = {series["metric"]["service"] for series in prometheus.query("up == 1")}
+    assert services >= {"buffer", "reward", "rollout", "trainer"}, services
 
 
 def test_a_deleted_trainer_pod_comes_back_and_resumes_from_its_checkpoint(job):
