@@ -308,6 +308,12 @@ timing "base, wheelhouse in" "$((SECONDS - start))s"
 revision=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)
 while read -r target ref tar; do
     [ -s "$tar" ] && continue
+    # Older builds of this image go first, tars and tags: one set per machine, and the disk
+    # holds little more (the build cache keeps the layers a rebuild reuses).
+    find "$IMAGES" -maxdepth 1 -name "$(basename "${ref%%:*}")-$(printf '?%.0s' $(seq 16)).tar*" \
+        -delete
+    docker image ls --format '{{.Repository}}:{{.Tag}}' "${ref%%:*}" | grep -vxF "$ref" \
+        | xargs -r docker rmi >/dev/null || true
     start=$SECONDS
     say "building $ref (log: $IMAGES/build-$target.log)"
     if ! "$BUILDX" build --progress=plain --network=none --load \
@@ -321,19 +327,19 @@ while read -r target ref tar; do
     fi
     timing "$target build" "$((SECONDS - start))s"
     start=$SECONDS
-    docker save -o "$tar.partial" "$ref"
+    if ! docker save -o "$tar.partial" "$ref"; then
+        rm -f "$tar.partial"
+        say "saving $ref failed (disk: $(df -h --output=avail "$IMAGES" | tail -n 1) free)"
+        exit 1
+    fi
     mv "$tar.partial" "$tar"
     timing "$target save" "$((SECONDS - start))s ($(du -h "$tar" | cut -f1))"
-    # Older builds of this image: their tars and tags.
-    find "$IMAGES" -maxdepth 1 -name "$(basename "${ref%%:*}")-$(printf '?%.0s' $(seq 16)).tar" \
-        ! -name "$(basename "$tar")" -delete
-    docker image ls --format '{{.Repository}}:{{.Tag}}' "${ref%%:*}" | grep -vxF "$ref" \
-        | xargs -r docker rmi >/dev/null || true
 done < <(print_images)
 
-# The intermediate stages' cache: the images hold what later runs reuse.
+# Wheelhouse images of other pins.
 docker image ls --format '{{.Repository}}:{{.Tag}}' asyncrl.local/wheelhouse \
     | grep -vxF "$WHEELS_REF" | xargs -r docker rmi >/dev/null || true
-"$BUILDX" prune --all --force >/dev/null
+# What later builds reuse stays (the service's dependency layer, ~5 GB); older entries go.
+"$BUILDX" prune --force --keep-storage 12gb >/dev/null 2>&1 || say "pruning the build cache failed"
 timing "total" "$((SECONDS - total_start))s"
 print_images
