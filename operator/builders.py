@@ -11,7 +11,8 @@ What runs where:
     <job>-redis     Secret           generated Redis password (managed Redis without a secret)
     <job>-redis     StatefulSet+Svc  managed Redis (absent when spec.buffer.redis.url is set)
     <job>-buffer    Deployment+Svc   staleness gate and batches (gRPC 50051, metrics 9101)
-    <job>-reward    Deployment+Svc   scoring, hardened pods (gRPC 50081, metrics 9102)
+    <job>-reward    Deployment+Svc   scoring, hardened pods (gRPC 50081, metrics 9102); for
+                    code rewards root with the sandbox's four capabilities (SANDBOX_CAPABILITIES)
     <job>-rollout   Deployment+Svc   generation; GPUs, node pool, tolerations (HTTP 30000, gRPC 50061)
     <job>-trainer   StatefulSet      PPO updates, nodes x processes via torchrun (gRPC 50071)
     <job>-trainer-headless  Service  stable pod DNS for torch rendezvous (29400)
@@ -63,6 +64,12 @@ PROBE_PERIOD = 5
 #: Unprivileged uid/gid of the asyncrl image; Redis runs as the official image's redis user.
 APP_UID = 10001
 REDIS_UID = 999
+
+#: What the code sandbox needs to build its cage as root: namespaces and mounts (SYS_ADMIN;
+#: the runtime's default seccomp profile then allows unshare and mount too), a uid of its own
+#: per slot (SETUID, SETGID), and the program's files written into that uid's scratch tmpfs
+#: (DAC_OVERRIDE). The programs themselves run with none.
+SANDBOX_CAPABILITIES = ("SYS_ADMIN", "SETUID", "SETGID", "DAC_OVERRIDE")
 
 #: Requests of a component whose spec gives no resources at all (user values always win).
 DEFAULT_REQUESTS = {
@@ -272,7 +279,8 @@ def buffer_service(job: RLJob) -> dict[str, Any]:
 
 def reward_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
     """Reward pods run untrusted programs (code reward), so they are the most locked down:
-    no service-account token, no service links, read-only root, no capabilities."""
+    no service-account token, no service links, read-only root, no capabilities but, for code
+    rewards, the four the sandbox needs to cage each program (`_run_sandbox_as_root`)."""
     reward = job.spec.reward
     args = ["serve", "reward", "--job-file", JOB_FILE, "--host", "0.0.0.0",
             "--grpc-port", str(REWARD_PORT), "--metrics-port", str(REWARD_METRICS)]
@@ -287,7 +295,19 @@ def reward_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
     pod = deployment["spec"]["template"]["spec"]
     pod["enableServiceLinks"] = False
     pod["securityContext"]["seccompProfile"] = seccomp_profile(config.reward_seccomp_profile)
+    if reward.kind == "code":
+        _run_sandbox_as_root(pod, container)
     return deployment
+
+
+def _run_sandbox_as_root(pod: dict, container: dict) -> None:
+    """Non-root, the sandbox would need a user namespace, and there the kernel refuses the
+    fresh /proc of each run under the runtime's masked /proc paths whatever the seccomp
+    profile (`procMount: Unmasked` needs `hostUsers: false`, which few runtimes support). As
+    root with SANDBOX_CAPABILITIES it builds its namespaces; each program runs as a dedicated
+    uid with no capabilities and no-new-privs."""
+    pod["securityContext"].update(runAsNonRoot=False, runAsUser=0, runAsGroup=0, fsGroup=0)
+    container["securityContext"]["capabilities"]["add"] = list(SANDBOX_CAPABILITIES)
 
 
 def seccomp_profile(text: str) -> dict[str, str]:

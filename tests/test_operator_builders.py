@@ -165,6 +165,29 @@ def test_reward_pods_take_the_configured_seccomp_profile(tiny, text, profile):
     assert buffer["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
 
 
+@pytest.mark.parametrize("seccomp", ["RuntimeDefault", "Unconfined"])
+def test_code_reward_pods_run_as_root_with_only_the_sandboxs_capabilities(seccomp):
+    # tests/test_e2e_code_reward.py shows why on a real node: non-root, no seccomp profile
+    # lets the sandbox build its cage.
+    code = job_from("examples/code.yaml")
+    config = OperatorConfig(reward_seccomp_profile=seccomp)
+    pod = builders.reward_deployment(code, config)["spec"]["template"]["spec"]
+    assert pod["securityContext"] == {"runAsNonRoot": False, "runAsUser": 0, "runAsGroup": 0,
+                                      "fsGroup": 0, "seccompProfile": {"type": seccomp}}
+    assert pod["containers"][0]["securityContext"] == {
+        "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"], "add": ["SYS_ADMIN", "SETUID", "SETGID",
+                                                  "DAC_OVERRIDE"]}}
+    assert pod["automountServiceAccountToken"] is False and pod["enableServiceLinks"] is False
+    # Only the reward pods of code jobs: every other pod stays non-root.
+    others = [child for child in build_children(code, config, redis_password="pw")
+              if child["kind"] in ("Deployment", "StatefulSet")
+              and child["metadata"]["name"] != builders.child_name(code, "reward")]
+    assert len(others) == 4
+    for child in others:
+        assert child["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
 @pytest.mark.parametrize("text", ["", "Localhost", "Localhost:", "unconfined", "Unconfined:x"])
 def test_a_bad_seccomp_profile_names_the_accepted_forms(text):
     with pytest.raises(ValueError, match="expected RuntimeDefault, Unconfined or Localhost"):
