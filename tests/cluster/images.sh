@@ -69,6 +69,7 @@ fi
 # --------------------------------------------------------------------------- a Docker daemon
 DAEMON_RUN=$DOCKER_DIR/run  # sockets, pid files and runtime state: removed on stop
 started_daemon=""
+had_docker_cgroups=""
 containerd_pid=""
 dockerd_pid=""
 
@@ -97,6 +98,7 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
   address = "$DAEMON_RUN/containerd.sock"
 EOF
     started_daemon=1
+    had_docker_cgroups=$(ls -d /sys/fs/cgroup/*/docker 2>/dev/null || true)
     nice -n 19 containerd --config "$DAEMON_RUN/containerd.toml" \
         >"$DOCKER_DIR/containerd.log" 2>&1 &
     containerd_pid=$!
@@ -141,6 +143,10 @@ daemon_down() {
         wait "$pid" 2>/dev/null || true
     done
     rm -rf "$DAEMON_RUN"
+    # The cgroups dockerd made (docker/, docker/buildkit), when there were none before.
+    if [ -z "$had_docker_cgroups" ]; then
+        find /sys/fs/cgroup/*/docker -depth -type d -exec rmdir {} + 2>/dev/null || true
+    fi
     started_daemon=""
 }
 trap daemon_down EXIT
