@@ -17,6 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from kubernetes import client
@@ -27,7 +28,8 @@ from buffer_helpers import group_fates
 from dashboard_helpers import expressions, load_dashboard, substitute
 from test_dashboard_prometheus import READY, Prometheus, prometheus_binary, stop, tail
 
-pytestmark = pytest.mark.real_node
+# The last test waits for the whole job: longer than the suite's default timeout.
+pytestmark = [pytest.mark.real_node, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "tests" / "cluster"
@@ -206,35 +208,38 @@ def job(installed, tmp_path_factory):
     installed.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
-def prometheus_config(kubeconfig: Path, namespace: str) -> dict:
-    """What the chart's PodMonitor asks of a prometheus-operator, as a plain configuration:
-    every pod of a job, its "metrics" and "http" ports, labelled with service and replica."""
-    return {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "scrape_configs": [{
-            "job_name": "asyncrl-pods", "metrics_path": "/metrics",
-            "kubernetes_sd_configs": [{"role": "pod", "kubeconfig_file": str(kubeconfig),
-                                       "namespaces": {"names": [namespace]}}],
-            "relabel_configs": [
-                {"source_labels": ["__meta_kubernetes_pod_label_asyncrl_io_job"],
-                 "regex": ".+", "action": "keep"},
-                {"source_labels": ["__meta_kubernetes_pod_container_port_name"],
-                 "regex": "metrics|http", "action": "keep"},
-                {"source_labels": ["__meta_kubernetes_pod_label_app_kubernetes_io_component"],
-                 "target_label": "service"},
-                {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "replica"},
-            ],
-        }],
-    }
+def pod_targets(job: Job) -> list[dict]:
+    """What the chart's PodMonitor selects, as Prometheus file_sd targets (Debian's Prometheus
+    is built without Kubernetes discovery): every running pod of the job, its ports named
+    "metrics" and "http", labelled with service (the component) and replica (the pod)."""
+    targets = []
+    for pod in job.pods():
+        if pod.status.phase != "Running" or not pod.status.pod_ip:
+            continue
+        for container in pod.spec.containers:
+            for port in container.ports or []:
+                if port.name in ("metrics", "http"):
+                    targets.append({
+                        "targets": [f"{pod.status.pod_ip}:{port.container_port}"],
+                        "labels": {"service": pod.metadata.labels[
+                                       "app.kubernetes.io/component"],
+                                   "replica": pod.metadata.name}})
+    return targets
 
 
 @pytest.fixture(scope="module")
 def prometheus(job, tmp_path_factory):
     """The dashboard test's Prometheus on this machine, scraping the job's pods by their IPs
-    (the node's pod network is routed from the host)."""
+    (the node's pod network is routed from the host). `refresh()` rewrites its targets."""
     folder = tmp_path_factory.mktemp("prometheus")
+    targets = folder / "targets.json"
+    targets.write_text("[]")
     config = folder / "prometheus.yml"
-    config.write_text(yaml.safe_dump(prometheus_config(job.cluster.kubeconfig, job.namespace)))
+    config.write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "asyncrl-pods", "metrics_path": "/metrics",
+                            "file_sd_configs": [{"files": [str(targets)],
+                                                 "refresh_interval": "1s"}]}]}))
     port, log = free_port(), folder / "prometheus.log"
     with log.open("w") as out:
         process = subprocess.Popen(
@@ -243,6 +248,16 @@ def prometheus(job, tmp_path_factory):
              "--log.level=warn"], stdout=out, stderr=subprocess.STDOUT)
     server = Prometheus(f"http://127.0.0.1:{port}")
     server.log = log
+    server.refresh = lambda: targets.write_text(json.dumps(pod_targets(job)))
+
+    def ready() -> bool:
+        assert process.poll() is None, f"Prometheus exited:\n{tail(log)}"
+        try:
+            return server.http.get("/-/ready").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_for(ready, 60, "Prometheus to be ready", lambda: tail(log))
     yield server
     stop(process, signal.SIGTERM, timeout=30)
 
@@ -278,6 +293,7 @@ def test_prometheus_gets_data_for_every_dashboard_expression_from_the_pods(job, 
     queries = [(where, substitute(expr, JOB)) for where, expr in expressions(load_dashboard())]
 
     def missing() -> list[str]:
+        prometheus.refresh()  # pods come and go
         waiting = [what for expr, what in ready.items() if prometheus.failure(expr)]
         return waiting or [f"{where}: {why}: {expr}" for where, expr in queries
                            if (why := prometheus.failure(expr))]
