@@ -138,7 +138,9 @@ _FIGURES = ("policyVersion", "trainerStep", "tokensPerSecond", "samplesPerSecond
 
 
 def _phase(observed: Observation, conditions: list) -> str:
-    if observed.trainer_failure:
+    done = observed.stats is not None and observed.stats.trainer_version >= observed.max_steps
+    # A finished job stays Succeeded: its trainer exits once done and the StatefulSet restarts it.
+    if observed.trainer_failure and not done:
         conditions.append((FAILED, True, TRAINER_FAILED, observed.trainer_failure))
         return "Failed"
     conditions.append((FAILED, False, NO_FAILURE, "No component has failed."))
@@ -157,7 +159,6 @@ def _phase(observed: Observation, conditions: list) -> str:
     else:
         conditions.append((TRAINER, False, TRAINER_UNREACHABLE,
                            observed.trainer_error or "The trainer has not answered yet."))
-    done = observed.stats is not None and observed.stats.trainer_version >= observed.max_steps
     conditions.append((COMPLETE, done, MAX_STEPS if done else IN_PROGRESS,
                        f"Policy version {observed.stats.trainer_version if observed.stats else 0}"
                        f" of {observed.max_steps}."))
@@ -224,8 +225,10 @@ def trainer_failure(pods: list[dict[str, Any]], max_restarts: int) -> str | None
         for container in status.get("containerStatuses") or []:
             waiting = (container.get("state") or {}).get("waiting") or {}
             restarts = container.get("restartCount", 0)
-            if waiting.get("reason") == "CrashLoopBackOff" and restarts >= max_restarts:
-                last = ((container.get("lastState") or {}).get("terminated") or {})
+            last = ((container.get("lastState") or {}).get("terminated") or {})
+            # Exit code 0 is a trainer that finished (it exits at maxSteps), not a crash.
+            if waiting.get("reason") == "CrashLoopBackOff" and restarts >= max_restarts \
+                    and last.get("exitCode") != 0:
                 why = last.get("reason") or "error"
                 code = last.get("exitCode")
                 return (f"trainer pod {name} is in CrashLoopBackOff after {restarts} restarts "

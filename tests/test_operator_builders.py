@@ -582,6 +582,23 @@ def test_trainer_failure_from_pods():
         trainer_failure([crashing], 5)
     assert trainer_failure([crashing], 10) is None
     assert trainer_failure([], 5) is None
+    finished = copy.deepcopy(crashing)
+    finished["status"]["containerStatuses"][0]["lastState"] = {
+        "terminated": {"reason": "Completed", "exitCode": 0}}
+    assert trainer_failure([finished], 5) is None
+
+
+def test_a_finished_job_stays_succeeded_whatever_its_trainer_pod_does():
+    stats = BufferStats(trainer_version=10, accepted_total=80, consumed_total=80,
+                        staleness_counts=(2, 1, 1))
+    status = compute_status(observation(stats=stats, trainer_failure="trainer pod x crashed"),
+                            None)
+    assert status["phase"] == "Succeeded"
+    assert condition(status, "Failed")["status"] == "False"
+    unfinished = BufferStats(trainer_version=9, accepted_total=72, consumed_total=72,
+                             staleness_counts=(2, 1, 1))
+    assert compute_status(observation(stats=unfinished, trainer_failure="trainer pod x crashed"),
+                          None)["phase"] == "Failed"
 
 
 # --------------------------------------------------------------------------- buffer stats
