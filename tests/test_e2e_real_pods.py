@@ -34,7 +34,8 @@ pytestmark = [pytest.mark.real_node, pytest.mark.timeout(1800)]
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "tests" / "cluster"
 JOB = "e2e"
-MAX_STEPS = 24
+# Enough steps to act on mid-run (about 7 s each on 2 cores).
+MAX_STEPS = 60
 RELEASE = "asyncrl"
 OPERATOR_NAMESPACE = "asyncrl-system"
 
@@ -135,6 +136,15 @@ class Job:
         return "\n".join(self.cluster.kubectl("-n", self.namespace, "logs", f"--tail={tail}",
                                               p.metadata.name, check=False).stdout
                          for p in self.pods(component))
+
+    def require_steps_left(self, steps: int) -> int:
+        """The current step, failing (not waiting) when the job is too close to its end for
+        the next fault to happen mid-run."""
+        step = self.step()
+        assert step + steps < MAX_STEPS, (
+            f"the job is at step {step} of {MAX_STEPS}: too close to its end for a fault "
+            f"mid-run; raise MAX_STEPS")
+        return step
 
     def wait_step(self, at_least: int, timeout: float = 300) -> int:
         return wait_for(lambda: (s := self.step()) >= at_least and s, timeout,
@@ -312,6 +322,7 @@ def test_prometheus_gets_data_for_every_dashboard_expression_from_the_pods(job, 
 def test_a_deleted_trainer_pod_comes_back_and_resumes_from_its_checkpoint(job):
     # A checkpoint every 2 steps (tiny.yaml): wait for one to be on the run volume.
     job.wait_step(3)
+    job.require_steps_left(8)
     (trainer,) = job.pods("trainer")
     job.cluster.kubectl("-n", job.namespace, "delete", "pod", trainer.metadata.name,
                         "--grace-period=0", "--force")
@@ -326,7 +337,7 @@ def test_a_deleted_trainer_pod_comes_back_and_resumes_from_its_checkpoint(job):
 
 
 def test_a_deleted_redis_pod_comes_back_on_its_volume_and_the_job_rides_through(job):
-    before = job.step()
+    before = job.require_steps_left(8)
     (redis,) = job.pods("redis")
     job.cluster.kubectl("-n", job.namespace, "delete", "pod", redis.metadata.name,
                         "--grace-period=0", "--force")
@@ -342,6 +353,7 @@ def test_a_deleted_redis_pod_comes_back_on_its_volume_and_the_job_rides_through(
 
 
 def test_kubectl_scale_adds_a_rollout_pod_and_suspend_keeps_the_state(job):
+    job.require_steps_left(6)
     job.cluster.kubectl("-n", job.namespace, "scale", f"rljob/{JOB}", "--replicas=2")
     wait_for(lambda: len(job.ready_pods("rollout")) == 2, 300, "two ready rollout pods",
              job.describe)
