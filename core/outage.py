@@ -34,6 +34,14 @@ OUTAGE_ENV = "ASYNCRL_OUTAGE_SECONDS"
 #: second), then at most every MAX_DELAY so a recovery is noticed soon.
 FIRST_DELAY, MAX_DELAY = 0.1, 2.0
 
+#: Errors that mean Redis cannot be reached now. A reply that is not Redis' protocol counts:
+#: while a Redis pod is away, its Service's address may be answered by whatever the network
+#: puts there (seen: an HTTP proxy's "400 Bad Request").
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.InvalidResponse)
+
+#: Seconds a Redis command or connection attempt may take before it counts as an outage.
+SOCKET_TIMEOUT = 10.0
+
 T = TypeVar("T")
 
 
@@ -55,7 +63,12 @@ def connect(url: str, password: str | None = None) -> redis.Redis:
     return redis.from_url(
         url, password=password,
         retry=Retry(ExponentialBackoff(cap=0.4, base=0.05), retries=3),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        retry_on_error=list(REDIS_DOWN),
+        # A Redis pod that vanished answers nothing, not even a reset: without timeouts a
+        # command on its old connection would wait for TCP to give up (many minutes). No
+        # command blocks on the server, so a reply is due at once.
+        socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=SOCKET_TIMEOUT,
+        socket_keepalive=True,
     )
 
 
@@ -67,7 +80,7 @@ def describe(exc: BaseException) -> str:
 
 def redis_down(exc: BaseException) -> bool:
     """Whether `exc` means Redis cannot be reached now (loading its AOF counts)."""
-    return isinstance(exc, (redis.ConnectionError, redis.TimeoutError))
+    return isinstance(exc, REDIS_DOWN)
 
 
 class Outage:

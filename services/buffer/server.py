@@ -25,7 +25,7 @@ from asyncrl.buffer.store import (
     ResourceExhausted,
 )
 from asyncrl.grpc_errors import map_errors
-from asyncrl.outage import Outage, OutageTooLong, connect, redis_address, retry
+from asyncrl.outage import REDIS_DOWN, Outage, OutageTooLong, connect, redis_address, retry
 from asyncrl.settings import ServiceSettings
 from asyncrl.spec import load_manifest
 from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
@@ -44,7 +44,7 @@ _STATUS = {
 def _status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, BufferError):
         return _STATUS.get(type(exc), grpc.StatusCode.INVALID_ARGUMENT), str(exc)
-    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+    if isinstance(exc, REDIS_DOWN):
         return grpc.StatusCode.UNAVAILABLE, f"Redis is unavailable: {exc}"
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
@@ -154,7 +154,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         try:
             await self._client.ping()
             return common_pb2.HealthResponse(serving=True)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except REDIS_DOWN as exc:
             return common_pb2.HealthResponse(serving=False, detail=f"Redis: {exc}")
 
 
