@@ -348,8 +348,11 @@ def test_a_deleted_redis_pod_comes_back_on_its_volume_and_the_job_rides_through(
     for component in ("buffer", "rollout", "trainer"):
         for pod in job.pods(component):
             restarts = sum(c.restart_count for c in pod.status.container_statuses or [])
-            assert restarts == 0, f"{pod.metadata.name} restarted {restarts} times\n" \
-                                  f"{job.describe()}"
+            previous = job.cluster.kubectl("-n", job.namespace, "logs", "--previous",
+                                           "--tail=60", pod.metadata.name, check=False)
+            assert restarts == 0, (f"{pod.metadata.name} restarted {restarts} times; its "
+                                   f"previous log:\n{previous.stdout}{previous.stderr}\n"
+                                   f"{job.describe()}")
 
 
 def test_kubectl_scale_adds_a_rollout_pod_and_suspend_keeps_the_state(job):
@@ -379,8 +382,10 @@ def test_the_job_succeeds_with_every_step_recorded_once_and_no_sample_lost(job):
     status = job.status()
     assert status["policyVersion"] == MAX_STEPS
     assert job.steps_recorded() == list(range(1, MAX_STEPS + 1))
-    table = job.cluster.kubectl("-n", job.namespace, "get", "rljobs").stdout
-    print(f"\n$ kubectl get rljobs\n{table}")
+    # What a user sees at the end (the README shows it).
+    for command in (("get", "rljobs"), ("describe", "rljob", JOB), ("get", "pods")):
+        shown = job.cluster.kubectl("-n", job.namespace, *command).stdout
+        print(f"\n$ kubectl {' '.join(command)}\n{shown}")
 
 
 def test_kubectl_delete_removes_every_child_and_redis_kept_every_accepted_sample(job):
