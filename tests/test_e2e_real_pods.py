@@ -34,8 +34,9 @@ pytestmark = [pytest.mark.real_node, pytest.mark.timeout(1800)]
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "tests" / "cluster"
 JOB = "e2e"
-# Enough steps to act on mid-run (about 7 s each on 2 cores).
-MAX_STEPS = 60
+# More steps than the suite needs to act on mid-run (a step takes 1 to 7 s here): the scale
+# test suspends the job and resumes it with maxSteps a few steps ahead (`Job.max_steps`).
+MAX_STEPS = 1000
 RELEASE = "asyncrl"
 OPERATOR_NAMESPACE = "asyncrl-system"
 
@@ -79,6 +80,7 @@ class Job:
 
     def __init__(self, cluster, namespace: str, volumes: Path):
         self.cluster, self.namespace, self.volumes = cluster, namespace, volumes
+        self.max_steps = MAX_STEPS
         api = cluster.api_client()
         self.core, self.apps = client.CoreV1Api(api), client.AppsV1Api(api)
         self.custom = client.CustomObjectsApi(api)
@@ -118,8 +120,8 @@ class Job:
         path = self.run_dir / "metrics.jsonl"
         if not path.exists():
             return []
-        return [json.loads(line)["step"] for line in path.read_text().splitlines()
-                if line.strip() and "step" in json.loads(line)]
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [r["step"] for r in records if r.get("kind") == "train"]
 
     def describe(self) -> str:
         pods = "\n".join(
@@ -355,24 +357,36 @@ def test_a_deleted_redis_pod_comes_back_on_its_volume_and_the_job_rides_through(
                                    f"{job.describe()}")
 
 
-def test_kubectl_scale_adds_a_rollout_pod_and_suspend_keeps_the_state(job):
+def test_kubectl_scale_adds_a_rollout_pod_and_suspend_keeps_the_state(job, prometheus):
     job.require_steps_left(6)
     job.cluster.kubectl("-n", job.namespace, "scale", f"rljob/{JOB}", "--replicas=2")
     wait_for(lambda: len(job.ready_pods("rollout")) == 2, 300, "two ready rollout pods",
              job.describe)
-    before = job.step()
-    job.wait_step(before + 1)
+    # The new pod takes slots from the same staleness gate: both generate.
+    query = f'asyncrl_rollout_generated_tokens_total{{rljob="{JOB}"}} > 0'
+
+    def generating() -> set[str]:
+        prometheus.refresh()
+        return {s["metric"]["replica"] for s in prometheus.query(query)} & {
+            p.metadata.name for p in job.ready_pods("rollout")}
+
+    wait_for(lambda: len(generating()) == 2, 300, "both rollout pods to generate",
+             lambda: f"generating: {generating()}\n{job.describe()}")
 
     job.cluster.kubectl("-n", job.namespace, "patch", f"rljob/{JOB}", "--type=merge",
                         "-p", '{"spec": {"suspend": true}}')
     wait_for(lambda: job.status().get("phase") == "Suspended" and not any(
-        job.pods(c) for c in ("rollout", "trainer", "buffer", "reward")), 300,
-        "the workers to be gone", job.describe)
+        job.pods(c) for c in ("rollout", "trainer", "reward")), 300,
+        "rollout, trainer and reward pods to be gone", job.describe)
     assert job.ready_pods("redis"), "Redis must stay while suspended"
     assert job.core.read_namespaced_persistent_volume_claim(f"{JOB}-run", job.namespace)
+    suspended_at = job.step()
 
-    job.cluster.kubectl("-n", job.namespace, "patch", f"rljob/{JOB}", "--type=merge",
-                        "-p", '{"spec": {"suspend": false}}')
+    # Resume, and end the job a few steps on (nothing trains while suspended).
+    job.max_steps = suspended_at + 6
+    job.cluster.kubectl("-n", job.namespace, "patch", f"rljob/{JOB}", "--type=merge", "-p",
+                        json.dumps({"spec": {"suspend": False,
+                                             "algorithm": {"maxSteps": job.max_steps}}}))
     wait_for(lambda: len(job.ready_pods("rollout")) == 2 and job.ready_pods("trainer"), 300,
              "the workers to be back", job.describe)
 
@@ -380,8 +394,8 @@ def test_kubectl_scale_adds_a_rollout_pod_and_suspend_keeps_the_state(job):
 def test_the_job_succeeds_with_every_step_recorded_once_and_no_sample_lost(job):
     wait_for(lambda: job.status().get("phase") == "Succeeded", 900, "Succeeded", job.describe)
     status = job.status()
-    assert status["policyVersion"] == MAX_STEPS
-    assert job.steps_recorded() == list(range(1, MAX_STEPS + 1))
+    assert status["policyVersion"] == job.max_steps
+    assert job.steps_recorded() == list(range(1, job.max_steps + 1))
     # What a user sees at the end (the README shows it).
     for command in (("get", "rljobs"), ("describe", "rljob", JOB), ("get", "pods")):
         shown = job.cluster.kubectl("-n", job.namespace, *command).stdout
@@ -406,4 +420,4 @@ def test_kubectl_delete_removes_every_child_and_redis_kept_every_accepted_sample
     fates = group_fates(job.redis_dir, JOB)
     assert len(set(fates.accepted)) == len(fates.accepted)
     assert sorted(fates.trained + fates.dropped + fates.waiting) == sorted(fates.accepted)
-    assert len(fates.trained) >= MAX_STEPS * 2  # batchSize 2 groups per step
+    assert len(fates.trained) >= job.max_steps * 2  # batchSize 2 groups per step
