@@ -219,9 +219,12 @@ def trainer_failure(pods: list[dict[str, Any]], max_restarts: int) -> str | None
     """Why the trainer counts as failed, from its pods (dicts as the API returns them)."""
     for pod in pods:
         name = pod.get("metadata", {}).get("name", "trainer")
+        if pod.get("metadata", {}).get("deletionTimestamp"):
+            continue  # stopped on purpose (suspend, a rollout of new pods): not a failure
         status = pod.get("status") or {}
         if status.get("phase") == "Failed":
-            return f"trainer pod {name} failed: {status.get('reason') or status.get('message')}"
+            why = status.get("reason") or status.get("message") or "its container exited"
+            return f"trainer pod {name} failed: {why}"
         for container in status.get("containerStatuses") or []:
             waiting = (container.get("state") or {}).get("waiting") or {}
             restarts = container.get("restartCount", 0)

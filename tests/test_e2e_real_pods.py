@@ -395,6 +395,12 @@ def test_the_job_succeeds_with_every_step_recorded_once_and_no_sample_lost(job):
     wait_for(lambda: job.status().get("phase") == "Succeeded", 900, "Succeeded", job.describe)
     status = job.status()
     assert status["policyVersion"] == job.max_steps
+    # Nothing along the way counted as a failure: not the deleted pods, not the suspend.
+    warnings = job.cluster.kubectl(
+        "-n", job.namespace, "get", "events", "-o", "name",
+        "--field-selector", f"involvedObject.kind=RLJob,involvedObject.name={JOB},type=Warning")
+    assert not warnings.stdout.strip(), job.cluster.kubectl(
+        "-n", job.namespace, "describe", "rljob", JOB).stdout
     assert job.steps_recorded() == list(range(1, job.max_steps + 1))
     # What a user sees at the end (the README shows it).
     for command in (("get", "rljobs"), ("describe", "rljob", JOB), ("get", "pods")):

@@ -586,6 +586,13 @@ def test_trainer_failure_from_pods():
     finished["status"]["containerStatuses"][0]["lastState"] = {
         "terminated": {"reason": "Completed", "exitCode": 0}}
     assert trainer_failure([finished], 5) is None
+    failed = {"metadata": {"name": "j-trainer-0"}, "status": {"phase": "Failed"}}
+    assert trainer_failure([failed], 5) == \
+        "trainer pod j-trainer-0 failed: its container exited"
+    # A pod stopped on purpose (suspend) ends Failed too, while it is being deleted.
+    stopping = {"metadata": {"name": "j-trainer-0", "deletionTimestamp": "2026-01-01T00:00:00Z"},
+                "status": {"phase": "Failed"}}
+    assert trainer_failure([stopping], 5) is None
 
 
 def test_a_finished_job_stays_succeeded_whatever_its_trainer_pod_does():
