@@ -131,3 +131,18 @@ def test_failed_generation_releases_its_slot(engine):
     with pytest.raises(RuntimeError, match="went away"):
         asyncio.run(workflow.run())
     assert gate.running == 0 and gate.accepted == 0 and workflow.stats.groups_failed == 1
+
+
+def test_group_ids_are_unique_across_workers_over_the_same_prompts(engine):
+    """Two workers (or one restarted) walk the same prompts from the same start: their group
+    ids must still differ, or the buffer's history could not tell their groups apart."""
+    gate = InProcessGate(max_staleness=10, batch_size=2)
+    for _ in range(2):
+        workflow = RolloutWorkflow(
+            items(3), generator=EngineGenerator(TorchInferenceEngine(engine)),
+            scorer=CountingScorer(), gate=gate, group_size=2,
+            params=SamplingParams(max_new_tokens=2))
+        asyncio.run(workflow.run())
+    ids = [g.group_id for g in gate.groups]
+    assert len(ids) == 6 and len(set(ids)) == 6, ids
+    assert all(g.group_id.startswith(f"{g.prompt_id}#") for g in gate.groups)

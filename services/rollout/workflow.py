@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
@@ -90,6 +91,9 @@ class RolloutWorkflow:
         self._group_size = group_size
         self._params = params
         self._on_group = on_group
+        # Group ids name this workflow too: every worker, and every restart of one, counts
+        # from 0 over the same prompts.
+        self._worker = uuid.uuid4().hex[:8]
         self._ids = itertools.count()
         self.stats = WorkflowStats()
 
@@ -158,7 +162,8 @@ class RolloutWorkflow:
             )
             for r, reward in zip(results, rewards)
         ]
-        return Group(f"{item.prompt_id}#{next(self._ids)}", item.prompt_id, samples, started_ms)
+        return Group(f"{item.prompt_id}#{self._worker}-{next(self._ids)}", item.prompt_id,
+                     samples, started_ms)
 
 
 class InProcessGate:
