@@ -4,6 +4,7 @@ measured in bench/; the limits here only catch hangs.)"""
 
 import ast
 import asyncio
+import dataclasses
 import os
 import secrets
 import socket
@@ -26,8 +27,10 @@ from asyncrl.reward.sandbox import (
 from asyncrl.reward.types import CodeReference, Failure, IoCase
 from reward_helpers import LoopThread
 
+# Only the tests that expect a timeout ask for a short one (`timed`); every other run gets a
+# limit long enough that a busy machine never turns another failure into a timeout.
 TIMEOUT = 1.5
-LIMITS = SandboxLimits(timeout_seconds=TIMEOUT, memory_mb=256, max_processes=16,
+LIMITS = SandboxLimits(timeout_seconds=30.0, memory_mb=256, max_processes=16,
                        max_file_size_mb=4, max_output_bytes=256 << 10)
 WORKERS = 2
 
@@ -38,6 +41,11 @@ ADD_TESTS = CodeReference(test_code=(
     "def test_large():\n    assert add(10**12, 1) == 10**12 + 1\n"
 ))
 ADD_SOURCE = "def add(a, b):\n    return a + b\n"
+
+
+def timed(reference: CodeReference = ADD_IO) -> CodeReference:
+    """`reference` with the short timeout, for the programs that must time out."""
+    return dataclasses.replace(reference, timeout_seconds=TIMEOUT)
 
 
 def fenced(program: str) -> str:
@@ -226,19 +234,19 @@ def test_a_response_without_code_has_no_answer(loop, scorer):
 
 
 def test_infinite_loop(loop, scorer, still_healthy):
-    result = score(loop, scorer, "while True:\n    pass")
+    result = score(loop, scorer, "while True:\n    pass", timed())
     assert (result.score, result.failure) == (0.0, Failure.TIMEOUT)
 
 
 def test_sleeping_past_the_timeout(loop, scorer, still_healthy):
-    result = score(loop, scorer, "import time\ntime.sleep(3600)\nprint(7)")
+    result = score(loop, scorer, "import time\ntime.sleep(3600)\nprint(7)", timed())
     assert (result.score, result.failure) == (0.0, Failure.TIMEOUT)
 
 
 def test_fork_bomb(loop, sandbox, scorer, still_healthy):
     bomb = ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
             "        pass\n")
-    result = score(loop, scorer, bomb)
+    result = score(loop, scorer, bomb, timed())
     assert result.score == 0.0 and result.failure in (Failure.TIMEOUT, Failure.KILLED)
     # The process limit held: a bomb that reports how far it got never passes the limit.
     counted = run(loop, sandbox, (

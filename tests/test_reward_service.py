@@ -22,9 +22,12 @@ JOB = "reward-test"
 SPEC = RewardSpec.model_validate({
     "kind": "code",
     "math": {"extract": ["boxed", "answer_is"], "timeoutSeconds": 3},
-    "code": {"timeoutSeconds": 1.5, "memoryMb": 256, "maxProcesses": 16, "maxFileSizeMb": 4},
+    # Long enough that a busy machine never turns a correct program into a timeout; the
+    # programs that must time out ask for a short limit (`ADD_TIMED`).
+    "code": {"timeoutSeconds": 30, "memoryMb": 256, "maxProcesses": 16, "maxFileSizeMb": 4},
 })
 ADD = CodeReference(io_cases=(IoCase("2 3\n", "5\n"),))
+ADD_TIMED = CodeReference(io_cases=ADD.io_cases, timeout_seconds=1.5)
 CORRECT = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
 
 
@@ -56,7 +59,7 @@ def test_a_mixed_batch_is_scored_in_order(stub):
         ScoreTask("m-phrase", "The answer is 12.", MathReference("12")),
         ScoreTask("m-wrong", r"\boxed{3}", MathReference("4")),
         ScoreTask("c-right", CORRECT, ADD),
-        ScoreTask("c-loop", "```python\nwhile True: pass\n```", ADD),
+        ScoreTask("c-loop", "```python\nwhile True: pass\n```", ADD_TIMED),
         ScoreTask("c-none", "no code", ADD),
     ]
     reply = stub.ScoreBatch(batch(*tasks), timeout=60)
@@ -81,7 +84,8 @@ def test_the_service_still_scores_after_hostile_programs(stub):
         "while True:\n    print('x' * 1000)",
         "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.kill(-1, signal.SIGKILL)",
     ]
-    tasks = [ScoreTask(f"bomb{i}", f"```python\n{b}\n```", ADD) for i, b in enumerate(bombs)]
+    tasks = [ScoreTask(f"bomb{i}", f"```python\n{b}\n```", ADD_TIMED)
+             for i, b in enumerate(bombs)]
     reply = stub.ScoreBatch(batch(*tasks), timeout=60)
     assert [r.score for r in reply.results] == [0.0] * len(bombs)
     # The RPC's limit only catches a hang; how fast it answers is measured in bench/.
