@@ -279,8 +279,8 @@ def buffer_stats(job: RLJob, address: str | None = None,
                 buffer_pb2.GetStatsRequest(job=job.metadata.name), timeout=timeout)
     except grpc.RpcError as exc:
         return None, f"{address}: {exc.code().name}"
-    return BufferStats(reply.trainer_version, reply.accepted_total, reply.consumed_total,
-                       tuple(reply.staleness_counts)), None
+    return BufferStats(reply.trainer_version, reply.trainer_step, reply.accepted_total,
+                       reply.consumed_total, tuple(reply.staleness_counts)), None
 
 
 #: The phase a trainer process that is not the leader reports (see trainer.proto).

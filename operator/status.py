@@ -47,6 +47,9 @@ class Workload:
 @dataclass(frozen=True)
 class BufferStats:
     trainer_version: int
+    #: The step of the last published weights; the version runs ahead of it after a trainer
+    #: restarts from an older checkpoint, so completion is judged by the step.
+    trainer_step: int
     accepted_total: int
     consumed_total: int
     staleness_counts: tuple[int, ...] = ()
@@ -138,7 +141,7 @@ _FIGURES = ("policyVersion", "trainerStep", "tokensPerSecond", "samplesPerSecond
 
 
 def _phase(observed: Observation, conditions: list) -> str:
-    done = observed.stats is not None and observed.stats.trainer_version >= observed.max_steps
+    done = observed.stats is not None and observed.stats.trainer_step >= observed.max_steps
     # A finished job stays Succeeded: its trainer exits once done and the StatefulSet restarts it.
     if observed.trainer_failure and not done:
         conditions.append((FAILED, True, TRAINER_FAILED, observed.trainer_failure))
@@ -160,8 +163,8 @@ def _phase(observed: Observation, conditions: list) -> str:
         conditions.append((TRAINER, False, TRAINER_UNREACHABLE,
                            observed.trainer_error or "The trainer has not answered yet."))
     conditions.append((COMPLETE, done, MAX_STEPS if done else IN_PROGRESS,
-                       f"Policy version {observed.stats.trainer_version if observed.stats else 0}"
-                       f" of {observed.max_steps}."))
+                       f"Step {observed.stats.trainer_step if observed.stats else 0}"
+                       f" of {observed.max_steps} published."))
 
     missing = [w.component for w in observed.workloads if not w.exists]
     waiting = [w for w in observed.workloads

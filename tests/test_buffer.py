@@ -256,6 +256,9 @@ def test_set_version_announces_where_rollout_workers_look(stub, redis_server):
          grpc.StatusCode.RESOURCE_EXHAUSTED, "byte limit"),
         (lambda s: s.SetVersion(buffer_pb2.SetVersionRequest(job="eta4", version=-1), timeout=10),
          grpc.StatusCode.INVALID_ARGUMENT, "version must be >= 0"),
+        (lambda s: s.SetVersion(buffer_pb2.SetVersionRequest(job="eta4", version=1,
+                                                             trainer_step=-1), timeout=10),
+         grpc.StatusCode.INVALID_ARGUMENT, "trainer_step must be >= 0"),
         (lambda s: s.PutGroup(buffer_pb2.PutGroupRequest(
             job="eta4", slot_id="never-granted", group=make_group("g", GROUP)), timeout=10),
          grpc.StatusCode.FAILED_PRECONDITION, "never granted"),

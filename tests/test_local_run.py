@@ -274,6 +274,9 @@ def test_killing_the_trainer_mid_step_loses_no_accepted_sample(tmp_path):
     finally:
         local.stop()
     assert stats.redelivered_total >= 1
+    # The buffer knows how far training went (the step decides completion) even when the
+    # restart moved the version past it.
+    assert stats.trainer_step == 6 and stats.trainer_version >= 6
     # Every accepted group was trained on, is still waiting, or was dropped as stale (and
     # counted): none vanished. The restarted trainer redid the steps after its checkpoint,
     # so it consumed at least the six batches of its budget.

@@ -546,12 +546,25 @@ def test_invalid_spec_is_failed_with_the_message():
 
 def test_suspended_and_succeeded():
     assert compute_status(observation(suspend=True), None)["phase"] == "Suspended"
-    stats = BufferStats(trainer_version=10, accepted_total=80, consumed_total=80,
-                        staleness_counts=(2, 1, 1))
+    stats = BufferStats(trainer_version=10, trainer_step=10, accepted_total=80,
+                        consumed_total=80, staleness_counts=(2, 1, 1))
     status = compute_status(observation(stats=stats), None)
     assert status["phase"] == "Succeeded"
     assert status["policyVersion"] == 10
     assert status["stalenessMean"] == 0.75
+
+
+def test_completion_is_judged_by_the_step_not_the_version():
+    # A trainer restarted from an older checkpoint publishes under newer versions: version 12
+    # at step 9 of 10 is not done, version 13 at step 10 is.
+    ahead = BufferStats(trainer_version=12, trainer_step=9, accepted_total=80, consumed_total=80)
+    status = compute_status(observation(stats=ahead), None)
+    assert status["phase"] == "Running" and status["policyVersion"] == 12
+    assert condition(status, "Complete")["status"] == "False"
+    done = BufferStats(trainer_version=13, trainer_step=10, accepted_total=88, consumed_total=88)
+    status = compute_status(observation(stats=done), None)
+    assert status["phase"] == "Succeeded"
+    assert condition(status, "Complete")["message"] == "Step 10 of 10 published."
 
 
 def test_trainer_failure_is_failed():
@@ -596,14 +609,14 @@ def test_trainer_failure_from_pods():
 
 
 def test_a_finished_job_stays_succeeded_whatever_its_trainer_pod_does():
-    stats = BufferStats(trainer_version=10, accepted_total=80, consumed_total=80,
-                        staleness_counts=(2, 1, 1))
+    stats = BufferStats(trainer_version=10, trainer_step=10, accepted_total=80,
+                        consumed_total=80, staleness_counts=(2, 1, 1))
     status = compute_status(observation(stats=stats, trainer_failure="trainer pod x crashed"),
                             None)
     assert status["phase"] == "Succeeded"
     assert condition(status, "Failed")["status"] == "False"
-    unfinished = BufferStats(trainer_version=9, accepted_total=72, consumed_total=72,
-                             staleness_counts=(2, 1, 1))
+    unfinished = BufferStats(trainer_version=9, trainer_step=9, accepted_total=72,
+                             consumed_total=72, staleness_counts=(2, 1, 1))
     assert compute_status(observation(stats=unfinished, trainer_failure="trainer pod x crashed"),
                           None)["phase"] == "Failed"
 
@@ -623,14 +636,15 @@ def test_buffer_stats_from_a_real_buffer(redis_server, tiny):
     try:
         with grpc.insecure_channel(server.address) as channel:
             buffer_pb2_grpc.BufferStub(channel).SetVersion(
-                buffer_pb2.SetVersionRequest(job="tiny", version=2, weights_uri="/w/2"))
+                buffer_pb2.SetVersionRequest(job="tiny", version=3, weights_uri="/w/3",
+                                             trainer_step=2))
         stats, error = buffer_stats(tiny, address=server.address)
     finally:
         server.stop()
     assert error is None
-    assert (stats.trainer_version, stats.accepted_total) == (2, 0)
+    assert (stats.trainer_version, stats.trainer_step, stats.accepted_total) == (3, 2, 0)
     status = compute_status(observation(stats=stats), None)
-    assert status["policyVersion"] == 2
+    assert status["policyVersion"] == 3
     assert next(c for c in status["conditions"] if c["type"] == "BufferReachable")["status"] \
         == "True"
 

@@ -102,9 +102,11 @@ class BufferClient:
         await self._with_retries(lambda: self.stub.AckBatch(
             buffer_pb2.AckBatchRequest(job=self.job, batch_id=batch_id), timeout=30))
 
-    async def set_version(self, version: int, weights_uri: str) -> buffer_pb2.VersionInfo:
+    async def set_version(self, version: int, weights_uri: str,
+                          step: int = 0) -> buffer_pb2.VersionInfo:
         return await self._with_retries(lambda: self.stub.SetVersion(buffer_pb2.SetVersionRequest(
-            job=self.job, version=version, weights_uri=weights_uri), timeout=30))
+            job=self.job, version=version, weights_uri=weights_uri, trainer_step=step),
+            timeout=30))
 
     async def stats(self) -> buffer_pb2.BufferStats:
         return await self._with_retries(lambda: self.stub.GetStats(

@@ -4,7 +4,7 @@ die between any two calls without losing or duplicating anything: all state live
 
 Keys of a job share the prefix `asyncrl:{<job>}:` (one cluster hash slot):
   config    hash   max_staleness, batch_size, max_concurrent (0 = unlimited), lease_ms, ack_timeout_ms
-  state     hash   trainer_version, accepted, consumed, dropped_stale, redelivered, expired
+  state     hash   trainer_version, trainer_step, accepted, consumed, dropped_stale, redelivered, expired
   slots     zset   granted slot id -> lease expiry (ms, Redis clock)
   put:<slot>       stream id of the group put with that slot (makes PutGroup retries idempotent)
   groups    stream accepted groups: g = Group protobuf, v = oldest token version, id = group id
@@ -182,7 +182,7 @@ local p = ARGV[1]
 local current = tonumber(redis.call('HGET', p .. 'state', 'trainer_version') or '0')
 local version = tonumber(ARGV[2])
 if version < current then return {0, current} end
-redis.call('HSET', p .. 'state', 'trainer_version', version)
+redis.call('HSET', p .. 'state', 'trainer_version', version, 'trainer_step', ARGV[5])
 redis.call('HSET', p .. 'weights', 'version', version, 'uri', ARGV[3], 'updated_unix_ms', now)
 redis.call('PUBLISH', ARGV[4], version)
 return {1, now}

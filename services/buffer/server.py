@@ -141,7 +141,8 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
 
     @_mapped
     async def SetVersion(self, request, context):
-        announced = await self._store.set_version(request.job, request.version, request.weights_uri)
+        announced = await self._store.set_version(request.job, request.version, request.weights_uri,
+                                                  request.trainer_step)
         return _version_pb(announced)
 
     @_mapped

@@ -90,6 +90,7 @@ class Batch:
 @dataclass(frozen=True)
 class Stats:
     trainer_version: int
+    trainer_step: int
     depth_groups: int
     running_slots: int
     accepted_total: int
@@ -214,11 +215,14 @@ class BufferStore:
             raise NotFound(f"batch {batch_id!r} is not outstanding; ask GetBatch for a batch")
         return True
 
-    async def set_version(self, job_name: str, version: int, uri: str) -> WeightVersion:
+    async def set_version(self, job_name: str, version: int, uri: str,
+                          step: int = 0) -> WeightVersion:
         job = self.job(job_name)
         if version < 0:
             raise InvalidArgument(f"version must be >= 0, got {version}")
-        reply = await self._run("SET_VERSION", job, version, uri, weights_channel(job.name))
+        if step < 0:
+            raise InvalidArgument(f"trainer_step must be >= 0, got {step}")
+        reply = await self._run("SET_VERSION", job, version, uri, weights_channel(job.name), step)
         if reply[0] == 0:
             raise FailedPrecondition(
                 f"version {version} is older than the trainer version {int(reply[1])}"
@@ -248,6 +252,7 @@ class BufferStore:
         counts = [histogram.get(i, 0) for i in range(max(histogram, default=-1) + 1)]
         return Stats(
             trainer_version=state.get("trainer_version", 0),
+            trainer_step=state.get("trainer_step", 0),
             depth_groups=int(lag) + int(staged),
             running_slots=int(running),
             accepted_total=state.get("accepted", 0),

@@ -244,7 +244,7 @@ class Trainer:
                 version = announced + 1
                 state = await self._command(STATE)
                 async with self._alone():
-                    await self._publish(client, version, state)
+                    await self._publish(client, version, step, state)
             self.status.version, self.status.step = version, step
             self.metrics.observe_version(version)
             log.info("trainer starts at step %d, version %d (%d processes)", step, version,
@@ -281,7 +281,7 @@ class Trainer:
                 async with self._alone():
                     await client.ack(batch.batch_id)
                     self.status.phase = "publishing"
-                    await self._publish(client, version, state)
+                    await self._publish(client, version, step, state)
                     record = {
                         "kind": "train", "step": step, "version": version, "time": time.time(),
                         "elapsed": time.perf_counter() - started,
@@ -315,11 +315,12 @@ class Trainer:
             if self.reward:
                 await self.reward.close()
 
-    async def _publish(self, client: BufferClient, version: int, state: dict) -> None:
+    async def _publish(self, client: BufferClient, version: int, step: int,
+                       state: dict) -> None:
         dtype = getattr(torch, self.spec.model.dtype)
         path = await asyncio.to_thread(publish_weights, self.model, state, self.settings.run_dir,
                                        version, dtype)
-        await client.set_version(version, str(path.resolve()))
+        await client.set_version(version, str(path.resolve()), step)
         self.status.version = version
 
     async def evaluate(self, state: dict[str, torch.Tensor]) -> float:
