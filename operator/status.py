@@ -120,13 +120,18 @@ def compute_status(observed: Observation, previous: dict[str, Any] | None) -> di
             status[key] = previous[key]
     if observed.stats is not None:
         status["policyVersion"] = observed.stats.trainer_version
+        # The step of the last published weights: known even when the trainer, done, has
+        # exited before it was asked.
+        status["trainerStep"] = observed.stats.trainer_step
         if observed.stats.staleness_mean is not None:
             status["stalenessMean"] = round(observed.stats.staleness_mean, 3)
     if observed.samples_per_second is not None:
         status["samplesPerSecond"] = round(observed.samples_per_second, 2)
     trainer = observed.trainer
     if trainer is not None:
-        status["trainerStep"] = trainer.step
+        # The trainer counts a step before publishing it.
+        published = observed.stats.trainer_step if observed.stats is not None else 0
+        status["trainerStep"] = max(trainer.step, published)
         if trainer.step > 0:  # before the first step the trainer reports zeros
             status["tokensPerSecond"] = round(trainer.tokens_per_second, 1)
             status["rewardMean"] = round(trainer.reward_mean, 4)

@@ -1,9 +1,19 @@
 #!/usr/bin/env bash
-# The whole test suite; slow tests (multi-process, end to end) run in a second pass so
-# a failure in the fast pass is reported quickly.
+# The whole test suite, in three passes so a failure in a quick pass is reported quickly:
+#   1. fast tests;
+#   2. slow tests (multi-process, end to end on this machine, the kwok control plane);
+#   3. real pods: a one-node Kubernetes cluster on this machine (needs root) and the images
+#      built from this checkout, cached outside the clone (tests/cluster/node.sh, images.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-.venv/bin/python -m pytest -m "not slow" "$@"
-rc=0; .venv/bin/python -m pytest -m slow "$@" || rc=$?
-# Exit code 5 means no test was selected: fine while there are no slow tests.
-[ "$rc" = 0 ] || [ "$rc" = 5 ] || exit "$rc"
+.venv/bin/python -m pytest -m "not slow and not real_node" "$@"
+passed() {  # exit code 5 means no test was selected (a -k that matches none of a pass)
+    [ "$1" = 0 ] || [ "$1" = 5 ]
+}
+rc=0; .venv/bin/python -m pytest -m "slow and not real_node" "$@" || rc=$?
+passed "$rc" || exit "$rc"
+
+bash tests/cluster/node.sh prepare
+bash tests/cluster/images.sh >/dev/null
+rc=0; .venv/bin/python -m pytest -m real_node "$@" || rc=$?
+passed "$rc" || exit "$rc"
