@@ -33,14 +33,13 @@ import grpc  # noqa: E402
 import yaml
 from google.protobuf.json_format import MessageToDict
 
+from asyncrl.grpc_health import is_serving_at
 from asyncrl.outage import DEFAULT_OUTAGE_SECONDS
 from asyncrl.redis_server import RedisServer, free_port
 from asyncrl.trainer.launch import LOCAL_MAX_RESTARTS, torchrun_arguments
 from asyncrl.v1 import (
     buffer_pb2,
     buffer_pb2_grpc,
-    common_pb2,
-    reward_pb2_grpc,
     rollout_pb2,
     rollout_pb2_grpc,
     trainer_pb2,
@@ -180,12 +179,12 @@ class LocalJob:
         self._launch("buffer", [exe, "serve", "buffer", *common, "--redis-url", redis_url,
                                 "--grpc-port", str(self.ports["buffer"]),
                                 "--metrics-port", str(self.metrics_ports["buffer"])], env)
-        self._wait(lambda: self._buffer_healthy(buffer_address), "buffer")
+        self._wait(lambda: is_serving_at(buffer_address), "buffer")
         reward_address = f"127.0.0.1:{self.ports['reward']}"
         self._launch("reward", [exe, "serve", "reward", *common, "--grpc-port",
                                 str(self.ports["reward"]), "--metrics-port",
                                 str(self.metrics_ports["reward"]), "--workers", "1"], env)
-        self._wait(lambda: self._healthy(reward_address, reward_pb2_grpc.RewardStub), "reward")
+        self._wait(lambda: is_serving_at(reward_address), "reward")
         self._launch("trainer", self._trainer_command(exe, common, buffer_address, reward_address),
                      env)
         self._launch("rollout", [exe, "serve", "rollout", *common, "--buffer-address", buffer_address,
@@ -336,13 +335,3 @@ class LocalJob:
         with (self.run_dir / "rollout_status.jsonl").open("a") as out:
             out.write(json.dumps(record) + "\n")
 
-    def _buffer_healthy(self, address: str) -> bool:
-        return self._healthy(address, buffer_pb2_grpc.BufferStub)
-
-    @staticmethod
-    def _healthy(address: str, stub_class) -> bool:
-        try:
-            with grpc.insecure_channel(address) as channel:
-                return stub_class(channel).Health(common_pb2.HealthRequest(), timeout=2).serving
-        except grpc.RpcError:
-            return False

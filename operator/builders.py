@@ -36,6 +36,7 @@ from typing import Any
 import yaml
 
 import asyncrl
+from asyncrl.grpc_health import LIVENESS
 from asyncrl.rollout.sglang_launch import SGLANG_STARTUP_SECONDS
 from asyncrl.spec import GPU_RESOURCE, RLJob
 from asyncrl.trainer.launch import torchrun_arguments
@@ -269,7 +270,7 @@ def buffer_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
     container = _container(job, config, "buffer", args, env=env,
                            ports=[("grpc", BUFFER_PORT), ("metrics", BUFFER_METRICS)],
                            resources=_resources(job.spec.buffer.resources, "buffer", gpus=0),
-                           probe={"tcpSocket": {"port": "grpc"}})
+                           **_grpc_probes(BUFFER_PORT))
     return _deployment(job, config, "buffer", 1, [container])
 
 
@@ -288,7 +289,7 @@ def reward_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
                            ports=[("grpc", REWARD_PORT), ("metrics", REWARD_METRICS)],
                            resources=_resources(reward.resources, "reward",
                                                 gpus=reward.placement.gpus),
-                           probe={"tcpSocket": {"port": "grpc"}})
+                           **_grpc_probes(REWARD_PORT))
     replicas = 0 if job.spec.suspend else reward.replicas
     deployment = _deployment(job, config, "reward", replicas, [container],
                              placement=reward.placement)
@@ -404,7 +405,7 @@ def trainer_statefulset(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
                                   ("rendezvous", RENDEZVOUS_PORT)],
                            resources=_resources(trainer.resources, "trainer",
                                                 gpus=trainer.placement.gpus),
-                           probe={"tcpSocket": {"port": "grpc"}}, mounts=[_run_mount()])
+                           **_grpc_probes(TRAINER_PORT), mounts=[_run_mount()])
     replicas = 0 if job.spec.suspend else trainer.replicas
     pod = _pod_spec(job, [container], placement=trainer.placement, volumes=[_run_volume(job)],
                     gpu_tolerations=config.gpu_tolerations)
@@ -693,6 +694,14 @@ def _container(job: RLJob, config: OperatorConfig, component: str, args: list[st
                          {"name": "tmp", "mountPath": "/tmp"}, *mounts],
     }
     return container
+
+
+def _grpc_probes(port: int) -> dict[str, dict]:
+    """The kubelet's native gRPC probes of grpc.health.v1 (asyncrl.grpc_health): start-up and
+    liveness ask whether the process answers, readiness whether it can work (the buffer's
+    Redis, a code job's sandbox), so an outage makes the pod unready, not restarted."""
+    return {"probe": {"grpc": {"port": port, "service": LIVENESS}},
+            "readiness": {"grpc": {"port": port}}}
 
 
 def _container_security(*, read_only_root: bool) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -37,7 +38,7 @@ from asyncrl.operator import builders
 from asyncrl.operator.builders import OperatorConfig
 from asyncrl.reward.types import CodeReference, IoCase, ScoreTask
 from asyncrl.spec import parse_manifest
-from asyncrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from asyncrl.v1 import reward_pb2, reward_pb2_grpc
 
 # The first test's set-up waits for the machine's one real node, may build the images and
 # imports the service image (5 GB).
@@ -100,7 +101,8 @@ def without_root(deployment: dict) -> dict:
 
 
 class RewardPod:
-    """The job's ConfigMap and reward Deployment in a fresh namespace, and the Ready pod."""
+    """The job's ConfigMap and reward Deployment in a fresh namespace, and its pod: Ready, or
+    running and refused by its readiness probe (the health service says NOT_SERVING)."""
 
     def __init__(self, cluster, image: str, seccomp: str, *, root: bool = True):
         self.cluster = cluster
@@ -113,32 +115,46 @@ class RewardPod:
         self.deployment = deployment if root else without_root(deployment)
         self.name = self.ip = ""
 
-    def start(self) -> RewardPod:
+    def start(self, *, ready: bool) -> RewardPod:
         self.core.create_namespace({"metadata": {"name": self.namespace}})
         manifests = [builders.config_map(self.job), self.deployment]
         self.cluster.kubectl("apply", "-f", "-",
                              input=yaml.safe_dump_all(manifests, sort_keys=False))
-        pod = self._wait_ready()
+        pod = self._wait_for(self._ready if ready else self._refused_by_readiness)
         self.name, self.ip = pod.metadata.name, pod.status.pod_ip
         return self
 
     def stop(self) -> None:
         self.core.delete_namespace(self.namespace)
 
-    def _wait_ready(self):
+    def _wait_for(self, wanted):
         selector = ",".join(f"{k}={v}" for k, v in
                             builders.selector_labels(self.job, "reward").items())
         deadline = time.monotonic() + READY_SECONDS
         while True:
             pods = self.core.list_namespaced_pod(self.namespace, label_selector=selector).items
-            ready = [p for p in pods if any(c.type == "Ready" and c.status == "True"
-                                            for c in p.status.conditions or [])]
-            if ready:
-                return ready[0]
+            found = [p for p in pods if wanted(p)]
+            if found:
+                return found[0]
             if time.monotonic() > deadline:
-                pytest.fail(f"no Ready reward pod after {READY_SECONDS}s:\n"
+                pytest.fail(f"no reward pod passed {wanted.__name__} after {READY_SECONDS}s:\n"
                             f"{[p.status for p in pods]}\n{self.logs()}")
             time.sleep(1)
+
+    @staticmethod
+    def _ready(pod) -> bool:
+        return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+
+    def _refused_by_readiness(self, pod) -> bool:
+        """Started (its liveness answers) and unready: the kubelet's gRPC readiness probe was
+        answered NOT_SERVING."""
+        started = [c.started for c in pod.status.container_statuses or []] == [True]
+        events = self.core.list_namespaced_event(
+            self.namespace, field_selector=f"involvedObject.name={pod.metadata.name},"
+                                           f"reason=Unhealthy").items
+        return started and not self._ready(pod) and any(
+            "Readiness probe failed" in e.message and "NOT_SERVING" in e.message
+            for e in events)
 
     def logs(self) -> str:
         return self.cluster.kubectl("-n", self.namespace, "logs", "--tail=40",
@@ -149,6 +165,14 @@ class RewardPod:
         """`script` in the reward container itself, outside the sandbox."""
         return self.cluster.kubectl("-n", self.namespace, "exec", self.name, "--", "python",
                                     "-c", script, check=False)
+
+    def serving(self) -> bool:
+        """The pod's grpc.health.v1 answer, as its readiness probe asks it."""
+        channel, _ = self.stub()
+        with channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                              timeout=RPC_SECONDS)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def stub(self) -> tuple[grpc.Channel, reward_pb2_grpc.RewardStub]:
         channel = grpc.insecure_channel(f"{self.ip}:{builders.REWARD_PORT}",
@@ -166,9 +190,10 @@ class RewardPod:
 
 
 def start_pod(request, real_node, image, seccomp: str, *, root: bool) -> RewardPod:
+    """Without root the sandbox cannot be built: that pod must run and stay unready."""
     pod = RewardPod(real_node, image, seccomp, root=root)
     request.addfinalizer(pod.stop)
-    return pod.start()
+    return pod.start(ready=root)
 
 
 @pytest.fixture(scope="module", params=["RuntimeDefault", "Unconfined"])
@@ -193,9 +218,8 @@ def score(stub, job, *programs_and_references) -> list[tuple[float, int]]:
 
 def test_the_sandbox_cages_programs_with_namespaces(caged):
     pod, stub = caged
-    health = stub.Health(common_pb2.HealthRequest(), timeout=RPC_SECONDS)
-    assert health.serving, f"{health.detail}\n{pod.logs()}"
-    assert health.detail == "code sandbox: namespaces isolation"
+    assert pod.serving(), pod.logs()
+    assert "code sandbox: namespaces isolation" in pod.logs()
     assert pod.sandbox_available() == 1
 
 
@@ -283,11 +307,10 @@ def uncaged(request, real_node, image):
 
 def test_without_root_no_seccomp_setting_lets_the_sandbox_run(uncaged):
     pod, refused = uncaged
+    assert not pod.serving()  # and its readiness probe said so: it never became Ready
+    assert refused in pod.logs()
     channel, stub = pod.stub()
     with channel:
-        health = stub.Health(common_pb2.HealthRequest(), timeout=RPC_SECONDS)
-        assert not health.serving
-        assert refused in health.detail, health.detail
         with pytest.raises(grpc.RpcError) as error:
             score(stub, pod.job, (CORRECT, ADD))
     assert error.value.code() is grpc.StatusCode.FAILED_PRECONDITION

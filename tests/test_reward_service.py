@@ -8,14 +8,16 @@ import urllib.request
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from asyncrl.grpc_health import LIVENESS, is_serving_at
 from asyncrl.redis_server import free_port
 from asyncrl.reward.client import RewardClient
 from asyncrl.reward.sandbox import Isolation
 from asyncrl.reward.types import CodeReference, Failure, IoCase, MathReference, ScoreTask
 from asyncrl.spec import RewardSpec
-from asyncrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from asyncrl.v1 import reward_pb2, reward_pb2_grpc
 from reward_helpers import RewardThread
 
 JOB = "reward-test"
@@ -48,9 +50,12 @@ def batch(*tasks, job=JOB):
     return reward_pb2.ScoreBatchRequest(job=job, tasks=[t.to_pb() for t in tasks])
 
 
-def test_health(stub):
-    reply = stub.Health(common_pb2.HealthRequest(), timeout=10)
-    assert reply.serving and "namespaces" in reply.detail
+def test_health_is_the_standard_service(service):
+    assert is_serving_at(service.address)
+    with grpc.insecure_channel(service.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        alive = health.Check(health_pb2.HealthCheckRequest(service=LIVENESS), timeout=10)
+        assert alive.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_a_mixed_batch_is_scored_in_order(stub):
@@ -96,7 +101,7 @@ def test_the_service_still_scores_after_hostile_programs(stub):
 
 async def _client_scores(address, tasks):
     async with RewardClient(address, JOB) as client:
-        return await client.score(tasks), await client.health()
+        return await client.score(tasks), await client.healthy()
 
 
 def test_the_client_returns_domain_results(service):
@@ -106,7 +111,7 @@ def test_the_client_returns_domain_results(service):
     ]))
     assert [(r.task_id, r.score, r.failure) for r in results] == [
         ("a", 1.0, Failure.NONE), ("b", 1.0, Failure.NONE)]
-    assert health[0] is True
+    assert health is True
 
 
 def test_a_group_scores_in_process(service):
@@ -154,11 +159,11 @@ def test_a_refusing_sandbox_fails_code_batches_and_health():
     try:
         with grpc.insecure_channel(service.address) as channel:
             stub = reward_pb2_grpc.RewardStub(channel)
-            health = stub.Health(common_pb2.HealthRequest(), timeout=10)
-            assert not health.serving and "allowUnsafeNoNetworkNamespace" in health.detail
+            assert not is_serving_at(service.address)  # readiness: the pod leaves its Service
             with pytest.raises(grpc.RpcError) as refused:
                 stub.ScoreBatch(batch(ScoreTask("c", CORRECT, ADD)), timeout=30)
             assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert "allowUnsafeNoNetworkNamespace" in refused.value.details()
             math = stub.ScoreBatch(batch(ScoreTask("m", r"\boxed{1}", MathReference("1"))),
                                    timeout=30)
             assert math.results[0].score == 1.0  # math does not need the sandbox
@@ -185,7 +190,7 @@ def test_serve_reward_command(tmp_path):
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
             grpc.channel_ready_future(channel).result(timeout=60)
             stub = reward_pb2_grpc.RewardStub(channel)
-            assert stub.Health(common_pb2.HealthRequest(), timeout=10).serving
+            assert is_serving_at(f"127.0.0.1:{grpc_port}")
             request = reward_pb2.ScoreBatchRequest(job="cli-reward",
                                                    tasks=[ScoreTask("c", CORRECT, ADD).to_pb()])
             assert stub.ScoreBatch(request, timeout=30).results[0].score == 1.0

@@ -6,10 +6,11 @@ import grpc
 import pytest
 from rollout_helpers import free_port, tiny_engine
 
+from asyncrl.grpc_health import is_serving_at
 from asyncrl.rollout.engine_api import TorchInferenceEngine
 from asyncrl.rollout.grpc_control import serve_control
 from asyncrl.rollout.types import SamplingParams
-from asyncrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from asyncrl.v1 import rollout_pb2, rollout_pb2_grpc
 
 
 @pytest.fixture
@@ -35,11 +36,20 @@ def test_get_status_reports_the_engine(served):
     assert status.decode_steps_total >= 2
 
 
-def test_health_follows_the_engine(served):
-    stub, engine = served
-    response = stub.Health(common_pb2.HealthRequest(), timeout=10)
-    assert response.serving and "policy version 0" in response.detail
-    engine.stop()  # the decode thread is gone: the worker no longer serves
-    response = stub.Health(common_pb2.HealthRequest(), timeout=10)
-    assert not response.serving and "not serving" in response.detail
-
+def test_health_follows_the_engine_and_the_workers_dependencies():
+    engine = tiny_engine()
+    port = free_port()
+    redis_up = True
+    server = serve_control(TorchInferenceEngine(engine), port, ready=lambda: redis_up)
+    address = f"127.0.0.1:{port}"
+    try:
+        assert is_serving_at(address)
+        redis_up = False  # unready while Redis (which announces the weights) is away
+        assert not is_serving_at(address)
+        redis_up = True
+        assert is_serving_at(address)
+        engine.stop()  # the decode thread is gone: the worker no longer serves
+        assert not is_serving_at(address)
+    finally:
+        server.stop(grace=None)
+        engine.stop()

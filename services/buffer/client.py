@@ -8,9 +8,10 @@ import logging
 
 import grpc
 
+from asyncrl.grpc_health import is_serving
 from asyncrl.outage import DEFAULT_OUTAGE_SECONDS, Outage, retry
 from asyncrl.samples import Group, Slot
-from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
+from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,4 @@ class BufferClient:
             buffer_pb2.GetStatsRequest(job=self.job), timeout=10))
 
     async def healthy(self) -> bool:
-        try:
-            return (await self.stub.Health(common_pb2.HealthRequest(), timeout=2)).serving
-        except grpc.aio.AioRpcError:
-            return False
+        return await is_serving(self._channel)

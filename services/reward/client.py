@@ -7,8 +7,9 @@ from typing import Sequence
 
 import grpc
 
+from asyncrl.grpc_health import is_serving
 from asyncrl.reward.types import CodeReference, MathReference, ScoreResult, ScoreTask
-from asyncrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from asyncrl.v1 import reward_pb2, reward_pb2_grpc
 
 # Scoring is idempotent, so a call may be repeated while the service restarts.
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
@@ -46,9 +47,8 @@ class RewardClient:
         return await self.score([ScoreTask(f"{group_id}#{i}", response, reference)
                                  for i, response in enumerate(responses)])
 
-    async def health(self) -> tuple[bool, str]:
-        reply = await self.stub.Health(common_pb2.HealthRequest(), timeout=10)
-        return reply.serving, reply.detail
+    async def healthy(self) -> bool:
+        return await is_serving(self._channel)
 
     async def close(self) -> None:
         await self._channel.close()

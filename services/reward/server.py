@@ -21,9 +21,10 @@ from asyncrl.reward.sandbox import DEFAULT_UID_BASE, SandboxUnavailable
 from asyncrl.reward.scorer import RewardScorer
 from asyncrl.reward.types import ScoreTask
 from asyncrl.grpc_errors import map_errors
+from asyncrl.grpc_health import add_health
 from asyncrl.settings import ServiceSettings
 from asyncrl.spec import load_manifest
-from asyncrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from asyncrl.v1 import reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +70,6 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         results = await self._scorer.score(tasks_from_pb(request, self._job))
         return reward_pb2.ScoreBatchResponse(results=[r.to_pb() for r in results])
 
-    async def Health(self, request, context):
-        ok, detail = self._scorer.health()
-        # A job that scores math can be served while the code sandbox is unavailable.
-        return common_pb2.HealthResponse(serving=ok or self._kind != "code", detail=detail)
-
 
 class RewardSettings(ServiceSettings):
     grpc_port: int = Field(default=50081, ge=1, le=65535, description="Reward gRPC API.")
@@ -116,6 +112,12 @@ async def create_server(scorer: RewardScorer, job: str, kind: str, address: str)
         ("grpc.max_send_message_length", 64 << 20),
     ])
     reward_pb2_grpc.add_RewardServicer_to_server(RewardServicer(scorer, job, kind), server)
+
+    async def can_score() -> bool:
+        # A job that scores math can be served while the code sandbox is unavailable.
+        return kind != "code" or scorer.health()[0]
+
+    await add_health(server, can_score)
     if server.add_insecure_port(address) == 0:
         raise OSError(f"reward: cannot listen on {address}")
     await server.start()

@@ -1,16 +1,19 @@
-"""The rollout worker's gRPC status API (asyncrl.v1.RolloutControl): GetStatus and Health of
-its engine, torch or SGLang alike. Control operations are on the HTTP API SGLang clients
-speak (see asyncrl.rollout.http_api)."""
+"""The rollout worker's gRPC status API (asyncrl.v1.RolloutControl): GetStatus of its engine,
+torch or SGLang alike, and the standard health service (serving while the engine serves and
+the worker's dependencies answer, as the HTTP /ready). Control operations are on the HTTP API
+SGLang clients speak (see asyncrl.rollout.http_api)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from asyncrl.grpc_health import add_health_to_thread_server
 from asyncrl.rollout.engine_api import InferenceEngine
 from asyncrl.rollout.types import EngineStatus
-from asyncrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from asyncrl.v1 import rollout_pb2, rollout_pb2_grpc
 
 
 def status_to_pb(status: EngineStatus) -> rollout_pb2.RolloutStatus:
@@ -36,23 +39,18 @@ class RolloutControlServicer(rollout_pb2_grpc.RolloutControlServicer):
     def GetStatus(self, request, context):
         return status_to_pb(self._engine.status())
 
-    def Health(self, request, context):
-        alive = self._engine.alive
-        return common_pb2.HealthResponse(
-            serving=alive,
-            detail=f"policy version {self._engine.version}" if alive
-            else "the engine is not serving (decode thread stopped, or SGLang unhealthy)",
-        )
-
 
 def serve_control(
-    engine: InferenceEngine, port: int, *, host: str = "127.0.0.1", max_workers: int = 2
+    engine: InferenceEngine, port: int, *, host: str = "127.0.0.1", max_workers: int = 2,
+    ready: Callable[[], bool] = lambda: True,
 ) -> grpc.Server:
-    """Starts the RolloutControl server on host:port and returns it (stop it with .stop())."""
+    """Starts the RolloutControl server on host:port and returns it (stop it with .stop()).
+    `ready` tells whether the worker's dependencies answer (Redis)."""
     server = grpc.server(
         ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rollout-control")
     )
     rollout_pb2_grpc.add_RolloutControlServicer_to_server(RolloutControlServicer(engine), server)
+    add_health_to_thread_server(server, lambda: engine.alive and ready())
     address = f"{host}:{port}"
     try:
         bound = server.add_insecure_port(address)

@@ -139,7 +139,8 @@ def serve(settings: RolloutSettings) -> None:
         seed=spec.dataset.seed,
     ).start()
     engine = TorchInferenceEngine(torch_engine)
-    control = serve_control(engine, settings.grpc_port, host=settings.host)
+    control = serve_control(engine, settings.grpc_port, host=settings.host,
+                            ready=lambda: redis_outage.available)
     app = create_app(torch_engine, model_path=spec.model.source, metrics=metrics,
                      ready=lambda: redis_outage.available)
     try:
@@ -178,7 +179,8 @@ async def _serve_sglang(settings: RolloutSettings, job, slots: int, length: int,
     try:
         async with SGLangClient(server.url) as client:
             engine = SGLangEngine(client, max_running_requests=slots, max_sequence_length=length)
-            control = serve_control(engine, settings.grpc_port, host=settings.host)
+            control = serve_control(engine, settings.grpc_port, host=settings.host,
+                                    ready=lambda: redis_outage.available)
             app = status_app(engine, metrics, ready=lambda: redis_outage.available)
             await _serve_async(settings, job.metadata.name, engine, app, workflow, metrics,
                                watch=_watch_sglang(server, client, engine),

@@ -33,6 +33,7 @@ from asyncrl.algorithms.advantages import compute_advantages
 from asyncrl.algorithms.staleness import staleness
 from asyncrl.buffer.client import BufferClient
 from asyncrl.devices import local_rank, select_device
+from asyncrl.grpc_health import add_health
 from asyncrl.models import load_policy
 from asyncrl.outage import OutageTooLong
 from asyncrl.prompts import ArithScorer, build_prompts
@@ -422,6 +423,11 @@ def serve(settings: TrainerSettings) -> None:
             server = grpc.aio.server()
             trainer_pb2_grpc.add_TrainerStatusServiceServicer_to_server(
                 StatusServicer(trainer.status), server)
+
+            async def running() -> bool:
+                return trainer.status.phase != "failed"
+
+            await add_health(server, running)
             server.add_insecure_port(f"{settings.host}:{settings.grpc_port}")
             await server.start()
         if group.leader and settings.metrics_port:

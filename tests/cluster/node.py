@@ -856,6 +856,7 @@ class RealCluster:
     node: Node | None = None
     state: HostState | None = None
     _lock: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    _imported: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir)
@@ -936,7 +937,10 @@ class RealCluster:
         return out
 
     def import_image(self, tar: Path | str) -> None:
-        self.node.import_image(tar)
+        """Once per tar while the node is up (test modules share the node and its images)."""
+        if str(tar) not in self._imported:
+            self.node.import_image(tar)
+            self._imported.add(str(tar))
 
     def wait_for_endpoints(self, namespace: str, service: str, timeout: float = 60) -> None:
         wait_for_endpoints(kubectl_command(self.binaries, self.kubeconfig), namespace, service,
