@@ -4,6 +4,8 @@ port."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import socket
 import threading
 import time
@@ -13,9 +15,11 @@ import torch
 import uvicorn
 from safetensors.torch import save_model
 
+from asyncrl.algorithms.staleness import rollout_capacity
 from asyncrl.models import TinyModelConfig, build_tiny_model, packed_token_logprobs
 from asyncrl.rollout.engine import TorchEngine
 from asyncrl.rollout.types import EngineStatus
+from asyncrl.samples import Group, Slot
 
 VOCAB = 256
 MAX_SEQUENCE_LENGTH = 256
@@ -91,3 +95,54 @@ class HttpServer:
         self._server.should_exit = True
         self._thread.join(timeout=10)
         self._socket.close()
+
+
+class InProcessGate:
+    """The staleness gate in one process, a test double for the workflow's unit tests; the job
+    uses the Redis-backed buffer service, which enforces the same rule across replicas."""
+
+    def __init__(self, *, max_staleness: int, batch_size: int, max_concurrent: int = 0):
+        self.max_staleness = max_staleness
+        self.batch_size = batch_size
+        self.max_concurrent = max_concurrent
+        self.trainer_version = 0
+        self.accepted = 0
+        self.running = 0
+        self.groups: list[Group] = []
+        self.peak_in_flight = 0
+        self._changed = asyncio.Condition()
+        self._ids = itertools.count()
+
+    def capacity(self) -> int:
+        return rollout_capacity(
+            max_staleness=self.max_staleness,
+            trainer_version=self.trainer_version,
+            batch_size=self.batch_size,
+            accepted=self.accepted,
+            running=self.running,
+            max_concurrent=self.max_concurrent,
+        )
+
+    async def acquire(self) -> Slot:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.capacity() > 0)
+            self.running += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.accepted + self.running)
+            return Slot(f"slot-{next(self._ids)}")
+
+    async def put(self, slot: Slot, group: Group) -> None:
+        async with self._changed:
+            self.running -= 1
+            self.accepted += 1
+            self.groups.append(group)
+            self._changed.notify_all()
+
+    async def release(self, slot: Slot, reason: str) -> None:
+        async with self._changed:
+            self.running -= 1
+            self._changed.notify_all()
+
+    async def set_version(self, version: int) -> None:
+        async with self._changed:
+            self.trainer_version = version
+            self._changed.notify_all()

@@ -7,24 +7,24 @@ import torch
 
 from asyncrl.algorithms.staleness import rollout_capacity, staleness
 
-# (η, trainer_version, batch_size, accepted, running, max_concurrent, expected capacity)
+# (η, trainer_version, batch_size, accepted, running, max_concurrent (0: no cap), expected)
 CAPACITY_TABLE = [
     # η = 0: synchronous-like, only the batch for the next step may be in flight.
-    (0, 0, 4, 0, 0, None, 4),  # (0+0+1)*4 - 0
-    (0, 0, 4, 2, 2, None, 0),  # 4 - 4
-    (0, 0, 4, 3, 2, None, 0),  # 4 - 5 = -1, floored at 0
-    (0, 2, 4, 10, 1, None, 1),  # (0+2+1)*4 - 11
+    (0, 0, 4, 0, 0, 0, 4),  # (0+0+1)*4 - 0
+    (0, 0, 4, 2, 2, 0, 0),  # 4 - 4
+    (0, 0, 4, 3, 2, 0, 0),  # 4 - 5 = -1, floored at 0
+    (0, 2, 4, 10, 1, 0, 1),  # (0+2+1)*4 - 11
     # η = 1: one extra batch may run ahead.
-    (1, 0, 4, 0, 0, None, 8),  # (1+0+1)*4
-    (1, 3, 2, 5, 2, None, 3),  # (1+3+1)*2 - 7
+    (1, 0, 4, 0, 0, 0, 8),  # (1+0+1)*4
+    (1, 3, 2, 5, 2, 0, 3),  # (1+3+1)*2 - 7
     (1, 0, 4, 6, 1, 16, 1),  # min(8 - 7, 16 - 1): staleness binds
     # η = 4
-    (4, 0, 8, 0, 0, None, 40),  # (4+0+1)*8
-    (4, 10, 8, 100, 15, None, 5),  # (4+10+1)*8 - 115
+    (4, 0, 8, 0, 0, 0, 40),  # (4+0+1)*8
+    (4, 10, 8, 100, 15, 0, 5),  # (4+10+1)*8 - 115
     (4, 0, 8, 0, 6, 10, 4),  # min(40 - 6, 10 - 6): concurrency binds
     (4, 0, 8, 0, 10, 10, 0),  # concurrency full
     (4, 0, 8, 0, 12, 10, 0),  # more running than allowed (after a scale-down): floored at 0
-    (4, 3, 8, 0, 0, 0, 0),  # max_concurrent 0 admits nothing
+    (4, 3, 8, 0, 0, 0, 64),  # max_concurrent 0: no cap
 ]
 
 
@@ -45,6 +45,14 @@ def test_capacity_table(eta, version, batch, accepted, running, max_concurrent, 
     assert isinstance(got, int)
 
 
+def test_groups_dropped_as_too_stale_give_their_places_back():
+    args = dict(max_staleness=0, trainer_version=1, batch_size=4, accepted=8, running=0)
+    assert rollout_capacity(**args) == 0
+    assert rollout_capacity(dropped_stale=3, **args) == 3
+    with pytest.raises(ValueError, match="dropped_stale"):
+        rollout_capacity(dropped_stale=9, **args)
+
+
 def test_bumping_the_version_opens_one_batch_of_slots():
     args = dict(max_staleness=1, batch_size=4, accepted=5, running=3)
     assert rollout_capacity(trainer_version=0, **args) == 0
@@ -52,11 +60,13 @@ def test_bumping_the_version_opens_one_batch_of_slots():
 
 
 @pytest.mark.parametrize(
-    "name", ["max_staleness", "trainer_version", "accepted", "running", "max_concurrent"]
+    "name", ["max_staleness", "trainer_version", "accepted", "running", "dropped_stale",
+             "max_concurrent"]
 )
 def test_negative_inputs_are_named(name):
     args = dict(
-        max_staleness=1, trainer_version=0, batch_size=4, accepted=0, running=0, max_concurrent=8
+        max_staleness=1, trainer_version=0, batch_size=4, accepted=0, running=0, dropped_stale=0,
+        max_concurrent=8,
     )
     args[name] = -1
     with pytest.raises(ValueError, match=name):

@@ -8,7 +8,8 @@ from asyncrl.models import TinyModelConfig, build_tiny_model
 from asyncrl.rollout.engine import TorchEngine
 from asyncrl.rollout.types import SamplingParams
 from asyncrl.rollout.engine_api import TorchInferenceEngine
-from asyncrl.rollout.workflow import EngineGenerator, InProcessGate, PromptItem, RolloutWorkflow
+from asyncrl.rollout.workflow import EngineGenerator, PromptItem, RolloutWorkflow
+from rollout_helpers import InProcessGate
 
 
 class CountingScorer:

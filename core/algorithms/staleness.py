@@ -2,9 +2,12 @@
 
 With staleness bound η, every sample the trainer consumes at version v must have been started by a
 policy no older than v − η. AReaL enforces this at admission: a new rollout may start only while
-``(η + trainer_version + 1) · batch_size − (accepted + running) > 0``. The buffer service applies
-this rule atomically across all rollout replicas; the arithmetic lives here so it can be tested
-alone.
+``(η + trainer_version + 1) · batch_size − (accepted − dropped_stale + running) > 0``.
+
+The authority is the buffer's ACQUIRE script (asyncrl.buffer.scripts), which applies the rule
+atomically in Redis across every rollout replica. `rollout_capacity` is the same formula over the
+same inputs (the job's config and state hashes), for readers and for the workflow's in-process
+test gate; tests/test_buffer_gate_formula.py checks that both grant alike at random states.
 """
 
 from __future__ import annotations
@@ -23,26 +26,32 @@ def rollout_capacity(
     batch_size: int,
     accepted: int,
     running: int,
-    max_concurrent: int | None = None,
+    dropped_stale: int = 0,
+    max_concurrent: int = 0,
 ) -> int:
     """How many new rollouts (groups) may start now; never negative.
 
     ``batch_size`` is groups per training step, ``accepted`` counts groups ever accepted into the
-    buffer and not dropped as too stale (a dropped group's place is generated again),
-    ``running`` counts granted slots whose group has not been put yet, and
-    ``max_concurrent`` optionally caps how many may run at once.
+    buffer, ``dropped_stale`` those of them the trainer dropped as too stale (never trained:
+    their places are given back, or a job whose every slot went to a dropped group would wait
+    forever), ``running`` counts granted slots whose group has not been put yet, and
+    ``max_concurrent`` caps how many may run at once (0: no cap).
     """
     _check_non_negative(
         max_staleness=max_staleness,
         trainer_version=trainer_version,
         accepted=accepted,
         running=running,
+        dropped_stale=dropped_stale,
+        max_concurrent=max_concurrent,
     )
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    capacity = (max_staleness + trainer_version + 1) * batch_size - (accepted + running)
-    if max_concurrent is not None:
-        _check_non_negative(max_concurrent=max_concurrent)
+    if dropped_stale > accepted:
+        raise ValueError(f"dropped_stale ({dropped_stale}) cannot exceed accepted ({accepted})")
+    kept = accepted - dropped_stale
+    capacity = (max_staleness + trainer_version + 1) * batch_size - (kept + running)
+    if max_concurrent:
         capacity = min(capacity, max_concurrent - running)
     return max(capacity, 0)
 

@@ -6,7 +6,7 @@ may be in flight: a group starts only when the gate grants it a slot.
 
 The workflow meets the rest of the system at three small interfaces, so the same loop drives
 the torch engine or SGLang, scores in-process or through the reward service, and talks to the
-Redis-backed buffer or (in unit tests only) an in-process gate.
+Redis-backed buffer (the tests also drive it with an in-process gate, tests/rollout_helpers.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
-from asyncrl.algorithms.staleness import rollout_capacity
 from asyncrl.prompts import PromptItem
 from asyncrl.rollout.engine_api import InferenceEngine
 from asyncrl.rollout.types import GenerationResult, SamplingParams
@@ -164,54 +163,3 @@ class RolloutWorkflow:
         ]
         return Group(f"{item.prompt_id}#{self._worker}-{next(self._ids)}", item.prompt_id,
                      samples, started_ms)
-
-
-class InProcessGate:
-    """The staleness gate in one process, for unit tests of the workflow only; the job uses
-    the Redis-backed buffer service, which enforces the same rule across replicas."""
-
-    def __init__(self, *, max_staleness: int, batch_size: int, max_concurrent: int | None = None):
-        self.max_staleness = max_staleness
-        self.batch_size = batch_size
-        self.max_concurrent = max_concurrent
-        self.trainer_version = 0
-        self.accepted = 0
-        self.running = 0
-        self.groups: list[Group] = []
-        self.peak_in_flight = 0
-        self._changed = asyncio.Condition()
-        self._ids = itertools.count()
-
-    def capacity(self) -> int:
-        return rollout_capacity(
-            max_staleness=self.max_staleness,
-            trainer_version=self.trainer_version,
-            batch_size=self.batch_size,
-            accepted=self.accepted,
-            running=self.running,
-            max_concurrent=self.max_concurrent,
-        )
-
-    async def acquire(self) -> Slot:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.capacity() > 0)
-            self.running += 1
-            self.peak_in_flight = max(self.peak_in_flight, self.accepted + self.running)
-            return Slot(f"slot-{next(self._ids)}")
-
-    async def put(self, slot: Slot, group: Group) -> None:
-        async with self._changed:
-            self.running -= 1
-            self.accepted += 1
-            self.groups.append(group)
-            self._changed.notify_all()
-
-    async def release(self, slot: Slot, reason: str) -> None:
-        async with self._changed:
-            self.running -= 1
-            self._changed.notify_all()
-
-    async def set_version(self, version: int) -> None:
-        async with self._changed:
-            self.trainer_version = version
-            self._changed.notify_all()
