@@ -64,20 +64,3 @@ def _problem(rng: random.Random, difficulty: int, prompt_id: str) -> Problem:
             total *= factor
     question += f" How many {item} does {name} have now?"
     return Problem(prompt_id, question, total)
-
-
-_RULES = {
-    "boxed": re.compile(r"\\boxed\{\s*(-?[\d,]*\d)\s*\}"),
-    "answer_is": re.compile(r"answer is\s*:?\s*\$?(-?[\d,]*\d)", re.IGNORECASE),
-    "last_number": re.compile(r"(-?\d[\d,]*)"),
-}
-
-
-def extract_integer(text: str, rules: tuple[str, ...] | list[str] = ("boxed",)) -> int | None:
-    """The integer answer of a response: the last match of the first rule that matches
-    (rules as in the job's reward.math.extract), or None."""
-    for rule in rules:
-        found = _RULES[rule].findall(text)
-        if found:
-            return int(found[-1].replace(",", ""))
-    return None

@@ -48,20 +48,3 @@ def _chat_item(item: tuple[str, str, Any], tokenizer) -> PromptItem:
     )
     ids = tokenizer(text, add_special_tokens=False).input_ids
     return PromptItem(prompt_id, list(ids), reference)
-
-
-class ArithScorer:
-    """Scores arithmetic responses in-process: 1 if the extracted integer is the answer."""
-
-    def __init__(self, tokenizer, rules: list[str]):
-        self._tokenizer = tokenizer
-        self._rules = rules
-
-    def score_text(self, text: str, answer: int) -> float:
-        return 1.0 if arith.extract_integer(text, self._rules) == answer else 0.0
-
-    async def score(self, item: PromptItem, responses: list[list[int]]) -> list[float]:
-        return [
-            self.score_text(self._tokenizer.decode(r, skip_special_tokens=True), item.reference)
-            for r in responses
-        ]

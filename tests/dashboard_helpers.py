@@ -98,8 +98,8 @@ def exercised_registries() -> dict[str, object]:
                                  timed_out=True))
     reward.sandbox_available.set(1)
     buffer = BufferMetrics()
-    buffer.observe_stats("t", Stats(trainer_version=1, depth_groups=2, running_slots=3,
-                                    accepted_total=4, consumed_total=2, dropped_stale_total=0,
+    buffer.observe_stats("t", Stats(trainer_version=1, trainer_step=1, depth_groups=2,
+                                    running_slots=3, accepted_total=4, consumed_total=2, dropped_stale_total=0,
                                     redelivered_total=0, expired_slots_total=0,
                                     staleness_counts=[1, 1]))
     return {"trainer": trainer, "rollout": rollout, "reward": reward, "buffer": buffer}

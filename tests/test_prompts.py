@@ -7,7 +7,7 @@ import pytest
 from asyncrl import code_tasks
 from asyncrl.models import load_tokenizer
 from asyncrl.prompts import build_prompts
-from asyncrl.reward.client import PromptScorer, RewardClient
+from asyncrl.reward.client import PromptScorer, RewardClient, reward_scorer
 from asyncrl.spec import load_manifest
 from reward_helpers import RewardThread
 
@@ -68,3 +68,35 @@ def test_prompt_scorer_scores_math_and_code_through_the_reward_service(tokenizer
     finally:
         service.close()
     assert code == [1.0, 0.0] and math == [1.0, 0.0]
+
+
+def test_the_service_and_a_worker_without_it_score_the_same_responses_alike(tokenizer):
+    """A rollout worker or trainer given no reward address scores in-process with the reward
+    service's own scorer, never with a rule of its own."""
+    import asyncio
+
+    spec = load_manifest(ROOT / "examples/arith.yaml").spec
+    item = build_prompts(spec, tokenizer)[0][0]
+    answer = item.reference
+    texts = [f"so \\boxed{{{answer}}}", f"The answer is {answer}.", f"\\boxed{{{answer}.0}}",
+             f"\\boxed{{\\frac{{{2 * answer}}}{{2}}}}", f"\\boxed{{{answer + 1}}}",
+             f"{answer} apples, so \\boxed{{{answer - 1}}}", "no answer at all", f"{answer:,}"]
+    responses = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    service = RewardThread(spec.reward).start()
+
+    async def score_both():
+        scores = []
+        for address in (service.address, None):
+            reward = reward_scorer(address, service.job, spec.reward)
+            try:
+                scores.append(await PromptScorer(reward, tokenizer).score(item, responses))
+            finally:
+                await reward.close()
+        return scores
+
+    try:
+        through_service, in_process = asyncio.run(score_both())
+    finally:
+        service.close()
+    assert through_service == in_process
+    assert through_service[:4] == [1.0] * 4 and through_service[4:6] == [0.0, 0.0]

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import grpc
 
 from asyncrl.grpc_health import is_serving
 from asyncrl.reward.types import CodeReference, MathReference, ScoreResult, ScoreTask
 from asyncrl.v1 import reward_pb2, reward_pb2_grpc
+
+if TYPE_CHECKING:
+    from asyncrl.reward.scorer import RewardScorer
 
 # Scoring is idempotent, so a call may be repeated while the service restarts.
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
@@ -60,12 +63,24 @@ class RewardClient:
         await self.close()
 
 
-class PromptScorer:
-    """Scores the token responses to a prompt through the reward service: the rollout
-    workflow's Scorer, and the trainer's evaluator. Dataset references become reward
-    references here (an arithmetic answer -> math, a code task -> its unit tests)."""
+def reward_scorer(address: str | None, job: str, reward) -> RewardClient | RewardScorer:
+    """What scores a job's responses: the reward service at `address`, or, without one, the
+    same scorer in this process (one math-verify worker, one sandbox slot, started on first
+    use), so a job scores alike with or without the service. `reward` is the job's
+    spec.reward. Both answer `score_group` and `close`."""
+    if address:
+        return RewardClient(address, job)
+    from asyncrl.reward.scorer import RewardScorer
 
-    def __init__(self, client: RewardClient, tokenizer):
+    return RewardScorer.from_spec(reward, workers=1)
+
+
+class PromptScorer:
+    """Scores the token responses to a prompt (the rollout workflow's Scorer, and the trainer's
+    evaluator) with what `reward_scorer` gives. Dataset references become reward references
+    here (an arithmetic answer -> math, a code task -> its unit tests)."""
+
+    def __init__(self, client: RewardClient | RewardScorer, tokenizer):
         self._client = client
         self._tokenizer = tokenizer
 

@@ -28,8 +28,8 @@ from asyncrl.buffer.client import BufferClient
 from asyncrl.devices import local_rank, select_device
 from asyncrl.models import load_policy, load_tokenizer, model_directory
 from asyncrl.outage import Outage, OutageTooLong, connect, redis_address
-from asyncrl.prompts import ArithScorer, build_prompts
-from asyncrl.reward.client import PromptScorer, RewardClient
+from asyncrl.prompts import build_prompts
+from asyncrl.reward.client import PromptScorer, reward_scorer
 from asyncrl.rollout.engine import TorchEngine
 from asyncrl.rollout.engine_api import InferenceEngine, TorchInferenceEngine
 from asyncrl.rollout.grpc_control import serve_control
@@ -75,8 +75,8 @@ class RolloutSettings(ServiceSettings):
     )
     worker: str = Field(default="rollout-0", description="Stable worker name (the pod's name).")
     reward_address: str | None = Field(
-        default=None, description="host:port of the reward service; without it, arithmetic "
-        "answers are checked in-process (integer match) and code jobs cannot run."
+        default=None, description="host:port of the reward service; without it, the same "
+        "scorer runs in this process (one math-verify worker, one sandbox slot)."
     )
     engine: Literal["torch", "sglang"] | None = Field(
         default=None, description="The engine this process runs (default: the job's "
@@ -226,8 +226,8 @@ def _workflow_factory(settings: RolloutSettings, job, tokenizer, train, metrics)
         start = (await client.stats()).accepted_total % len(train)
         prompts = itertools.islice(itertools.cycle(train), start, None)
         rollout = spec.rollout
-        reward = RewardClient(settings.reward_address, job.metadata.name) if settings.reward_address else None
-        scorer = PromptScorer(reward, tokenizer) if reward else ArithScorer(tokenizer, spec.reward.math.extract)
+        reward = reward_scorer(settings.reward_address, job.metadata.name, spec.reward)
+        scorer = PromptScorer(reward, tokenizer)
         workflow = RolloutWorkflow(
             prompts,
             generator=EngineGenerator(engine, metrics),
@@ -243,8 +243,7 @@ def _workflow_factory(settings: RolloutSettings, job, tokenizer, train, metrics)
             await workflow.run()
         finally:
             await client.close()
-            if reward:
-                await reward.close()
+            await reward.close()
 
     return run
 

@@ -7,6 +7,7 @@ Generation here is plain `transformers` sampling; the rollout service replaces i
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ import torch
 from asyncrl import arith
 from asyncrl.algorithms.advantages import compute_advantages
 from asyncrl.models import load_policy, packed_token_logprobs
+from asyncrl.reward.scorer import RewardScorer
+from asyncrl.reward.types import MathReference
 from asyncrl.trainer.step import PolicyUpdater, TrainSample, UpdateConfig
 
 
@@ -52,27 +55,39 @@ def run_demo(spec, steps: int, on_step: Callable[[DemoStep], None] = lambda _: N
     train, _ = arith.split(problems, spec.dataset.eval_fraction)
     stream = itertools.cycle(train)
     results = []
-    for step in range(1, steps + 1):
-        batch = list(itertools.islice(stream, algorithm.batch_size))
-        started = time.perf_counter()
-        samples, rewards = _rollout(model, tokenizer, batch, spec)
-        generate_seconds = time.perf_counter() - started
-        advantages = compute_advantages(
-            rewards, algorithm.advantage_estimator, algorithm.batch_norm_advantages
-        ).flatten()
-        samples = [
-            TrainSample(s.input_ids, s.loss_mask, s.behaviour_logprobs, float(a))
-            for s, a in zip(samples, advantages)
-        ]
-        stats = updater.step(samples)
-        result = DemoStep(step, float(rewards.mean()), generate_seconds, stats)
-        results.append(result)
-        on_step(result)
+    # The reward service's scorer, in this process (its math-verify worker runs beside it).
+    scorer = RewardScorer.from_spec(spec.reward, workers=1)
+    loop = asyncio.new_event_loop()
+    try:
+        for step in range(1, steps + 1):
+            batch = list(itertools.islice(stream, algorithm.batch_size))
+            started = time.perf_counter()
+            samples, texts = _rollout(model, tokenizer, batch, spec)
+            generate_seconds = time.perf_counter() - started
+            rewards = torch.tensor([
+                [r.score for r in loop.run_until_complete(scorer.score_group(
+                    MathReference(str(problem.answer)), texts[i], problem.prompt_id))]
+                for i, problem in enumerate(batch)])
+            advantages = compute_advantages(
+                rewards, algorithm.advantage_estimator, algorithm.batch_norm_advantages
+            ).flatten()
+            samples = [
+                TrainSample(s.input_ids, s.loss_mask, s.behaviour_logprobs, float(a))
+                for s, a in zip(samples, advantages)
+            ]
+            stats = updater.step(samples)
+            result = DemoStep(step, float(rewards.mean()), generate_seconds, stats)
+            results.append(result)
+            on_step(result)
+    finally:
+        loop.run_until_complete(scorer.close())
+        loop.close()
     return results
 
 
-def _rollout(model, tokenizer, problems, spec) -> tuple[list[TrainSample], torch.Tensor]:
-    """n sampled responses per problem, with their behaviour log-probs and 0/1 rewards."""
+def _rollout(model, tokenizer, problems, spec) -> tuple[list[TrainSample], list[list[str]]]:
+    """n sampled responses per problem: samples with their behaviour log-probs, and the n
+    response texts of each problem."""
     n, rollout = spec.algorithm.group_size, spec.rollout
     prompts = [
         tokenizer.apply_chat_template(
@@ -95,7 +110,7 @@ def _rollout(model, tokenizer, problems, spec) -> tuple[list[TrainSample], torch
             pad_token_id=tokenizer.pad_token_id,
         )
     width = encoded.input_ids.shape[1]
-    samples, rewards = [], []
+    samples, texts = [], [[] for _ in problems]
     for row, sequence in enumerate(output):
         prompt_ids = encoded.input_ids[row // n][encoded.attention_mask[row // n].bool()]
         response = sequence[width:]
@@ -110,7 +125,5 @@ def _rollout(model, tokenizer, problems, spec) -> tuple[list[TrainSample], torch
                 rollout.temperature,
             )
         samples.append(TrainSample(ids, mask, behaviour * mask, 0.0))
-        text = tokenizer.decode(response, skip_special_tokens=True)
-        answer = arith.extract_integer(text, spec.reward.math.extract)
-        rewards.append(1.0 if answer == problems[row // n].answer else 0.0)
-    return samples, torch.tensor(rewards).view(len(problems), n)
+        texts[row // n].append(tokenizer.decode(response, skip_special_tokens=True))
+    return samples, texts

@@ -36,8 +36,8 @@ from asyncrl.devices import local_rank, select_device
 from asyncrl.grpc_health import add_health
 from asyncrl.models import load_policy
 from asyncrl.outage import OutageTooLong
-from asyncrl.prompts import ArithScorer, build_prompts
-from asyncrl.reward.client import PromptScorer, RewardClient
+from asyncrl.prompts import build_prompts
+from asyncrl.reward.client import PromptScorer, reward_scorer
 from asyncrl.rollout.engine import TorchEngine
 from asyncrl.rollout.types import SamplingParams
 from asyncrl.settings import ServiceSettings
@@ -78,8 +78,8 @@ class TrainerSettings(ServiceSettings):
     consumer: str = Field(default="trainer-0", description="Stable name (the pod's name).")
     eval_prompts: int = Field(default=32, ge=0, description="Held-out prompts per evaluation.")
     reward_address: str | None = Field(
-        default=None, description="Reward service for evaluations (default: in-process "
-        "integer check, arithmetic only)."
+        default=None, description="Reward service for evaluations; without it, the same "
+        "scorer runs in this process."
     )
     collective_timeout: float = Field(
         default=DEFAULT_COLLECTIVE_TIMEOUT, gt=0, description="Under torchrun: seconds a rank "
@@ -160,10 +160,9 @@ class Trainer:
         if self.group.leader:
             _, held_out = build_prompts(spec, self.tokenizer)
             self.eval_items = held_out[: settings.eval_prompts]
-            self.reward = RewardClient(settings.reward_address, self.job.metadata.name) if (
-                settings.reward_address) else None
-            self.scorer = PromptScorer(self.reward, self.tokenizer) if self.reward else (
-                ArithScorer(self.tokenizer, spec.reward.math.extract))
+            self.reward = reward_scorer(settings.reward_address, self.job.metadata.name,
+                                        spec.reward)
+            self.scorer = PromptScorer(self.reward, self.tokenizer)
 
     async def run(self) -> None:
         if self.group.leader:
