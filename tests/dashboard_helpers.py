@@ -99,9 +99,9 @@ def exercised_registries() -> dict[str, object]:
     reward.sandbox_available.set(1)
     buffer = BufferMetrics()
     buffer.observe_stats("t", Stats(trainer_version=1, trainer_step=1, depth_groups=2,
-                                    running_slots=3, accepted_total=4, consumed_total=2, dropped_stale_total=0,
-                                    redelivered_total=0, expired_slots_total=0,
-                                    staleness_counts=[1, 1]))
+                                    running_slots=3, accepted_total=4, consumed_total=2,
+                                    dropped_stale_total=0, redelivered_total=0,
+                                    expired_slots_total=0, staleness_counts=[1, 1]))
     return {"trainer": trainer, "rollout": rollout, "reward": reward, "buffer": buffer}
 
 
