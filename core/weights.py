@@ -1,8 +1,9 @@
 """Where a policy version's weights are announced, shared by the trainer (writer, through the
 buffer service) and the rollout workers (readers).
 
-Per job, in Redis: the hash `asyncrl:{job}:weights` holds the newest `version`, its `uri` and
-`updated_unix_ms`; every change is also published on the channel `asyncrl:{job}:weights`.
+Per job, in Redis (key names: asyncrl.redis_keys): the hash `weights` holds the newest
+`version`, its `uri` and `updated_unix_ms`; every change is also published on the channel of
+the same name.
 A reader subscribes first and then reads the hash, so it can never miss the newest version;
 it also re-reads the hash periodically, which covers messages lost while disconnected.
 """
@@ -11,13 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from asyncrl.redis_keys import weights_channel, weights_key
 
-def weights_key(job: str) -> str:
-    return f"asyncrl:{{{job}}}:weights"
-
-
-def weights_channel(job: str) -> str:
-    return f"asyncrl:{{{job}}}:weights"
+__all__ = ["WeightVersion", "weights_channel", "weights_key"]
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ import redis.asyncio as redis
 
 from asyncrl.buffer.metrics import BufferMetrics
 from asyncrl.buffer.server import create_server
-from asyncrl.buffer.store import BufferStore, JobConfig, prefix
+from asyncrl.buffer.store import BufferStore, JobConfig
+from asyncrl.redis_keys import key
 from asyncrl.redis_server import RedisServer, free_port
 from asyncrl.v1 import common_pb2
 
@@ -164,8 +165,8 @@ def transactions(commands: list[list[bytes]]):
 def group_fates(redis_dir: Path, job: str) -> GroupFates:
     """The fate of every group of `job`, from the AOF of the job's stopped redis-server; the
     groups still waiting are read from that Redis started again on its own files."""
-    stream = (prefix(job) + "groups").encode()
-    acked = (prefix(job) + "acked:").encode()
+    stream = key(job, "groups").encode()
+    acked = key(job, "acked:").encode()
     fates, group_of = GroupFates(), {}
     for applied in transactions(aof_commands(redis_dir)):
         is_ack = any(c[0].upper() == b"SET" and c[1].startswith(acked) for c in applied)

@@ -15,7 +15,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from asyncrl.buffer.client import BufferClient
-from asyncrl.buffer.store import prefix
+from asyncrl.redis_keys import key
 from asyncrl.grpc_health import LIVENESS, NOT_SERVING, SERVING
 from asyncrl.outage import OutageTooLong
 from asyncrl.v1 import buffer_pb2
@@ -156,7 +156,7 @@ def test_the_buffer_rides_through_a_redis_restart_and_loses_nothing(redis_server
     # What Redis holds: everything written before the outage, and the put that waited.
     client = sync_redis.Redis(port=redis_server.port)
     try:
-        stored = [f[b"id"].decode() for _, f in client.xrange(prefix("tiny") + "groups")]
+        stored = [f[b"id"].decode() for _, f in client.xrange(key("tiny", "groups"))]
     finally:
         client.close()
     assert sorted(stored) == sorted([*before, "retried"])

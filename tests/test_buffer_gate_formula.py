@@ -11,7 +11,7 @@ import redis
 
 from asyncrl.algorithms.staleness import rollout_capacity
 from asyncrl.buffer import scripts
-from asyncrl.buffer.store import prefix
+from asyncrl.redis_keys import key, prefix
 
 STATES = 400
 
@@ -28,11 +28,10 @@ def random_state(rng: random.Random) -> dict[str, int]:
 
 
 def lua_grants(client: redis.Redis, acquire, job: str, state: dict[str, int]) -> tuple[bool, str]:
-    p = prefix(job)
-    client.hset(p + "config", mapping={
+    client.hset(key(job, "config"), mapping={
         "max_staleness": state["max_staleness"], "batch_size": state["batch_size"],
         "max_concurrent": state["max_concurrent"], "lease_ms": 30_000, "ack_timeout_ms": 60_000})
-    client.hset(p + "state", mapping={
+    client.hset(key(job, "state"), mapping={
         "trainer_version": state["trainer_version"], "accepted": state["accepted"],
         "dropped_stale": state["dropped_stale"]})
     seconds, micros = client.time()
@@ -40,8 +39,8 @@ def lua_grants(client: redis.Redis, acquire, job: str, state: dict[str, int]) ->
     slots = {f"live-{i}": now_ms + 60_000 for i in range(state["running"])}
     slots |= {f"expired-{i}": now_ms - 1_000 for i in range(state["expired"])}  # lease ran out
     if slots:
-        client.zadd(p + "slots", slots)
-    reply = acquire(keys=[p + "state"], args=[p, "probe"])
+        client.zadd(key(job, "slots"), slots)
+    reply = acquire(keys=[key(job, "state")], args=[prefix(job), "probe"])
     return reply[0] == 1, (reply[1].decode() if reply[0] == 0 else "")
 
 

@@ -2,19 +2,8 @@
 replicas (and rollout workers behind them) see one consistent gate, and a buffer process can
 die between any two calls without losing or duplicating anything: all state lives in Redis.
 
-Keys of a job share the prefix `asyncrl:{<job>}:` (one cluster hash slot):
-  config    hash   max_staleness, batch_size, max_concurrent (0 = unlimited), lease_ms, ack_timeout_ms
-  state     hash   trainer_version, trainer_step, accepted, consumed, dropped_stale, redelivered, expired
-  slots     zset   granted slot id -> lease expiry (ms, Redis clock)
-  put:<slot>       stream id of the group put with that slot (makes PutGroup retries idempotent)
-  groups    stream accepted groups: g = Group protobuf, v = oldest token version, id = group id
-  staged    list   stream ids read from `groups` but not yet in a batch, oldest first
-  batches   zset   batch id -> delivery time (ms)
-  batch:<id> list  stream ids of a delivered, unacknowledged batch
-  owner     hash   batch id -> consumer;  owned: consumer -> batch id
-  acked:<id>       marker of an acknowledged batch (makes AckBatch retries idempotent)
-  staleness hash   staleness at consumption -> number of groups
-  weights   hash   version, uri, updated_unix_ms (see asyncrl.weights); published on a channel
+Keys: each script gets the job's key prefix and appends the suffixes of the one layout,
+asyncrl.redis_keys.LAYOUT.
 Times come from Redis (TIME), never from the caller, so replicas cannot disagree about leases.
 """
 

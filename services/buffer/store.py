@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import redis.asyncio as redis
 
 from asyncrl.buffer import scripts
-from asyncrl.weights import WeightVersion, weights_channel, weights_key
+from asyncrl.redis_keys import key, prefix, weights_channel, weights_key
+from asyncrl.weights import WeightVersion
 
 CONSUMER_GROUP = "trainer"
 
@@ -101,10 +102,6 @@ class Stats:
     staleness_counts: list[int]
 
 
-def prefix(job: str) -> str:
-    return f"asyncrl:{{{job}}}:"
-
-
 class BufferStore:
     def __init__(self, client: redis.Redis, jobs: list[JobConfig]):
         self._client = client
@@ -117,8 +114,7 @@ class BufferStore:
     async def register(self) -> None:
         """Writes each job's gate settings and creates its stream's consumer group."""
         for job in self._jobs.values():
-            p = prefix(job.name)
-            await self._client.hset(p + "config", mapping={
+            await self._client.hset(key(job.name, "config"), mapping={
                 "max_staleness": job.max_staleness,
                 "batch_size": job.batch_size,
                 "max_concurrent": job.max_concurrent or 0,
@@ -126,7 +122,8 @@ class BufferStore:
                 "ack_timeout_ms": int(job.ack_timeout_seconds * 1000),
             })
             try:
-                await self._client.xgroup_create(p + "groups", CONSUMER_GROUP, id="0", mkstream=True)
+                await self._client.xgroup_create(key(job.name, "groups"), CONSUMER_GROUP, id="0",
+                                                 mkstream=True)
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
@@ -142,7 +139,7 @@ class BufferStore:
             ) from None
 
     async def _run(self, script: str, job: JobConfig, *args):
-        return await self._scripts[script](keys=[prefix(job.name) + "state"],
+        return await self._scripts[script](keys=[key(job.name, "state")],
                                            args=[prefix(job.name), *args])
 
     # ------------------------------------------------------------------ rollout side
@@ -236,15 +233,14 @@ class BufferStore:
 
     async def stats(self, job_name: str) -> Stats:
         job = self.job(job_name)
-        p = prefix(job.name)
         seconds, micros = await self._client.time()  # the clock the leases use
         now_ms = seconds * 1000 + micros // 1000
         async with self._client.pipeline(transaction=True) as pipe:
-            pipe.hgetall(p + "state")
-            pipe.zcount(p + "slots", now_ms, "+inf")
-            pipe.llen(p + "staged")
-            pipe.hgetall(p + "staleness")
-            pipe.xinfo_groups(p + "groups")
+            pipe.hgetall(key(job.name, "state"))
+            pipe.zcount(key(job.name, "slots"), now_ms, "+inf")
+            pipe.llen(key(job.name, "staged"))
+            pipe.hgetall(key(job.name, "staleness"))
+            pipe.xinfo_groups(key(job.name, "groups"))
             state, running, staged, staleness, groups = await pipe.execute()
         state = {_text(k): int(v) for k, v in state.items()}
         lag = next((g.get("lag") or 0 for g in groups if _text(g["name"]) == CONSUMER_GROUP), 0)
