@@ -243,129 +243,63 @@ def _service_setup() -> None:
     _stop_on_sigterm()
 
 
-def _sglang_startup_seconds() -> float:
-    """serve rollout's default, read only when the command runs (keeps `--help` light)."""
-    from asyncrl.rollout.sglang_launch import SGLANG_STARTUP_SECONDS
+def _add_serve_command(name: str, help: str) -> None:
+    """`asyncrl serve <name>`: one option per field of the service's settings
+    (asyncrl.settings), with its description and default; an option left out falls back to
+    its ASYNCRL_* environment variable, then to the default, as the settings read them."""
+    import inspect
+    import types
+    import typing
 
-    return SGLANG_STARTUP_SECONDS
+    from asyncrl.settings import SERVICES, flag, is_flag
 
+    settings_class = SERVICES[name]
 
-@serve_app.command("rollout")
-def serve_rollout(
-    job_file: Annotated[Path, typer.Option(envvar="ASYNCRL_JOB_FILE", help="RLJob manifest.")],
-    http_port: Annotated[int, typer.Option(envvar="ASYNCRL_HTTP_PORT")] = 30000,
-    grpc_port: Annotated[int, typer.Option(envvar="ASYNCRL_GRPC_PORT")] = 50061,
-    redis_url: Annotated[Optional[str], typer.Option(envvar="ASYNCRL_REDIS_URL")] = None,
-    threads: Annotated[Optional[int], typer.Option(envvar="ASYNCRL_THREADS")] = None,
-    host: Annotated[str, typer.Option(envvar="ASYNCRL_HOST")] = "127.0.0.1",
-    buffer_address: Annotated[Optional[str], typer.Option(
-        envvar="ASYNCRL_BUFFER_ADDRESS", help="Run the rollout workflow against this buffer.")] = None,
-    worker: Annotated[str, typer.Option(envvar="ASYNCRL_WORKER")] = "rollout-0",
-    reward_address: Annotated[Optional[str], typer.Option(
-        envvar="ASYNCRL_REWARD_ADDRESS", help="Score through this reward service.")] = None,
-    engine: Annotated[Optional[str], typer.Option(
-        envvar="ASYNCRL_ENGINE", help="torch or sglang (default: the job's rollout.engine).")
-    ] = None,
-    sglang_port: Annotated[int, typer.Option(
-        envvar="ASYNCRL_SGLANG_PORT", help="Loopback port of the launched SGLang server.")
-    ] = 30001,
-    sglang_command: Annotated[Optional[str], typer.Option(
-        envvar="ASYNCRL_SGLANG_COMMAND", help="Starts the SGLang server instead of "
-        "`python -m sglang.launch_server ...`; {port} and {model_path} are filled in.")] = None,
-    # The default is SGLANG_STARTUP_SECONDS, imported only when the command runs.
-    sglang_startup_seconds: float = typer.Option(
-        default_factory=_sglang_startup_seconds, envvar="ASYNCRL_SGLANG_STARTUP_SECONDS",
-        show_default="SGLANG_STARTUP_SECONDS", help="How long SGLang may take to start."),
-) -> None:
-    """The rollout worker: the job's engine (torch in process, or an SGLang server it
-    launches), the rollout workflow, weight following, HTTP (SGLang-compatible) and gRPC
-    status."""
-    from asyncrl.rollout.server import RolloutSettings, serve
+    def option_type(annotation):
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+            annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+        return str if typing.get_origin(annotation) is typing.Literal else annotation
 
-    settings = _settings_or_exit(
-        RolloutSettings, job_file=job_file, http_port=http_port, grpc_port=grpc_port,
-        redis_url=redis_url, threads=threads, host=host, buffer_address=buffer_address,
-        worker=worker, reward_address=reward_address, engine=engine, sglang_port=sglang_port,
-        sglang_command=sglang_command, sglang_startup_seconds=sglang_startup_seconds,
-    )
-    serve(settings)
+    parameters = []
+    for field_name, field in settings_class.model_fields.items():
+        if not is_flag(settings_class, field_name):
+            continue
+        env = f"{settings_class.model_config['env_prefix']}{field_name.upper()}"
+        default = "required" if field.is_required() else field.get_default()
+        option = typer.Option(None, flag(field_name),
+                              show_default=False if default is None else str(default),
+                              help=f"{field.description or ''} Env: {env}.")
+        parameters.append(inspect.Parameter(
+            field_name, inspect.Parameter.KEYWORD_ONLY, default=option,
+            annotation=Optional[option_type(field.annotation)]))
+
+    def command(**values) -> None:
+        import importlib
+
+        given = {key: value for key, value in values.items() if value is not None}
+        settings = _settings_or_exit(settings_class, **given)
+        importlib.import_module(_SERVE_MODULES[name]).serve(settings)
+
+    command.__signature__ = inspect.Signature(parameters)
+    command.__doc__ = help
+    serve_app.command(name)(command)
 
 
-@serve_app.command("buffer")
-def serve_buffer(
-    job_file: Annotated[Path, typer.Option(envvar="ASYNCRL_JOB_FILE", help="RLJob manifest.")],
-    redis_url: Annotated[str, typer.Option(envvar="ASYNCRL_REDIS_URL")],
-    grpc_port: Annotated[int, typer.Option(envvar="ASYNCRL_GRPC_PORT")] = 50051,
-    metrics_port: Annotated[int, typer.Option(envvar="ASYNCRL_METRICS_PORT",
-                                              help="Prometheus port; 0 turns it off.")] = 9101,
-    host: Annotated[str, typer.Option(envvar="ASYNCRL_HOST")] = "127.0.0.1",
-) -> None:
-    """The buffer: staleness gate, batches and versions, all state in Redis.
-    The Redis password, if any, is read from ASYNCRL_REDIS_PASSWORD (a Secret in Kubernetes)."""
-    import os
+#: The module whose `serve(settings)` runs each service (imported only when it runs).
+_SERVE_MODULES = {"buffer": "asyncrl.buffer.server", "reward": "asyncrl.reward.server",
+                  "rollout": "asyncrl.rollout.server", "trainer": "asyncrl.trainer.service"}
 
-    from asyncrl.buffer.server import BufferSettings, serve
-
-    settings = _settings_or_exit(
-        BufferSettings, job_file=job_file, redis_url=redis_url, grpc_port=grpc_port,
-        metrics_port=metrics_port, host=host,
-        redis_password=os.environ.get("ASYNCRL_REDIS_PASSWORD"),
-    )
-    serve(settings)
-
-
-@serve_app.command("reward")
-def serve_reward(
-    job_file: Annotated[Path, typer.Option(envvar="ASYNCRL_JOB_FILE", help="RLJob manifest.")],
-    grpc_port: Annotated[int, typer.Option(envvar="ASYNCRL_GRPC_PORT")] = 50081,
-    metrics_port: Annotated[int, typer.Option(envvar="ASYNCRL_METRICS_PORT",
-                                              help="Prometheus port; 0 turns it off.")] = 9102,
-    workers: Annotated[Optional[int], typer.Option(
-        envvar="ASYNCRL_WORKERS", help="Math verifier processes and sandbox slots "
-        "(default: the CPU count).")] = None,
-    sandbox_uid_base: Annotated[int, typer.Option(
-        envvar="ASYNCRL_SANDBOX_UID_BASE", help="When root, sandbox slot i runs tested code "
-        "as uid SANDBOX_UID_BASE + i.")] = 61000,
-    host: Annotated[str, typer.Option(envvar="ASYNCRL_HOST")] = "127.0.0.1",
-) -> None:
-    """The reward service: math answer verification and unit tests in a code sandbox."""
-    from asyncrl.reward.server import RewardSettings, serve
-
-    settings = _settings_or_exit(
-        RewardSettings, job_file=job_file, grpc_port=grpc_port, metrics_port=metrics_port,
-        workers=workers, sandbox_uid_base=sandbox_uid_base, host=host,
-    )
-    serve(settings)
-
-
-@serve_app.command("trainer")
-def serve_trainer(
-    job_file: Annotated[Path, typer.Option(envvar="ASYNCRL_JOB_FILE", help="RLJob manifest.")],
-    buffer_address: Annotated[str, typer.Option(envvar="ASYNCRL_BUFFER_ADDRESS",
-                                                help="host:port of the buffer.")],
-    run_dir: Annotated[Path, typer.Option(envvar="ASYNCRL_RUN_DIR",
-                                          help="Checkpoints, weights and metrics.jsonl.")],
-    grpc_port: Annotated[int, typer.Option(envvar="ASYNCRL_GRPC_PORT")] = 50071,
-    metrics_port: Annotated[int, typer.Option(envvar="ASYNCRL_METRICS_PORT")] = 0,
-    threads: Annotated[Optional[int], typer.Option(envvar="ASYNCRL_THREADS")] = None,
-    consumer: Annotated[str, typer.Option(envvar="ASYNCRL_CONSUMER")] = "trainer-0",
-    host: Annotated[str, typer.Option(envvar="ASYNCRL_HOST")] = "127.0.0.1",
-    reward_address: Annotated[Optional[str], typer.Option(
-        envvar="ASYNCRL_REWARD_ADDRESS", help="Reward service used for evaluations.")] = None,
-    collective_timeout: Annotated[float, typer.Option(
-        envvar="ASYNCRL_COLLECTIVE_TIMEOUT", help="Under torchrun: seconds a rank waits in a "
-        "collective before it exits (and torchrun stops the others).")] = 600.0,
-) -> None:
-    """The trainer: batches from the buffer, decoupled PPO updates, published weights. Under
-    torchrun, one rank of a data-parallel (or FSDP-sharded) trainer."""
-    from asyncrl.trainer.service import TrainerSettings, serve
-
-    settings = _settings_or_exit(
-        TrainerSettings, job_file=job_file, buffer_address=buffer_address, run_dir=run_dir,
-        grpc_port=grpc_port, metrics_port=metrics_port, threads=threads, consumer=consumer,
-        host=host, reward_address=reward_address, collective_timeout=collective_timeout,
-    )
-    serve(settings)
+_add_serve_command("rollout", """The rollout worker: the job's engine (torch in process, or an
+    SGLang server it launches), the rollout workflow, weight following, HTTP (SGLang-compatible)
+    and gRPC status.""")
+_add_serve_command("buffer", """The buffer: staleness gate, batches and versions, all state in
+    Redis. The Redis password, if any, is read from ASYNCRL_REDIS_PASSWORD (a Secret in
+    Kubernetes).""")
+_add_serve_command("reward", """The reward service: math answer verification and unit tests in
+    a code sandbox.""")
+_add_serve_command("trainer", """The trainer: batches from the buffer, decoupled PPO updates,
+    published weights. Under torchrun, one rank of a data-parallel (or FSDP-sharded)
+    trainer.""")
 
 
 def _settings_or_exit(settings_class, **values):

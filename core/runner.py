@@ -36,6 +36,7 @@ from google.protobuf.json_format import MessageToDict
 from asyncrl.grpc_health import is_serving_at
 from asyncrl.outage import DEFAULT_OUTAGE_SECONDS
 from asyncrl.redis_server import RedisServer, free_port
+from asyncrl.settings import serve_command
 from asyncrl.trainer.launch import LOCAL_MAX_RESTARTS, torchrun_arguments
 from asyncrl.v1 import (
     buffer_pb2,
@@ -174,24 +175,23 @@ class LocalJob:
         redis_url = self.start_redis()
         exe = str(Path(sys.executable).parent / "asyncrl")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        common = ["--job-file", str(self.config_path)]
+        job_file = self.config_path
         buffer_address = f"127.0.0.1:{self.ports['buffer']}"
-        self._launch("buffer", [exe, "serve", "buffer", *common, "--redis-url", redis_url,
-                                "--grpc-port", str(self.ports["buffer"]),
-                                "--metrics-port", str(self.metrics_ports["buffer"])], env)
+        self._launch("buffer", [exe, *serve_command(
+            "buffer", job_file=job_file, redis_url=redis_url, grpc_port=self.ports["buffer"],
+            metrics_port=self.metrics_ports["buffer"])], env)
         self._wait(lambda: is_serving_at(buffer_address), "buffer")
         reward_address = f"127.0.0.1:{self.ports['reward']}"
-        self._launch("reward", [exe, "serve", "reward", *common, "--grpc-port",
-                                str(self.ports["reward"]), "--metrics-port",
-                                str(self.metrics_ports["reward"]), "--workers", "1"], env)
+        self._launch("reward", [exe, *serve_command(
+            "reward", job_file=job_file, grpc_port=self.ports["reward"],
+            metrics_port=self.metrics_ports["reward"], workers=1)], env)
         self._wait(lambda: is_serving_at(reward_address), "reward")
-        self._launch("trainer", self._trainer_command(exe, common, buffer_address, reward_address),
-                     env)
-        self._launch("rollout", [exe, "serve", "rollout", *common, "--buffer-address", buffer_address,
-                                 "--reward-address", reward_address,
-                                 "--redis-url", redis_url, "--http-port", str(self.ports["rollout_http"]),
-                                 "--grpc-port", str(self.ports["rollout_grpc"]),
-                                 "--threads", str(self.rollout_threads)], env)
+        self._launch("trainer", self._trainer_command(exe, buffer_address, reward_address), env)
+        self._launch("rollout", [exe, *serve_command(
+            "rollout", job_file=job_file, buffer_address=buffer_address,
+            reward_address=reward_address, redis_url=redis_url,
+            http_port=self.ports["rollout_http"], grpc_port=self.ports["rollout_grpc"],
+            threads=self.rollout_threads)], env)
         self._wait(lambda: self.trainer_status() is not None, "trainer", timeout=600)
 
     def start_redis(self) -> str:
@@ -202,19 +202,18 @@ class LocalJob:
         self.redis = RedisServer(self.run_dir / "redis", append_only=True).start()
         return self.redis.url
 
-    def _trainer_command(self, exe: str, common: list[str], buffer_address: str,
-                         reward_address: str) -> list[str]:
+    def _trainer_command(self, exe: str, buffer_address: str, reward_address: str) -> list[str]:
         """`asyncrl serve trainer ...`; with trainer.processesPerReplica > 1 the same command
         under torchrun, one process per replica slot, the trainer threads split between them.
         A rank that dies makes torchrun stop the others and start them all again (at most
         LOCAL_MAX_RESTARTS times), resuming from the last checkpoint; the runner sees one
         process that exits 0 once every rank is done."""
         processes = self.job.spec.trainer.processes_per_replica
-        serve = ["serve", "trainer", *common, "--buffer-address", buffer_address,
-                 "--reward-address", reward_address, "--run-dir", str(self.run_dir),
-                 "--grpc-port", str(self.ports["trainer"]),
-                 "--metrics-port", str(self.metrics_ports["trainer"]),
-                 "--threads", str(max(1, self.trainer_threads // processes))]
+        serve = serve_command(
+            "trainer", job_file=self.config_path, buffer_address=buffer_address,
+            reward_address=reward_address, run_dir=self.run_dir, grpc_port=self.ports["trainer"],
+            metrics_port=self.metrics_ports["trainer"],
+            threads=max(1, self.trainer_threads // processes))
         if processes == 1:
             return [exe, *serve]
         return [sys.executable, "-m", "torch.distributed.run",

@@ -37,7 +37,9 @@ import yaml
 
 import asyncrl
 from asyncrl.grpc_health import LIVENESS
+from asyncrl.endpoints import port
 from asyncrl.rollout.sglang_launch import SGLANG_STARTUP_SECONDS
+from asyncrl.settings import serve_command
 from asyncrl.spec import GPU_RESOURCE, RLJob
 from asyncrl.trainer.launch import torchrun_arguments
 
@@ -51,11 +53,12 @@ JOB_FILE = "/etc/asyncrl/job.yaml"
 RUN_DIR = "/run/asyncrl"
 PASSWORD_ENV = "ASYNCRL_REDIS_PASSWORD"
 
-BUFFER_PORT, BUFFER_METRICS = 50051, 9101
-REWARD_PORT, REWARD_METRICS = 50081, 9102
-ROLLOUT_HTTP, ROLLOUT_GRPC = 30000, 50061
-TRAINER_PORT, TRAINER_METRICS, RENDEZVOUS_PORT = 50071, 9103, 29400
-REDIS_PORT = 6379
+# The ports of asyncrl.endpoints, by the names this module uses.
+BUFFER_PORT, BUFFER_METRICS = port("buffer", "grpc"), port("buffer", "metrics")
+REWARD_PORT, REWARD_METRICS = port("reward", "grpc"), port("reward", "metrics")
+ROLLOUT_HTTP, ROLLOUT_GRPC = port("rollout", "http"), port("rollout", "grpc")
+TRAINER_PORT, TRAINER_METRICS = port("trainer", "grpc"), port("trainer", "metrics")
+RENDEZVOUS_PORT, REDIS_PORT = port("trainer", "rendezvous"), port("redis", "redis")
 
 #: Seconds a service container may take to start (loading a model can take minutes) before
 #: its startup probe fails and the kubelet restarts it; the probe runs every PROBE_PERIOD.
@@ -263,9 +266,8 @@ def redis_service(job: RLJob) -> dict[str, Any] | None:
 
 
 def buffer_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
-    args = ["serve", "buffer", "--job-file", JOB_FILE, "--redis-url", redis_url(job),
-            "--host", "0.0.0.0", "--grpc-port", str(BUFFER_PORT),
-            "--metrics-port", str(BUFFER_METRICS)]
+    args = serve_command("buffer", job_file=JOB_FILE, redis_url=redis_url(job), host="0.0.0.0",
+                         grpc_port=BUFFER_PORT, metrics_port=BUFFER_METRICS)
     env = [_password_env(job)] if password_ref(job) else []
     container = _container(job, config, "buffer", args, env=env,
                            ports=[("grpc", BUFFER_PORT), ("metrics", BUFFER_METRICS)],
@@ -283,8 +285,8 @@ def reward_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
     no service-account token, no service links, read-only root, no capabilities but, for code
     rewards, the four the sandbox needs to cage each program (`_run_sandbox_as_root`)."""
     reward = job.spec.reward
-    args = ["serve", "reward", "--job-file", JOB_FILE, "--host", "0.0.0.0",
-            "--grpc-port", str(REWARD_PORT), "--metrics-port", str(REWARD_METRICS)]
+    args = serve_command("reward", job_file=JOB_FILE, host="0.0.0.0", grpc_port=REWARD_PORT,
+                         metrics_port=REWARD_METRICS)
     container = _container(job, config, "reward", args, gpus=reward.placement.gpus,
                            ports=[("grpc", REWARD_PORT), ("metrics", REWARD_METRICS)],
                            resources=_resources(reward.resources, "reward",
@@ -327,11 +329,11 @@ def reward_service(job: RLJob) -> dict[str, Any]:
 
 def rollout_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
     rollout = job.spec.rollout
-    args = ["serve", "rollout", "--job-file", JOB_FILE, "--host", "0.0.0.0",
-            "--http-port", str(ROLLOUT_HTTP), "--grpc-port", str(ROLLOUT_GRPC),
-            "--buffer-address", f"{child_name(job, 'buffer')}:{BUFFER_PORT}",
-            "--reward-address", f"{child_name(job, 'reward')}:{REWARD_PORT}",
-            "--redis-url", redis_url_with_password(job), "--worker", "$(POD_NAME)"]
+    args = serve_command(
+        "rollout", job_file=JOB_FILE, host="0.0.0.0", http_port=ROLLOUT_HTTP,
+        grpc_port=ROLLOUT_GRPC, buffer_address=f"{child_name(job, 'buffer')}:{BUFFER_PORT}",
+        reward_address=f"{child_name(job, 'reward')}:{REWARD_PORT}",
+        redis_url=redis_url_with_password(job), worker="$(POD_NAME)")
     env = [_pod_name_env()] + ([_password_env(job)] if password_ref(job) else [])
     health = {"httpGet": {"path": "/health", "port": "http"}}
     # Not ready while Redis is down (no weight updates can reach it), yet not restarted.
@@ -381,11 +383,11 @@ def trainer_statefulset(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
     can work (`rendezvous_wait_container`). A template change restarts the pods, and the
     trainer resumes from the last checkpoint in the run volume."""
     trainer = job.spec.trainer
-    serve = ["serve", "trainer", "--job-file", JOB_FILE, "--host", "0.0.0.0",
-             "--grpc-port", str(TRAINER_PORT), "--metrics-port", str(TRAINER_METRICS),
-             "--buffer-address", f"{child_name(job, 'buffer')}:{BUFFER_PORT}",
-             "--reward-address", f"{child_name(job, 'reward')}:{REWARD_PORT}",
-             "--run-dir", RUN_DIR, "--consumer", "$(POD_NAME)"]
+    serve = serve_command(
+        "trainer", job_file=JOB_FILE, host="0.0.0.0", grpc_port=TRAINER_PORT,
+        metrics_port=TRAINER_METRICS, buffer_address=f"{child_name(job, 'buffer')}:{BUFFER_PORT}",
+        reward_address=f"{child_name(job, 'reward')}:{REWARD_PORT}", run_dir=RUN_DIR,
+        consumer="$(POD_NAME)")
     env = [_pod_name_env(),
            {"name": "ASYNCRL_NNODES", "value": str(trainer.replicas)},
            {"name": "ASYNCRL_NPROC_PER_NODE", "value": str(trainer.processes_per_replica)}]

@@ -171,11 +171,11 @@ def group_fates(redis_dir: Path, job: str) -> GroupFates:
     for applied in transactions(aof_commands(redis_dir)):
         is_ack = any(c[0].upper() == b"SET" and c[1].startswith(acked) for c in applied)
         for command in applied:
-            name, key, args = command[0].upper(), command[1:2], command[2:]
-            if name == b"XADD" and key == [stream]:   # XADD <key> <id> <field> <value> ...
+            name, target, args = command[0].upper(), command[1:2], command[2:]
+            if name == b"XADD" and target == [stream]:   # XADD <key> <id> <field> <value> ...
                 group_of[args[0]] = dict(zip(args[1::2], args[2::2]))[b"id"].decode()
                 fates.accepted.append(group_of[args[0]])
-            elif name == b"XDEL" and key == [stream]:
+            elif name == b"XDEL" and target == [stream]:
                 (fates.trained if is_ack else fates.dropped).extend(group_of[s] for s in args)
     with RedisServer(redis_dir) as replay:
         client = sync_redis.Redis(port=replay.port)

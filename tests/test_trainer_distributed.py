@@ -215,14 +215,14 @@ def test_local_run_starts_more_than_one_trainer_process_under_torchrun(tmp_path)
     path.write_text(yaml.safe_dump(manifest))
     local = LocalJob(load_manifest(path), manifest, RunOptions(run_dir=tmp_path / "run",
                                                                trainer_threads=4))
-    command = local._trainer_command("asyncrl", ["--job-file", "j"], "b:1", "r:2")
+    command = local._trainer_command("asyncrl", "b:1", "r:2")
     assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert "--nproc-per-node=2" in command and "--standalone" in command
     assert command[command.index("-m", 3):][:4] == ["-m", "asyncrl.cli", "serve", "trainer"]
     assert command[command.index("--threads") + 1] == "2"  # 4 threads, 2 each
     manifest["spec"]["trainer"]["processesPerReplica"] = 1
     single = LocalJob(load_manifest(TINY), manifest, RunOptions(run_dir=tmp_path / "run"))
-    assert single._trainer_command("asyncrl", [], "b:1", "r:2")[:3] == [
+    assert single._trainer_command("asyncrl", "b:1", "r:2")[:3] == [
         "asyncrl", "serve", "trainer"]
 
 

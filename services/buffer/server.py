@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import grpc
 import redis.asyncio as redis
-from pydantic import Field
 
 from asyncrl.buffer.metrics import BufferMetrics
 from asyncrl.buffer.store import (
@@ -27,7 +26,7 @@ from asyncrl.buffer.store import (
 from asyncrl.grpc_errors import map_errors
 from asyncrl.grpc_health import add_health
 from asyncrl.outage import REDIS_DOWN, Outage, OutageTooLong, connect, redis_address, retry
-from asyncrl.settings import ServiceSettings
+from asyncrl.settings import BufferSettings
 from asyncrl.spec import load_manifest
 from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
 from asyncrl.weights import WeightVersion
@@ -167,13 +166,6 @@ def _version_pb(announced: WeightVersion) -> buffer_pb2.VersionInfo:
         version=announced.version, weights_uri=announced.uri,
         updated_unix_ms=announced.updated_unix_ms,
     )
-
-
-class BufferSettings(ServiceSettings):
-    grpc_port: int = Field(default=50051, ge=1, le=65535, description="Buffer gRPC API.")
-    metrics_port: int = Field(default=9101, ge=0, le=65535, description="Prometheus; 0 = off.")
-    redis_url: str = Field(description="Redis of the job (redis:// or rediss://).")
-    redis_password: str | None = Field(default=None, description="From a Secret, never a flag.")
 
 
 @dataclass

@@ -14,15 +14,14 @@ import signal
 from dataclasses import dataclass
 
 import grpc
-from pydantic import Field
 
 from asyncrl.reward.metrics import RewardMetrics
-from asyncrl.reward.sandbox import DEFAULT_UID_BASE, SandboxUnavailable
+from asyncrl.reward.sandbox import SandboxUnavailable
 from asyncrl.reward.scorer import RewardScorer
 from asyncrl.reward.types import ScoreTask
 from asyncrl.grpc_errors import map_errors
 from asyncrl.grpc_health import add_health
-from asyncrl.settings import ServiceSettings
+from asyncrl.settings import RewardSettings
 from asyncrl.spec import load_manifest
 from asyncrl.v1 import reward_pb2, reward_pb2_grpc
 
@@ -69,17 +68,6 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
     async def ScoreBatch(self, request, context):
         results = await self._scorer.score(tasks_from_pb(request, self._job))
         return reward_pb2.ScoreBatchResponse(results=[r.to_pb() for r in results])
-
-
-class RewardSettings(ServiceSettings):
-    grpc_port: int = Field(default=50081, ge=1, le=65535, description="Reward gRPC API.")
-    metrics_port: int = Field(default=9102, ge=0, le=65535, description="Prometheus; 0 = off.")
-    workers: int | None = Field(
-        default=None, ge=1,
-        description="Math verifier processes and sandbox slots (default: the CPU count).")
-    sandbox_uid_base: int = Field(
-        default=DEFAULT_UID_BASE, ge=1000, le=2**31 - 70000,
-        description="When root, sandbox slot i runs programs as uid sandbox_uid_base + i.")
 
 
 @dataclass

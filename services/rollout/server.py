@@ -16,13 +16,11 @@ import asyncio
 import itertools
 import logging
 import shlex
-from pathlib import Path
-from typing import Coroutine, Literal
+from typing import Coroutine
 
 import torch
 import uvicorn
 from fastapi import FastAPI
-from pydantic import Field
 
 from asyncrl.buffer.client import BufferClient
 from asyncrl.devices import local_rank, select_device
@@ -38,7 +36,6 @@ from asyncrl.rollout.metrics import RolloutMetrics
 from asyncrl.rollout.sglang_client import SGLangClient
 from asyncrl.rollout.sglang_engine import SGLangEngine
 from asyncrl.rollout.sglang_launch import (
-    SGLANG_STARTUP_SECONDS,
     SGLangServer,
     SGLangUnavailableError,
     max_running_requests,
@@ -47,54 +44,10 @@ from asyncrl.rollout.sglang_launch import (
 from asyncrl.rollout.types import SamplingParams
 from asyncrl.rollout.weight_sync import WeightWatcher, engine_applier
 from asyncrl.rollout.workflow import EngineGenerator, RolloutWorkflow
-from asyncrl.settings import ServiceSettings
+from asyncrl.settings import RolloutSettings
 from asyncrl.spec import load_manifest
 
 log = logging.getLogger(__name__)
-
-
-class RolloutSettings(ServiceSettings):
-    http_port: int = Field(default=30000, ge=1, le=65535, description="SGLang-compatible HTTP API.")
-    grpc_port: int = Field(default=50061, ge=1, le=65535, description="RolloutControl gRPC API.")
-    max_running_requests: int | None = Field(
-        default=None, ge=1,
-        description="Engine batch slots (default: this replica's share of "
-        "rollout.maxConcurrentRollouts x algorithm.groupSize).",
-    )
-    max_sequence_length: int | None = Field(
-        default=None, ge=16,
-        description="Prompt + response cap (default: longest prompt + rollout.maxNewTokens).",
-    )
-    weights_cache: Path = Field(
-        default=Path("/tmp/asyncrl-weights"), description="Where HTTP weight snapshots land."
-    )
-    poll_seconds: float = Field(default=5.0, gt=0, description="Version re-read interval.")
-    buffer_address: str | None = Field(
-        default=None, description="host:port of the buffer; when set, the worker runs the "
-        "rollout workflow (prompts -> groups -> buffer), otherwise it only serves requests."
-    )
-    worker: str = Field(default="rollout-0", description="Stable worker name (the pod's name).")
-    reward_address: str | None = Field(
-        default=None, description="host:port of the reward service; without it, the same "
-        "scorer runs in this process (one math-verify worker, one sandbox slot)."
-    )
-    engine: Literal["torch", "sglang"] | None = Field(
-        default=None, description="The engine this process runs (default: the job's "
-        "rollout.engine); torch serves the torch engine's SGLang-compatible API."
-    )
-    sglang_port: int = Field(
-        default=30001, ge=1, le=65535,
-        description="Loopback port of the SGLang server the worker launches (engine sglang).",
-    )
-    sglang_command: str | None = Field(
-        default=None, description="Command that starts the SGLang server instead of "
-        "`python -m sglang.launch_server ...` built from the job; {port} and {model_path} "
-        "are filled in. It must serve SGLang's HTTP API on {port}."
-    )
-    sglang_startup_seconds: float = Field(
-        default=SGLANG_STARTUP_SECONDS, gt=0,
-        description="How long SGLang may take to become healthy.",
-    )
 
 
 def serve(settings: RolloutSettings) -> None:

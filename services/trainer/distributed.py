@@ -42,8 +42,6 @@ from asyncrl.trainer.step import TrainSample
 
 log = logging.getLogger(__name__)
 
-DEFAULT_COLLECTIVE_TIMEOUT = 600.0
-
 
 def heartbeat_seconds(collective_timeout: float) -> float:
     """How often the leader tells waiting followers it is alive."""

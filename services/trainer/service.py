@@ -27,7 +27,6 @@ from pathlib import Path
 
 import grpc
 import torch
-from pydantic import Field
 
 from asyncrl.algorithms.advantages import compute_advantages
 from asyncrl.algorithms.staleness import staleness
@@ -40,7 +39,7 @@ from asyncrl.prompts import build_prompts
 from asyncrl.reward.client import PromptScorer, reward_scorer
 from asyncrl.rollout.engine import TorchEngine
 from asyncrl.rollout.types import SamplingParams
-from asyncrl.settings import ServiceSettings
+from asyncrl.settings import TrainerSettings
 from asyncrl.spec import load_manifest
 from asyncrl.trainer.checkpoints import (
     TrainerState,
@@ -50,7 +49,6 @@ from asyncrl.trainer.checkpoints import (
     save_checkpoint,
 )
 from asyncrl.trainer.distributed import (
-    DEFAULT_COLLECTIVE_TIMEOUT,
     Command,
     TrainerGroup,
     full_model_state,
@@ -68,23 +66,6 @@ from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
 log = logging.getLogger(__name__)
 
 STATE, STOP, WAIT = Command("state"), Command("stop"), Command("wait")
-
-
-class TrainerSettings(ServiceSettings):
-    buffer_address: str = Field(description="host:port of the buffer service.")
-    run_dir: Path = Field(description="Run folder: checkpoints, weights, metrics.jsonl.")
-    grpc_port: int = Field(default=50071, ge=1, le=65535, description="Trainer status gRPC.")
-    metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus; 0 = off.")
-    consumer: str = Field(default="trainer-0", description="Stable name (the pod's name).")
-    eval_prompts: int = Field(default=32, ge=0, description="Held-out prompts per evaluation.")
-    reward_address: str | None = Field(
-        default=None, description="Reward service for evaluations; without it, the same "
-        "scorer runs in this process."
-    )
-    collective_timeout: float = Field(
-        default=DEFAULT_COLLECTIVE_TIMEOUT, gt=0, description="Under torchrun: seconds a rank "
-        "waits in a collective before it gives up and exits (a hung peer never blocks forever)."
-    )
 
 
 @dataclass
