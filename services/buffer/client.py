@@ -9,6 +9,7 @@ import logging
 import grpc
 
 from asyncrl.grpc_health import is_serving
+from asyncrl.grpc_service import BATCH_BYTES, channel
 from asyncrl.outage import DEFAULT_OUTAGE_SECONDS, Outage, retry
 from asyncrl.samples import Group, Slot
 from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc
@@ -27,10 +28,7 @@ def _unavailable(exc: BaseException) -> bool:
 class BufferClient:
     def __init__(self, address: str, job: str, worker: str = "worker", *, lease_seconds: float = 30,
                  outage_seconds: float = DEFAULT_OUTAGE_SECONDS):
-        self._channel = grpc.aio.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", 256 << 20),
-            ("grpc.max_send_message_length", 64 << 20),
-        ])
+        self._channel = channel(address, receive=BATCH_BYTES)
         self.stub = buffer_pb2_grpc.BufferStub(self._channel)
         self.address = address
         self._outage_seconds = outage_seconds

@@ -24,7 +24,7 @@ from asyncrl.buffer.store import (
     ResourceExhausted,
 )
 from asyncrl.grpc_errors import map_errors
-from asyncrl.grpc_health import add_health
+from asyncrl import grpc_service
 from asyncrl.outage import REDIS_DOWN, Outage, OutageTooLong, connect, redis_address, retry
 from asyncrl.settings import BufferSettings
 from asyncrl.spec import load_manifest
@@ -198,16 +198,11 @@ async def create_server(
     store: BufferStore, client: redis.Redis, metrics: BufferMetrics, address: str
 ) -> grpc.aio.Server:
     """A started gRPC server for `store` on `address` (host:port)."""
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", 64 << 20),
-        ("grpc.max_send_message_length", 256 << 20),
-    ])
-    buffer_pb2_grpc.add_BufferServicer_to_server(BufferServicer(store, client, metrics), server)
-    await add_health(server, lambda: redis_answers(client))
-    if server.add_insecure_port(address) == 0:
-        raise OSError(f"buffer: cannot listen on {address}")
-    await server.start()
-    return server
+    return await grpc_service.start_server(
+        "buffer", address,
+        lambda server: buffer_pb2_grpc.add_BufferServicer_to_server(
+            BufferServicer(store, client, metrics), server),
+        lambda: redis_answers(client), send=grpc_service.BATCH_BYTES)
 
 
 async def _watch_redis(running: RunningBuffer, every: float = 2.0) -> None:

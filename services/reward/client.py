@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Sequence
 import grpc
 
 from asyncrl.grpc_health import is_serving
+from asyncrl.grpc_service import channel
 from asyncrl.reward.types import CodeReference, MathReference, ScoreResult, ScoreTask
 from asyncrl.v1 import reward_pb2, reward_pb2_grpc
 
@@ -21,10 +22,7 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
 class RewardClient:
     def __init__(self, address: str, job: str = "", *, timeout: float = 600.0,
                  attempts: int = 20, retry_delay: float = 0.25):
-        self._channel = grpc.aio.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20),
-        ])
+        self._channel = channel(address)
         self.stub = reward_pb2_grpc.RewardStub(self._channel)
         self.job = job
         self._timeout = timeout

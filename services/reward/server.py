@@ -20,7 +20,7 @@ from asyncrl.reward.sandbox import SandboxUnavailable
 from asyncrl.reward.scorer import RewardScorer
 from asyncrl.reward.types import ScoreTask
 from asyncrl.grpc_errors import map_errors
-from asyncrl.grpc_health import add_health
+from asyncrl import grpc_service
 from asyncrl.settings import RewardSettings
 from asyncrl.spec import load_manifest
 from asyncrl.v1 import reward_pb2, reward_pb2_grpc
@@ -95,21 +95,16 @@ async def start_server(settings: RewardSettings) -> RunningReward:
 
 async def create_server(scorer: RewardScorer, job: str, kind: str, address: str) -> grpc.aio.Server:
     """A started gRPC server for `scorer` on `address` (host:port)."""
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", 64 << 20),
-        ("grpc.max_send_message_length", 64 << 20),
-    ])
-    reward_pb2_grpc.add_RewardServicer_to_server(RewardServicer(scorer, job, kind), server)
 
     async def can_score() -> bool:
         # A job that scores math can be served while the code sandbox is unavailable.
         return kind != "code" or scorer.health()[0]
 
-    await add_health(server, can_score)
-    if server.add_insecure_port(address) == 0:
-        raise OSError(f"reward: cannot listen on {address}")
-    await server.start()
-    return server
+    return await grpc_service.start_server(
+        "reward", address,
+        lambda server: reward_pb2_grpc.add_RewardServicer_to_server(
+            RewardServicer(scorer, job, kind), server),
+        can_score)
 
 
 def serve(settings: RewardSettings) -> None:

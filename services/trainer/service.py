@@ -25,14 +25,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import torch
 
 from asyncrl.algorithms.advantages import compute_advantages
 from asyncrl.algorithms.staleness import staleness
 from asyncrl.buffer.client import BufferClient
 from asyncrl.devices import local_rank, select_device
-from asyncrl.grpc_health import add_health
+from asyncrl.grpc_service import start_server
 from asyncrl.models import load_policy
 from asyncrl.outage import OutageTooLong
 from asyncrl.prompts import build_prompts
@@ -400,16 +399,14 @@ def serve(settings: TrainerSettings) -> None:
         trainer = Trainer(settings, group, device)
         server = None
         if group.local_rank == 0:
-            server = grpc.aio.server()
-            trainer_pb2_grpc.add_TrainerStatusServiceServicer_to_server(
-                StatusServicer(trainer.status), server)
-
             async def running() -> bool:
                 return trainer.status.phase != "failed"
 
-            await add_health(server, running)
-            server.add_insecure_port(f"{settings.host}:{settings.grpc_port}")
-            await server.start()
+            server = await start_server(
+                "trainer", f"{settings.host}:{settings.grpc_port}",
+                lambda server: trainer_pb2_grpc.add_TrainerStatusServiceServicer_to_server(
+                    StatusServicer(trainer.status), server),
+                running)
         if group.leader and settings.metrics_port:
             trainer.metrics.serve(settings.metrics_port, settings.host)
         try:
