@@ -20,7 +20,7 @@ from asyncrl.algorithms.advantages import compute_advantages
 from asyncrl.models import load_policy, packed_token_logprobs
 from asyncrl.reward.scorer import RewardScorer
 from asyncrl.reward.types import MathReference
-from asyncrl.trainer.step import PolicyUpdater, TrainSample, UpdateConfig
+from asyncrl.trainer.step import PolicyUpdater, TrainSample, reference_policy
 
 
 @dataclass(frozen=True)
@@ -42,14 +42,7 @@ def run_demo(spec, steps: int, on_step: Callable[[DemoStep], None] = lambda _: N
     # float32 master weights, as in the trainer service (bf16 is autocast in the update).
     model, tokenizer = load_policy(spec.model, dtype="float32")
     algorithm = spec.algorithm
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=algorithm.learning_rate, weight_decay=algorithm.weight_decay
-    )
-    reference = None
-    if algorithm.kl.coef > 0:
-        reference, _ = load_policy(spec.model, dtype="float32")
-        reference.eval().requires_grad_(False)
-    updater = PolicyUpdater(model, optimizer, UpdateConfig.from_spec(spec), reference)
+    updater = PolicyUpdater.from_spec(spec, model, reference_policy(spec))
 
     problems = arith.generate(spec.dataset.num_prompts, spec.dataset.seed, spec.dataset.difficulty)
     train, _ = arith.split(problems, spec.dataset.eval_fraction)

@@ -59,7 +59,7 @@ from asyncrl.trainer.distributed import (
     under_torchrun,
 )
 from asyncrl.trainer.metrics import TrainerMetrics
-from asyncrl.trainer.step import PolicyUpdater, TrainSample, UpdateConfig
+from asyncrl.trainer.step import PolicyUpdater, TrainSample, reference_policy
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -115,21 +115,15 @@ class Trainer:
         self.device = device or select_device(spec.trainer.placement.gpus, self.group.local_rank)
         # float32 master weights whatever model.dtype says; bf16 is autocast (see step.py).
         self.model, self.tokenizer = load_policy(spec.model, dtype="float32", device=self.device)
-        reference = None
-        if spec.algorithm.kl.coef > 0:
-            reference, _ = load_policy(spec.model, dtype="float32", device=self.device)
-            reference.eval().requires_grad_(False)
+        reference = reference_policy(spec, self.device)
         self.sharded = spec.trainer.sharding == "fsdp" and self.group.distributed
         if self.sharded:
             for model in filter(None, (self.model, reference)):
                 shard_model(model, self.device, self.group.world_size)
         elif spec.trainer.sharding == "fsdp":
             log.info("trainer.sharding fsdp with one process: nothing to shard")
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=spec.algorithm.learning_rate,
-            weight_decay=spec.algorithm.weight_decay,
-        )
-        self.updater = PolicyUpdater(self.model, self.optimizer, UpdateConfig.from_spec(spec), reference)
+        self.updater = PolicyUpdater.from_spec(spec, self.model, reference)
+        self.optimizer = self.updater.optimizer
         self.status = Status(max_steps=spec.algorithm.max_steps,
                              phase="starting" if self.group.leader else "following")
         self.metrics = TrainerMetrics(self.job.metadata.name)

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from asyncrl.algorithms.packing import PackedBatch, balance_micro_batches, pack_sequences
 from asyncrl.algorithms.ppo import decoupled_ppo_loss, kl_penalty
-from asyncrl.models import packed_token_logprobs
+from asyncrl.models import load_policy, packed_token_logprobs
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,15 @@ class PolicyUpdater:
         self.optimizer = optimizer
         self.config = config
         self.reference_model = reference_model
+
+    @classmethod
+    def from_spec(cls, spec, model: torch.nn.Module,
+                  reference_model: torch.nn.Module | None = None) -> PolicyUpdater:
+        """The job's optimizer (AdamW over `model`, already sharded if it is to be) and
+        update rule; what the trainer service and train-demo both train with."""
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.algorithm.learning_rate,
+                                      weight_decay=spec.algorithm.weight_decay)
+        return cls(model, optimizer, UpdateConfig.from_spec(spec), reference_model)
 
     def step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         started = time.perf_counter()
@@ -273,3 +282,12 @@ def _all_reduce_gradients(model: torch.nn.Module) -> None:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+
+
+def reference_policy(spec, device: torch.device | str = "cpu") -> torch.nn.Module | None:
+    """The frozen reference model of the KL penalty (float32, like the trained weights), or
+    None when algorithm.kl.coef is 0."""
+    if spec.algorithm.kl.coef <= 0:
+        return None
+    reference, _ = load_policy(spec.model, dtype="float32", device=device)
+    return reference.eval().requires_grad_(False)
