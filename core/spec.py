@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from datetime import datetime
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -79,40 +79,24 @@ class SpecModel(BaseModel):
 # --------------------------------------------------------------------------- quantities
 
 # The Kubernetes quantity grammar (k8s.io/apimachinery resource.Quantity), without a minus sign:
-# resource requests and limits are never negative.
+# resource requests and limits are never negative. The CRD's schema carries it too, so the API
+# server refuses what `asyncrl validate` refuses.
 QUANTITY_PATTERN = (
     r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
     r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
-_QUANTITY = re.compile(
-    r"^\+?(?P<number>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
-    r"(?P<suffix>[KMGTPE]i|[numkMGTPE]|[eE][+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))?$"
-)
-_SUFFIX_FACTOR = {
-    "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30,
-    "Ti": Decimal(2) ** 40, "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60,
-    "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1),
-    "k": Decimal("1e3"), "M": Decimal("1e6"), "G": Decimal("1e9"), "T": Decimal("1e12"),
-    "P": Decimal("1e15"), "E": Decimal("1e18"),
-}
+_QUANTITY = re.compile(QUANTITY_PATTERN)
 
 
 def parse_quantity(value: str | int) -> Decimal:
-    """The numeric value of a Kubernetes quantity: "500m" -> 0.5, "2Gi" -> 2147483648."""
-    if isinstance(value, bool):
+    """The numeric value of a Kubernetes quantity ("500m" -> 0.5, "2Gi" -> 2147483648), by the
+    kubernetes client's own parser, for a value of the grammar above."""
+    from kubernetes.utils import parse_quantity as kubernetes_quantity
+
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or (
+            isinstance(value, str) and _QUANTITY.match(value) is None):
         raise ValueError(f"not a Kubernetes quantity: {value!r}")
-    if isinstance(value, int):
-        return Decimal(value)
-    match = _QUANTITY.match(value)
-    if match is None:
-        raise ValueError(f"not a Kubernetes quantity: {value!r}")
-    number, suffix = Decimal(match["number"]), match["suffix"] or ""
-    if suffix[:1] in ("e", "E") and len(suffix) > 1:
-        try:
-            return number * Decimal(10) ** Decimal(suffix[1:])
-        except InvalidOperation as exc:  # pragma: no cover - absurd exponents
-            raise ValueError(f"not a Kubernetes quantity: {value!r}") from exc
-    return number * _SUFFIX_FACTOR[suffix]
+    return Decimal(kubernetes_quantity(value))
 
 
 _QUANTITY_FIX = 'write an integer or a quoted quantity such as "500m", "2", "4Gi"'

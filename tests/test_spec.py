@@ -326,12 +326,18 @@ def test_quantity_keys_with_dots_are_quoted_in_paths():
 
 @pytest.mark.parametrize(("text", "value"), [
     ("500m", "0.5"), ("2", "2"), (3, "3"), ("1Ki", "1024"), ("2Gi", str(2 * 2**30)),
-    ("1.5k", "1500"), ("1e3", "1000"), ("100n", "1E-7"),
+    ("1.5k", "1500"), ("1e3", "1000"), ("100n", "1E-7"), ("2Ei", str(2 * 2**60)),
 ])
 def test_parse_quantity(text, value):
     from decimal import Decimal
 
     assert parse_quantity(text) == Decimal(value)
+
+
+@pytest.mark.parametrize("text", ["-1", "1.5.5", "2 Gi", "abc", "", True, 1.5])
+def test_parse_quantity_refuses_what_the_api_server_refuses(text):
+    with pytest.raises(ValueError, match="not a Kubernetes quantity"):
+        parse_quantity(text)
 
 
 # --------------------------------------------------------------------------- error lines
