@@ -337,7 +337,13 @@ def run_operator(
         "default: the cluster's default.")] = None,
     interval: Annotated[float, typer.Option(
         envvar="ASYNCRL_OPERATOR_INTERVAL", min=0.5,
-        help="Seconds between resyncs of every RLJob (drift repair, status figures).")] = 10.0,
+        help="Seconds between refreshes of each RLJob's figures from its buffer and trainer "
+        "(the API is written only when they change; children are watched, not polled).")
+    ] = 10.0,
+    resync_interval: Annotated[float, typer.Option(
+        envvar="ASYNCRL_OPERATOR_RESYNC_INTERVAL", min=0.5,
+        help="Seconds between full reconciles of every RLJob, a safety net behind the "
+        "watches.")] = 600.0,
     buffer_stats: Annotated[bool, typer.Option(
         envvar="ASYNCRL_OPERATOR_BUFFER_STATS",
         help="Read policy version, samples/s and staleness from each job's buffer "
@@ -390,7 +396,7 @@ def run_operator(
         run_volume_storage_class=storage_class, network_policies=network_policies,
         gpu_tolerations=(_parse_tolerations(gpu_tolerations) if gpu_tolerations is not None
                          else defaults.gpu_tolerations),
-    ), interval=interval, buffer_stats=buffer_stats)
+    ), interval=interval, resync_interval=resync_interval, buffer_stats=buffer_stats)
     kopf.configure(verbose=verbose)
     stop_flag: threading.Event | None = None
     leadership = None

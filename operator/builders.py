@@ -500,8 +500,9 @@ def _network_policy(job: RLJob, component: str, *, ingress: list[dict],
     spec: dict[str, Any] = {"podSelector": {"matchLabels": selector_labels(job, component)},
                             "policyTypes": ["Ingress"], "ingress": ingress}
     if deny_egress:
+        # Egress listed with no egress rules denies it all. (An explicit `egress: []` is
+        # dropped by the API server, so every apply would change the object again.)
         spec["policyTypes"].append("Egress")
-        spec["egress"] = []
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
             "metadata": _meta(job, component), "spec": spec}
 

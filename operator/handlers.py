@@ -26,6 +26,7 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
+import asyncrl
 from asyncrl.operator import builders
 from asyncrl.operator.builders import OperatorConfig
 from asyncrl.operator.status import (
@@ -41,8 +42,13 @@ from asyncrl.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, RLJob, parse
 from asyncrl.spec_errors import describe
 
 FIELD_MANAGER = "asyncrl-operator"
+USER_AGENT = "asyncrl-operator"
 APPLY = "application/apply-patch+yaml"
+#: Seconds between refreshes of each job's figures from its buffer and trainer (gRPC); the API
+#: is written only when the status changes. Children are watched, so nothing else polls.
 INTERVAL = float(os.environ.get("ASYNCRL_OPERATOR_INTERVAL", "10"))
+#: Seconds between full reconciles of every RLJob: a safety net behind the watches.
+RESYNC_INTERVAL = float(os.environ.get("ASYNCRL_OPERATOR_RESYNC_INTERVAL", "600"))
 #: Ask the job's services for their figures (buffer GetStats, trainer GetStatus); they are
 #: reachable when the operator runs in the cluster.
 BUFFER_STATS = os.environ.get("ASYNCRL_OPERATOR_BUFFER_STATS", "1") not in ("0", "false", "")
@@ -54,14 +60,18 @@ CONFIG = OperatorConfig()
 
 
 def configure_operator(config: OperatorConfig, *, interval: float | None = None,
+                       resync_interval: float | None = None,
                        buffer_stats: bool | None = None) -> None:
     """Settings from `asyncrl operator`'s flags (read at run time, not at import)."""
-    global CONFIG, INTERVAL, BUFFER_STATS
+    global CONFIG, INTERVAL, RESYNC_INTERVAL, BUFFER_STATS
     CONFIG = config
     if interval is not None:
         INTERVAL = interval
+    if resync_interval is not None:
+        RESYNC_INTERVAL = resync_interval
     if buffer_stats is not None:
         BUFFER_STATS = buffer_stats
+    _watch_children(network_policies=config.network_policies)
 
 
 # --------------------------------------------------------------------------- API access
@@ -82,6 +92,8 @@ def api_client():
             except config.ConfigException:
                 config.load_kube_config()
             _api_client = client.ApiClient()
+            # Named in the API server's audit log and metrics (kopf's own calls say kopf/...).
+            _api_client.user_agent = f"{USER_AGENT}/{asyncrl.__version__}"
         return _api_client
 
 
@@ -97,36 +109,29 @@ def _apps():
     return client.AppsV1Api(api_client())
 
 
-def _networking():
-    from kubernetes import client
-
-    return client.NetworkingV1Api(api_client())
-
-
 def _custom():
     from kubernetes import client
 
     return client.CustomObjectsApi(api_client())
 
 
-_APPLY_METHODS = {
-    "ConfigMap": ("core", "patch_namespaced_config_map"),
-    "Secret": ("core", "patch_namespaced_secret"),
-    "Service": ("core", "patch_namespaced_service"),
-    "PersistentVolumeClaim": ("core", "patch_namespaced_persistent_volume_claim"),
-    "Deployment": ("apps", "patch_namespaced_deployment"),
-    "StatefulSet": ("apps", "patch_namespaced_stateful_set"),
-    "NetworkPolicy": ("networking", "patch_namespaced_network_policy"),
-}
+_dynamic = None
 
 
 def apply(obj: dict[str, Any]) -> None:
-    """Server-side apply: create or converge `obj`; unchanged objects stay untouched."""
-    group, method = _APPLY_METHODS[obj["kind"]]
-    api = {"core": _core, "apps": _apps, "networking": _networking}[group]()
-    meta = obj["metadata"]
-    getattr(api, method)(meta["name"], meta["namespace"], obj, field_manager=FIELD_MANAGER,
-                         force=True, _content_type=APPLY)
+    """Server-side apply of any child, by its apiVersion and kind (the kubernetes client's
+    dynamic client finds the resource): created or converged; unchanged objects stay
+    untouched."""
+    global _dynamic
+    from kubernetes.dynamic import DynamicClient
+
+    client = api_client()
+    with _client_lock:
+        if _dynamic is None:
+            _dynamic = DynamicClient(client)
+    resource = _dynamic.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
+    _dynamic.server_side_apply(resource, body=obj, namespace=obj["metadata"]["namespace"],
+                               field_manager=FIELD_MANAGER, force_conflicts=True)
 
 
 # --------------------------------------------------------------------------- reconcile
@@ -155,14 +160,32 @@ def _redis_password(job: RLJob) -> str:
     return base64.b64decode((secret.data or {})["password"]).decode()
 
 
+# Per-job memory, keyed by (namespace, name); `forget` drops it when the job is deleted.
 _job_locks: dict[tuple[str, str], threading.Lock] = {}
 _job_locks_lock = threading.Lock()
+#: The job as last parsed and what was last observed of it (the figures refresh compares).
+_jobs: dict[tuple[str, str], RLJob] = {}
+_observed: dict[tuple[str, str], Observation] = {}
+
+
+def _key(body: Any) -> tuple[str, str]:
+    return body["metadata"].get("namespace"), body["metadata"]["name"]
 
 
 def _job_lock(body: Any) -> threading.Lock:
-    key = (body["metadata"].get("namespace"), body["metadata"]["name"])
     with _job_locks_lock:
-        return _job_locks.setdefault(key, threading.Lock())
+        return _job_locks.setdefault(_key(body), threading.Lock())
+
+
+def forget(namespace: str, name: str, uid: str | None) -> None:
+    """Drops everything kept in memory about a deleted job."""
+    key = (namespace, name)
+    with _job_locks_lock:
+        _job_locks.pop(key, None)
+    _jobs.pop(key, None)
+    _observed.pop(key, None)
+    _accepted.pop(uid or name, None)
+    _CHILD_EVENTS.forget(key)
 
 
 def reconcile(body: Any, *, logger: logging.Logger | logging.LoggerAdapter = log) -> dict:
@@ -256,11 +279,13 @@ def observe(job: RLJob, body: Any) -> Observation:
     trainer, trainer_error = None, None
     if BUFFER_STATS and next(w for w in found if w.component == "trainer").ready:
         trainer, trainer_error = trainer_status(job)
-    return Observation(
+    observed = Observation(
         generation=body["metadata"].get("generation"), suspend=job.spec.suspend,
         max_steps=job.spec.algorithm.max_steps, workloads=tuple(found), trainer_failure=failure,
         stats=stats, stats_error=stats_error, samples_per_second=rate,
         trainer=trainer, trainer_error=trainer_error, now=datetime.now(timezone.utc))
+    _jobs[_key(body)], _observed[_key(body)] = job, observed
+    return observed
 
 
 def buffer_stats(job: RLJob, address: str | None = None,
@@ -396,13 +421,14 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_)
         prefix=GROUP, key="last-handled-configuration")
     settings.posting.enabled = False  # Events are posted explicitly, for phase transitions.
     settings.watching.server_timeout = 300
-    memo.resync = asyncio.create_task(_resync_forever(logger))
+    memo.tasks = [asyncio.create_task(_resync_forever(logger)),
+                  asyncio.create_task(_CHILD_EVENTS.run(logger)),
+                  asyncio.create_task(_refresh_figures_forever(logger))]
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_) -> None:
-    task = memo.get("resync")
-    if task is not None:
+    for task in memo.get("tasks", []):
         task.cancel()
 
 
@@ -414,10 +440,198 @@ def reconcile_handler(body: kopf.Body, logger, **_) -> None:
     reconcile(body, logger=logger)
 
 
-async def _resync_forever(logger) -> None:
-    """Level-based safety net: every RLJob is reconciled again every INTERVAL seconds."""
+@kopf.on.event(GROUP, VERSION, PLURAL, id="forget-deleted-jobs")
+def forget_deleted_job(event: dict, body: kopf.Body, **_) -> None:
+    """A deleted job's per-job state goes with it (its children go by garbage collection)."""
+    if event.get("type") == "DELETED":
+        forget(body["metadata"].get("namespace"), body["metadata"]["name"],
+               body["metadata"].get("uid"))
+
+
+# --------------------------------------------------------------------------- child watches
+
+#: The children watched, by kopf resource name; Secrets are not (an operator able to list
+#: every Secret of the cluster is more than this one needs; the safety-net resync repairs them).
+_CHILD_RESOURCES = ("deployments", "statefulsets", "services", "configmaps",
+                    "persistentvolumeclaims")
+#: Children whose status the job's status is made from: a change of theirs only refreshes it.
+_OBSERVED = ("Deployment", "StatefulSet", "Pod")
+
+
+class ChildEvents:
+    """Turns watch events of children into work for their job, coalesced: a burst of events
+    for one job (a rollout, a deletion of many children) becomes one reconcile."""
+
+    def __init__(self, settle_seconds: float = 0.3):
+        self.settle_seconds = settle_seconds
+        self.pending: dict[tuple[str, str], bool] = {}  # job -> full reconcile (else status)
+        #: child uid -> (its job, the generation last seen)
+        self.generations: dict[str, tuple[tuple[str, str], int | None]] = {}
+        self.pods: dict[str, tuple] = {}  # trainer pod uid -> what its status said
+        self._wake: asyncio.Event | None = None
+
+    def note(self, event: dict, body: Any) -> None:
+        meta = body["metadata"]
+        job = (meta["namespace"], meta["labels"][builders.JOB_LABEL])
+        uid, generation = meta.get("uid", ""), meta.get("generation")
+        kind, kind_of_event = body.get("kind", ""), event.get("type")
+        seen = self.generations.get(uid, (job, None))[1]
+        if kind_of_event == "DELETED":
+            self.generations.pop(uid, None)
+            self.pods.pop(uid, None)
+            full = kind != "Pod"  # re-create it (a pod is its workload's to re-create)
+        else:
+            self.generations[uid] = (job, generation)
+            if kind_of_event is None:  # the initial listing: the job's own resume covers it
+                return
+            changed_spec = seen is not None and generation != seen
+            if kind in _OBSERVED:
+                full = changed_spec
+                if not full and not self._status_moved(job, kind, body):
+                    return  # nothing the job's status is made from changed
+            else:  # no status of their own: any change of someone else's is drift
+                full = kind_of_event == "MODIFIED"
+                if kind_of_event == "ADDED":
+                    return
+        log.debug("%s %s/%s: %s", kind_of_event, kind, meta.get("name"),
+                  "reconciling its job" if full else "refreshing its job's status")
+        self.pending[job] = self.pending.get(job, False) or full
+        if self._wake is not None:
+            self._wake.set()
+
+    def _status_moved(self, job: tuple[str, str], kind: str, body: Any) -> bool:
+        """Whether what the job's status reads of this child changed: a workload's replica
+        counts, a trainer pod's phase, restarts and waiting reason."""
+        status = body.get("status") or {}
+        if kind == "Pod":
+            signature = (status.get("phase"), body["metadata"].get("deletionTimestamp"),
+                         tuple((c.get("restartCount"), (c.get("state") or {}).get("waiting"))
+                               for c in status.get("containerStatuses") or []))
+            uid = body["metadata"].get("uid", "")
+            moved = self.pods.get(uid) != signature
+            self.pods[uid] = signature
+            return moved
+        observed = _observed.get(job)
+        component = body["metadata"]["labels"].get("app.kubernetes.io/component")
+        workload = next((w for w in observed.workloads if w.component == component),
+                        None) if observed else None
+        counts = (status.get("replicas") or 0, status.get("readyReplicas") or 0,
+                  status.get("updatedReplicas") or 0)
+        return workload is None or (workload.replicas, workload.ready, workload.updated) != counts
+
+    def forget(self, job: tuple[str, str]) -> None:
+        self.pending.pop(job, None)
+        for uid in [u for u, (owner, _) in self.generations.items() if owner == job]:
+            del self.generations[uid]
+
+    async def run(self, logger) -> None:
+        self._wake = asyncio.Event()
+        while True:
+            await self._wake.wait()
+            await asyncio.sleep(self.settle_seconds)
+            self._wake.clear()
+            work, self.pending = self.pending, {}
+            for (namespace, name), full in work.items():
+                logger.debug(f"{namespace}/{name}: a child changed, "
+                             f"{'reconciling' if full else 'refreshing its status'}")
+                try:
+                    await asyncio.to_thread(_reconcile_by_name, namespace, name, full)
+                except Exception as exc:  # noqa: BLE001 - one job's trouble must not stop others
+                    logger.warning(f"reconciling {namespace}/{name} after a child changed: {exc}")
+
+
+_CHILD_EVENTS = ChildEvents()
+
+
+async def _on_child_event(event: dict, body: kopf.Body, **_) -> None:
+    _CHILD_EVENTS.note(event, body)
+
+
+_children_watched = False
+
+
+def _watch_children(*, network_policies: bool) -> None:
+    """kopf handlers for every kind of child, filtered by our job label (so a cluster's other
+    objects are never listed), and for trainer pods (their restarts make a job Failed)."""
+    global _children_watched
+    if _children_watched:  # once per process
+        return
+    _children_watched = True
+    resources = _CHILD_RESOURCES + (("networkpolicies",) if network_policies else ())
+    for resource in resources:
+        kopf.on.event(resource, labels={builders.JOB_LABEL: kopf.PRESENT},
+                      id=f"watch-{resource}")(_on_child_event)
+    kopf.on.event("pods", labels={builders.JOB_LABEL: kopf.PRESENT,
+                                  "app.kubernetes.io/component": "trainer"},
+                  id="watch-trainer-pods")(_on_child_event)
+
+
+def _reconcile_by_name(namespace: str, name: str, full: bool) -> None:
+    from kubernetes.client.rest import ApiException
+
+    try:
+        body = _custom().get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    except ApiException as exc:
+        if exc.status == 404:
+            return  # the job is gone; its children go by garbage collection
+        raise
+    if body["metadata"].get("deletionTimestamp"):
+        return
+    if full:
+        try:
+            reconcile(body)
+        except kopf.PermanentError:
+            pass  # status already says why
+    else:
+        refresh_status(body)
+
+
+def refresh_status(body: Any) -> dict | None:
+    """The job's status from a fresh observation, without applying children."""
+    try:
+        job = parse_manifest(_manifest(body))
+    except ValidationError:
+        return None  # an invalid spec's status says so already
+    with _job_lock(body):
+        return _write_status(body, observe(job, body))
+
+
+# --------------------------------------------------------------------------- periodic work
+
+
+async def _refresh_figures_forever(logger) -> None:
+    """Every INTERVAL: each job's figures from its buffer and trainer (gRPC, no API call);
+    a job whose figures changed gets its status refreshed."""
     while True:
         await asyncio.sleep(INTERVAL)
+        if not BUFFER_STATS:
+            continue
+        for key, observed in list(_observed.items()):
+            try:
+                if await asyncio.to_thread(_figures_changed, key, observed):
+                    logger.debug(f"{key[0]}/{key[1]}: its figures changed")
+                    await asyncio.to_thread(_reconcile_by_name, *key, False)
+            except Exception as exc:  # noqa: BLE001 - keep refreshing the others
+                logger.warning(f"refreshing {key[0]}/{key[1]}: {exc}")
+
+
+def _figures_changed(key: tuple[str, str], observed: Observation) -> bool:
+    job = _jobs.get(key)
+    if job is None:
+        return False
+    buffer = next((w for w in observed.workloads if w.component == "buffer"), None)
+    trainer = next((w for w in observed.workloads if w.component == "trainer"), None)
+    stats = buffer_stats(job)[0] if buffer is not None and buffer.ready else None
+    status = trainer_status(job)[0] if trainer is not None and trainer.ready else None
+    # samples/s decays to 0 once nothing more is accepted: one more refresh shows it.
+    return (stats != observed.stats or status != observed.trainer
+            or bool(observed.samples_per_second))
+
+
+async def _resync_forever(logger) -> None:
+    """Level-based safety net: every RLJob is reconciled again every RESYNC_INTERVAL seconds."""
+    while True:
+        await asyncio.sleep(RESYNC_INTERVAL)
         try:
             await asyncio.to_thread(resync_all)
         except Exception as exc:  # noqa: BLE001 - keep resyncing whatever one pass hit

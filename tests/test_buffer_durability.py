@@ -5,6 +5,7 @@ rides through (not serving meanwhile) up to its outage bound, past which it exit
 
 import asyncio
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -188,3 +189,30 @@ def test_past_the_outage_bound_the_buffer_exits_naming_redis(redis_server, tmp_p
     text = " ".join(log.read_text().split())
     assert (f"buffer: Redis at 127.0.0.1:{redis_server.port} has been unreachable" in text), text
     assert "ASYNCRL_OUTAGE_SECONDS" in text
+
+
+@pytest.mark.slow
+def test_a_redis_that_comes_back_empty_gets_the_job_again_and_the_buffer_serves(redis_server,
+                                                                                tmp_path):
+    job_file, _ = write_job(tmp_path)
+    log = tmp_path / "buffer.log"
+    buffer = BufferProcess(job_file, redis_server.url, log).start()
+
+    async def scenario():
+        client = BufferClient(buffer.address, "tiny", "producer")
+        await wait_healthy(client)
+        await client.release(await client.acquire(), "test")
+        # A Redis with `persistence: none` restarts with nothing: same port, no files.
+        redis_server.stop()
+        shutil.rmtree(redis_server.data_dir)
+        redis_server.start()
+        await wait_for_line(log, "came back without the job's state")
+        slot = await client.acquire()  # the gate works again, not "job not registered"
+        await client.release(slot, "test")
+        await client.close()
+
+    try:
+        asyncio.run(scenario())
+        assert buffer.process.poll() is None  # it never exited
+    finally:
+        buffer.kill()

@@ -12,8 +12,9 @@ import pytest
 import yaml
 
 from asyncrl.crd import build_crd
-from asyncrl.operator import handlers
+from asyncrl.operator import builders, handlers
 from asyncrl.operator.builders import OperatorConfig
+from asyncrl.spec import load_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "asyncrl"
@@ -106,12 +107,19 @@ def test_rbac_grants_only_what_the_operator_uses(helm):
               "Service": ("", "services"), "PersistentVolumeClaim": ("", "persistentvolumeclaims"),
               "Deployment": ("apps", "deployments"), "StatefulSet": ("apps", "statefulsets"),
               "NetworkPolicy": ("networking.k8s.io", "networkpolicies")}
-    assert set(plural) == set(handlers._APPLY_METHODS)
+    job = load_manifest(ROOT / "examples" / "tiny.yaml")  # a managed Redis: its Secret too
+    applied = {c["kind"] for c in builders.build_children(job, OperatorConfig(),
+                                                          redis_password="x")}
+    assert set(plural) == applied
+    # Children are watched (filtered by the job label), except Secrets: never listed.
+    watched = {*handlers._CHILD_RESOURCES, "networkpolicies"}
     for kind, key in plural.items():
-        assert grants[key] == {"get", "create", "patch"}, kind
+        verbs = {"get", "create", "patch"} | ({"list", "watch"} if key[1] in watched else set())
+        assert grants[key] == verbs, kind
+    assert grants[("", "secrets")] == {"get", "create", "patch"}
     assert grants[("asyncrl.io", "rljobs")] == {"get", "list", "watch", "patch"}
     assert grants[("asyncrl.io", "rljobs/status")] == {"get", "patch"}
-    assert grants[("", "pods")] == {"list"}
+    assert grants[("", "pods")] == {"list", "watch"}
     assert grants[("", "events")] == {"create"}
     # Exactly these; a new grant must be added here, deliberately.
     assert set(grants) == {*plural.values(), ("asyncrl.io", "rljobs"),

@@ -63,7 +63,7 @@ def run(tools, tool: str, *args: str, check: bool = True) -> subprocess.Complete
 def release(tools, kube):
     run(tools, "helm", "install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE,
         "--create-namespace", "--wait", "--timeout", "180s",
-        "--set", "operator.resyncInterval=2")
+        "--set", "operator.statusInterval=2")
     yield RELEASE
     run(tools, "helm", "uninstall", RELEASE, "--namespace", RELEASE_NAMESPACE, "--wait",
         check=False)
@@ -187,11 +187,12 @@ def test_the_installed_operator_reconciles_an_rljob_with_leader_election(
         assert trainer.spec.template.spec.containers[0].image == "ghcr.io/asyncrl/asyncrl:0.1.0"
         out = run(tools, "kubectl", "get", "rljobs", "-n", namespace)
         assert "Running" in out.stdout
-        # Each phase transition is announced once, though handlers and resync race.
+        # Each phase transition is announced once, though handlers and watches race (kwok's
+        # pods can be Ready before the first status is written: Starting may be skipped).
         events = kube.core.list_namespaced_event(
             namespace, field_selector="involvedObject.name=one").items
         reasons = sorted(e.reason for e in events if e.reason in ("Starting", "Running"))
-        assert reasons == ["Running", "Starting"], reasons
+        assert reasons in (["Running"], ["Running", "Starting"]), reasons
         # The follower campaigns and waits; it does not lead.
         assert "campaigning for lease" in second.tail()
         assert "leading: lease" not in second.tail()

@@ -196,7 +196,7 @@ def installed(real_node):
         "--set", f"operator.image.repository={operator_repo}",
         "--set", f"operator.image.tag={operator_tag}",
         "--set", "operator.image.pullPolicy=Never",
-        "--set", "operator.resyncInterval=2",
+        "--set", "operator.statusInterval=2",
         "--set", f"jobs.image.repository={service_repo}",
         "--set", f"jobs.image.tag={service_tag}",
         "--set", "jobs.redis.image=asyncrl.local/redis:bookworm",

@@ -66,15 +66,18 @@ def crd(kube):
 
 
 class OperatorProcess:
-    def __init__(self, control_plane, log: Path):
-        self.control_plane, self.log = control_plane, log
+    """`asyncrl operator` against the control plane; `interval` None keeps its default."""
+
+    def __init__(self, control_plane, log: Path, interval: float | None = RESYNC_SECONDS):
+        self.control_plane, self.log, self.interval = control_plane, log, interval
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
         env = {**os.environ, "KUBECONFIG": str(self.control_plane.kubeconfig)}
         handle = open(self.log, "ab")
+        interval = ["--interval", str(self.interval)] if self.interval is not None else []
         self.process = subprocess.Popen(
-            [ASYNCRL, "operator", "--interval", str(RESYNC_SECONDS),
+            [ASYNCRL, "operator", *interval,
              "--image", "example.org/asyncrl:test", "--gpu-image", "example.org/asyncrl:test-gpu",
              "--verbose"],
             env=env, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

@@ -209,8 +209,13 @@ async def _watch_redis(running: RunningBuffer, every: float = 2.0) -> None:
     """Reads the job's totals from Redis every `every` seconds, which keeps the exported
     metrics fresh when nobody calls GetStats and notices an outage: meanwhile requests get
     UNAVAILABLE (clients retry) and Health says not serving. Raises OutageTooLong once Redis
-    has been unreachable for longer than the bound."""
+    has been unreachable for longer than the bound. A Redis that came back empty (restarted
+    without its files) gets the job's settings again, as a new buffer would write them."""
     while True:
+        if not await retry(running.store.registered, running.redis):
+            log.warning("%s came back without the job's state (persistence none?): "
+                        "registering the job again; what it held is lost", running.redis.what)
+            await retry(running.store.register, running.redis)
         stats = await retry(lambda: running.store.stats(running.job), running.redis)
         running.metrics.observe_stats(running.job, stats)
         await asyncio.sleep(every)

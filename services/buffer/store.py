@@ -111,6 +111,12 @@ class BufferStore:
             for name in ("ACQUIRE", "HEARTBEAT", "RELEASE", "PUT", "GET_BATCH", "ACK", "SET_VERSION")
         }
 
+    async def registered(self) -> bool:
+        """Whether Redis holds every job's gate settings (a Redis restarted without its files,
+        `persistence: none`, comes back empty)."""
+        return all([await self._client.exists(key(job.name, "config"))
+                    for job in self._jobs.values()])
+
     async def register(self) -> None:
         """Writes each job's gate settings and creates its stream's consumer group."""
         for job in self._jobs.values():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import os
 import signal
 import socket
@@ -283,6 +284,29 @@ class ControlPlane:
                 f"--kubelet-client-certificate={c / 'admin.crt'}",
                 f"--kubelet-client-key={c / 'admin.key'}"]
 
+    @property
+    def audit_log(self) -> Path:
+        """One JSON line per request the API server answered (who, verb, resource, agent)."""
+        return self.logs / "audit.log"
+
+    def requests_from(self, user_agents: tuple[str, ...], since: float = 0.0) -> list[dict]:
+        """The audit events of requests whose User-Agent starts with one of `user_agents`,
+        received at or after the Unix time `since`."""
+        found = {}
+        for line in self.audit_log.read_text().splitlines():
+            event = json.loads(line)
+            received = datetime.datetime.fromisoformat(
+                event["requestReceivedTimestamp"].replace("Z", "+00:00")).timestamp()
+            if event.get("userAgent", "").startswith(user_agents) and received >= since:
+                found[event["auditID"]] = event  # a watch is logged when it starts and ends
+        return list(found.values())
+
+    def _write_audit_policy(self) -> Path:
+        policy = self.workdir / "audit-policy.yaml"
+        policy.write_text("apiVersion: audit.k8s.io/v1\nkind: Policy\n"
+                          "omitStages: [RequestReceived]\nrules:\n  - level: Metadata\n")
+        return policy
+
     def _start_apiserver(self) -> None:
         c = self.certs
         self._spawn(
@@ -298,6 +322,9 @@ class ControlPlane:
             f"--service-account-key-file={c / 'sa.pub'}",
             f"--service-account-signing-key-file={c / 'sa.key'}",
             "--authorization-mode=RBAC", "--allow-privileged=true", "--profiling=false",
+            f"--audit-policy-file={self._write_audit_policy()}",
+            f"--audit-log-path={self.audit_log}", "--audit-log-format=json",
+            "--audit-log-maxbackup=0",
         )
 
     def _start_controllers(self) -> None:
