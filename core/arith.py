@@ -7,7 +7,6 @@ from one addition (1) to several chained operations on larger numbers (5).
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass
 
 INSTRUCTION = "Give the final answer as \\boxed{N}."

@@ -43,7 +43,6 @@ from asyncrl.spec_errors import describe
 
 FIELD_MANAGER = "asyncrl-operator"
 USER_AGENT = "asyncrl-operator"
-APPLY = "application/apply-patch+yaml"
 #: Seconds between refreshes of each job's figures from its buffer and trainer (gRPC); the API
 #: is written only when the status changes. Children are watched, so nothing else polls.
 INTERVAL = float(os.environ.get("ASYNCRL_OPERATOR_INTERVAL", "10"))
