@@ -20,8 +20,9 @@ import os
 import secrets
 import threading
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Sequence
 
 import kopf
 from pydantic import ValidationError
@@ -234,7 +235,27 @@ def _api_message(exc) -> str:
 _accepted: dict[str, tuple[int, float]] = {}
 
 
-def observe(job: RLJob, body: Any) -> Observation:
+@dataclass(frozen=True)
+class Figures:
+    """What the job's buffer and trainer say over gRPC (None where not ready or not asked)."""
+    stats: BufferStats | None = None
+    stats_error: str | None = None
+    trainer: TrainerStatus | None = None
+    trainer_error: str | None = None
+
+
+def fetch_figures(job: RLJob, workloads: Sequence[Workload]) -> Figures:
+    """Asks only the ready ones: a pod that is not ready answers nothing worth the wait."""
+    if not BUFFER_STATS:
+        return Figures()
+    ready = {w.component for w in workloads if w.ready}
+    stats, stats_error = buffer_stats(job) if "buffer" in ready else (None, None)
+    trainer, trainer_error = trainer_status(job) if "trainer" in ready else (None, None)
+    return Figures(stats, stats_error, trainer, trainer_error)
+
+
+def observe(job: RLJob, body: Any, figures: Figures | None = None) -> Observation:
+    """The job's children as they are now; `figures` when the caller has just fetched them."""
     from kubernetes.client.rest import ApiException
 
     namespace = job.metadata.namespace
@@ -263,26 +284,21 @@ def observe(job: RLJob, body: Any) -> Observation:
     failure = trainer_failure([api_client().sanitize_for_serialization(p) for p in pods],
                               CONFIG.trainer_max_restarts)
 
-    stats, stats_error, rate = None, None, None
-    buffer = next(w for w in found if w.component == "buffer")
-    if BUFFER_STATS and buffer.ready:
-        stats, stats_error = buffer_stats(job)
+    figures = figures or fetch_figures(job, found)
+    rate = None
+    if figures.stats is not None:
         uid = body["metadata"].get("uid", job.metadata.name)
-        if stats is not None:
-            now = time.monotonic()
-            before = _accepted.get(uid)
-            if before is not None and now > before[1]:
-                rate = max(0.0, (stats.accepted_total - before[0]) / (now - before[1]))
-            _accepted[uid] = (stats.accepted_total, now)
-
-    trainer, trainer_error = None, None
-    if BUFFER_STATS and next(w for w in found if w.component == "trainer").ready:
-        trainer, trainer_error = trainer_status(job)
+        now = time.monotonic()
+        before = _accepted.get(uid)
+        if before is not None and now > before[1]:
+            rate = max(0.0, (figures.stats.accepted_total - before[0]) / (now - before[1]))
+        _accepted[uid] = (figures.stats.accepted_total, now)
     observed = Observation(
         generation=body["metadata"].get("generation"), suspend=job.spec.suspend,
         max_steps=job.spec.algorithm.max_steps, workloads=tuple(found), trainer_failure=failure,
-        stats=stats, stats_error=stats_error, samples_per_second=rate,
-        trainer=trainer, trainer_error=trainer_error, now=datetime.now(timezone.utc))
+        stats=figures.stats, stats_error=figures.stats_error, samples_per_second=rate,
+        trainer=figures.trainer, trainer_error=figures.trainer_error,
+        now=datetime.now(timezone.utc))
     _jobs[_key(body)], _observed[_key(body)] = job, observed
     return observed
 
@@ -386,7 +402,12 @@ def _stored_status(body: Any) -> dict:
 
 
 def post_event(body: Any, reason: str, message: str, *, warning: bool = False) -> None:
-    """A core/v1 Event about the RLJob (what `kubectl describe rljob` shows)."""
+    """A core/v1 Event about the RLJob (what `kubectl describe rljob` shows).
+
+    Not `kopf.event`: kopf (1.45) queues events only inside its own per-object handler tasks
+    (`posting.event_queue_var`), while most phase transitions are seen by the child-watch,
+    figures and resync tasks outside them, where `kopf.event` raises LookupError. One path
+    for every transition, posted right here, keeps them alike."""
     from kubernetes.client.rest import ApiException
 
     meta = body["metadata"]
@@ -418,7 +439,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_)
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration")
-    settings.posting.enabled = False  # Events are posted explicitly, for phase transitions.
+    settings.posting.enabled = False  # Events are posted by `post_event`, for phase transitions.
     settings.watching.server_timeout = 300
     memo.tasks = [asyncio.create_task(_resync_forever(logger)),
                   asyncio.create_task(_CHILD_EVENTS.run(logger)),
@@ -565,7 +586,8 @@ def _watch_children(*, network_policies: bool) -> None:
                   id="watch-trainer-pods")(_on_child_event)
 
 
-def _reconcile_by_name(namespace: str, name: str, full: bool) -> None:
+def _reconcile_by_name(namespace: str, name: str, full: bool,
+                       figures: Figures | None = None) -> None:
     from kubernetes.client.rest import ApiException
 
     try:
@@ -582,17 +604,17 @@ def _reconcile_by_name(namespace: str, name: str, full: bool) -> None:
         except kopf.PermanentError:
             pass  # status already says why
     else:
-        refresh_status(body)
+        refresh_status(body, figures)
 
 
-def refresh_status(body: Any) -> dict | None:
+def refresh_status(body: Any, figures: Figures | None = None) -> dict | None:
     """The job's status from a fresh observation, without applying children."""
     try:
         job = parse_manifest(_manifest(body))
     except ValidationError:
         return None  # an invalid spec's status says so already
     with _job_lock(body):
-        return _write_status(body, observe(job, body))
+        return _write_status(body, observe(job, body, figures))
 
 
 # --------------------------------------------------------------------------- periodic work
@@ -607,24 +629,24 @@ async def _refresh_figures_forever(logger) -> None:
             continue
         for key, observed in list(_observed.items()):
             try:
-                if await asyncio.to_thread(_figures_changed, key, observed):
+                figures = await asyncio.to_thread(_changed_figures, key, observed)
+                if figures is not None:
                     logger.debug(f"{key[0]}/{key[1]}: its figures changed")
-                    await asyncio.to_thread(_reconcile_by_name, *key, False)
+                    await asyncio.to_thread(_reconcile_by_name, *key, False, figures)
             except Exception as exc:  # noqa: BLE001 - keep refreshing the others
                 logger.warning(f"refreshing {key[0]}/{key[1]}: {exc}")
 
 
-def _figures_changed(key: tuple[str, str], observed: Observation) -> bool:
+def _changed_figures(key: tuple[str, str], observed: Observation) -> Figures | None:
+    """The job's figures now, if they differ from the last observation's (else None)."""
     job = _jobs.get(key)
     if job is None:
-        return False
-    buffer = next((w for w in observed.workloads if w.component == "buffer"), None)
-    trainer = next((w for w in observed.workloads if w.component == "trainer"), None)
-    stats = buffer_stats(job)[0] if buffer is not None and buffer.ready else None
-    status = trainer_status(job)[0] if trainer is not None and trainer.ready else None
+        return None
+    figures = fetch_figures(job, observed.workloads)
     # samples/s decays to 0 once nothing more is accepted: one more refresh shows it.
-    return (stats != observed.stats or status != observed.trainer
-            or bool(observed.samples_per_second))
+    changed = (figures.stats != observed.stats or figures.trainer != observed.trainer
+               or bool(observed.samples_per_second))
+    return figures if changed else None
 
 
 async def _resync_forever(logger) -> None:

@@ -1,6 +1,15 @@
 import pytest
 
 from asyncrl.redis_server import RedisServer
+from reward_helpers import LoopThread
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """An event loop on its own thread, for tests that drive async code from sync tests."""
+    thread = LoopThread()
+    yield thread
+    thread.stop()
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ import pytest
 from asyncrl.reward.extract import extract_answer
 from asyncrl.reward.math_reward import MathScorer, MathVerifierPool
 from asyncrl.reward.types import Failure, MathReference
-from reward_helpers import LoopThread
 
 
 @pytest.mark.parametrize("text, rules, expected", [
@@ -32,13 +31,6 @@ def test_extract_answer(text, rules, expected):
 def test_an_unknown_rule_is_an_error():
     with pytest.raises(ValueError, match="unknown answer rule"):
         extract_answer("x", ["magic"])
-
-
-@pytest.fixture(scope="module")
-def loop():
-    thread = LoopThread()
-    yield thread
-    thread.stop()
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,6 @@ from asyncrl.reward.sandbox import (
     _processes_of,
 )
 from asyncrl.reward.types import CodeReference, Failure, IoCase
-from reward_helpers import LoopThread
 
 # Only the tests that expect a timeout ask for a short one (`timed`); every other run gets a
 # limit long enough that a busy machine never turns another failure into a timeout.
@@ -50,13 +49,6 @@ def timed(reference: CodeReference = ADD_IO) -> CodeReference:
 
 def fenced(program: str) -> str:
     return f"Here is my solution.\n```python\n{program}\n```\nDone."
-
-
-@pytest.fixture(scope="module")
-def loop():
-    thread = LoopThread()
-    yield thread
-    thread.stop()
 
 
 @pytest.fixture(scope="module")

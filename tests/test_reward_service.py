@@ -117,7 +117,8 @@ def test_the_client_returns_domain_results(service):
 def test_a_group_scores_in_process(service):
     """What a rollout workflow calls without gRPC: the n responses to one prompt."""
     responses = [r"\boxed{4}", "the answer is 4", r"\boxed{5}", "no idea"]
-    results = service.run(service.scorer.score_group(MathReference("4"), responses, "g1"))
+    results = service.run(service.scorer.score(ScoreTask.for_group(MathReference("4"), responses,
+                                                                  "g1")))
     assert [(r.task_id, r.score) for r in results] == [
         ("g1#0", 1.0), ("g1#1", 1.0), ("g1#2", 0.0), ("g1#3", 0.0)]
     assert results[3].failure is Failure.NO_ANSWER

@@ -42,12 +42,6 @@ class RewardClient:
                 await asyncio.sleep(self._retry_delay)
         raise AssertionError("unreachable")
 
-    async def score_group(self, reference: MathReference | CodeReference,
-                          responses: Sequence[str], group_id: str = "") -> list[ScoreResult]:
-        """The n responses to one prompt, all against the same reference."""
-        return await self.score([ScoreTask(f"{group_id}#{i}", response, reference)
-                                 for i, response in enumerate(responses)])
-
     async def healthy(self) -> bool:
         return await is_serving(self._channel)
 
@@ -65,7 +59,7 @@ def reward_scorer(address: str | None, job: str, reward) -> RewardClient | Rewar
     """What scores a job's responses: the reward service at `address`, or, without one, the
     same scorer in this process (one math-verify worker, one sandbox slot, started on first
     use), so a job scores alike with or without the service. `reward` is the job's
-    spec.reward. Both answer `score_group` and `close`."""
+    spec.reward. Both answer `score` and `close`."""
     if address:
         return RewardClient(address, job)
     from asyncrl.reward.scorer import RewardScorer
@@ -84,8 +78,8 @@ class PromptScorer:
 
     async def score(self, item, responses: list[list[int]]) -> list[float]:
         texts = [self._tokenizer.decode(r, skip_special_tokens=True) for r in responses]
-        results = await self._client.score_group(reward_reference(item.reference), texts,
-                                                 item.prompt_id)
+        results = await self._client.score(
+            ScoreTask.for_group(reward_reference(item.reference), texts, item.prompt_id))
         return [r.score for r in results]
 
 

@@ -1,5 +1,5 @@
 """`RewardScorer`: scores batches of math and code tasks concurrently. The gRPC servicer
-calls it, and so can a rollout workflow that scores in-process (`score_group`).
+calls it, and so can a rollout workflow that scores in-process.
 
 Math answers are verified in a pool of math-verify worker processes, programs run in the
 sandbox's pool of slots; both are sized to the CPUs and started on first use (or up front
@@ -69,12 +69,6 @@ class RewardScorer:
     async def score(self, tasks: Sequence[ScoreTask]) -> list[ScoreResult]:
         """One result per task, in order; tasks are scored concurrently."""
         return list(await asyncio.gather(*(self.score_one(task) for task in tasks)))
-
-    async def score_group(self, reference: MathReference | CodeReference,
-                          responses: Sequence[str], group_id: str = "") -> list[ScoreResult]:
-        """The n responses to one prompt, all against the same reference."""
-        return await self.score([ScoreTask(f"{group_id}#{i}", response, reference)
-                                 for i, response in enumerate(responses)])
 
     async def score_one(self, task: ScoreTask) -> ScoreResult:
         try:

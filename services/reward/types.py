@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from asyncrl.v1 import reward_pb2
 
@@ -56,6 +57,12 @@ class ScoreTask:
     task_id: str
     response: str
     reference: MathReference | CodeReference
+
+    @classmethod
+    def for_group(cls, reference: MathReference | CodeReference, responses: Sequence[str],
+                  group_id: str = "") -> list[ScoreTask]:
+        """The n responses to one prompt, all against the same reference: `<group>#<i>`."""
+        return [cls(f"{group_id}#{i}", response, reference) for i, response in enumerate(responses)]
 
     @property
     def kind(self) -> str:

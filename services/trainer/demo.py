@@ -19,7 +19,7 @@ from asyncrl import arith
 from asyncrl.algorithms.advantages import compute_advantages
 from asyncrl.models import load_policy, packed_token_logprobs
 from asyncrl.reward.scorer import RewardScorer
-from asyncrl.reward.types import MathReference
+from asyncrl.reward.types import MathReference, ScoreTask
 from asyncrl.trainer.step import PolicyUpdater, TrainSample, reference_policy
 
 
@@ -58,8 +58,8 @@ def run_demo(spec, steps: int, on_step: Callable[[DemoStep], None] = lambda _: N
             samples, texts = _rollout(model, tokenizer, batch, spec)
             generate_seconds = time.perf_counter() - started
             rewards = torch.tensor([
-                [r.score for r in loop.run_until_complete(scorer.score_group(
-                    MathReference(str(problem.answer)), texts[i], problem.prompt_id))]
+                [r.score for r in loop.run_until_complete(scorer.score(ScoreTask.for_group(
+                    MathReference(str(problem.answer)), texts[i], problem.prompt_id)))]
                 for i, problem in enumerate(batch)])
             advantages = compute_advantages(
                 rewards, algorithm.advantage_estimator, algorithm.batch_norm_advantages
