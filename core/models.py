@@ -75,15 +75,26 @@ def load_model(
     if dtype not in _DTYPES:
         raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     if source == TINY_RANDOM:
-        model = build_tiny_model(tiny or TinyModelConfig(), vocab_size=len(load_tokenizer()))
-    elif source == SMOLLM2:
+        return build_tiny_model(tiny or TinyModelConfig(), vocab_size=len(load_tokenizer())).to(
+            device=device, dtype=_DTYPES[dtype])
+    if source == SMOLLM2:
         model = AutoModelForCausalLM.from_pretrained(_smollm2_converted_dir(), dtype=_DTYPES[dtype])
     else:
         directory, gguf_file = _local_source(source)
         model = AutoModelForCausalLM.from_pretrained(
             directory, gguf_file=gguf_file, dtype=_DTYPES[dtype]
         )
-    return model.to(device=device, dtype=_DTYPES[dtype])
+    mapped = {p.data_ptr() for p in model.parameters()}
+    model = model.to(device=device, dtype=_DTYPES[dtype])
+    # from_pretrained leaves CPU parameters mapped from the checkpoint file (copy on write):
+    # the first in-place update (an optimizer step, a weight swap) would then fault in every
+    # page, seconds for 135M parameters. Parameters not copied by `.to` get memory of their own
+    # now, at load time.
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.data_ptr() in mapped and parameter.device.type == "cpu":
+                parameter.data = parameter.data.clone()
+    return model
 
 
 def load_policy(

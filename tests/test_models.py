@@ -65,3 +65,31 @@ def test_smollm2_loads_from_the_packaged_gguf_and_answers():
     ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
     out = model.generate(ids, max_new_tokens=12, do_sample=False)
     assert "5" in tokenizer.decode(out[0, ids.shape[1]:])
+
+
+def _file_mappings(path) -> list[tuple[int, int]]:
+    """The address ranges this process maps from `path` (Linux /proc/self/maps)."""
+    ranges = []
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == str(path):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_loaded_parameters_own_their_memory_not_the_checkpoint_file(tmp_path, dtype):
+    """A parameter left mapped from the checkpoint (copy on write) makes the first in-place
+    update fault in every page: the first weight swap took seconds that way."""
+    source = build_tiny_model(TinyModelConfig(), vocab_size=512)
+    source.save_pretrained(tmp_path)
+    checkpoint = (tmp_path / "model.safetensors").resolve()
+    model = load_model(str(tmp_path), dtype=dtype)
+    mapped = _file_mappings(checkpoint)
+    inside = [name for name, p in model.named_parameters()
+              if any(start <= p.data_ptr() < end for start, end in mapped)]
+    assert inside == []
+    expected = dict(source.named_parameters())
+    for name, parameter in model.named_parameters():
+        assert torch.equal(parameter, expected[name].to(parameter.dtype)), name
