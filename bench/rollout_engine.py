@@ -1,12 +1,22 @@
-"""Rollout engine throughput vs plain `transformers` generate, and weight-update latency.
+"""Rollout engine throughput against `transformers` and against the hardware, and
+weight-update latency.
 
-Same model (SmolLM2-135M-Instruct, fp32), same chat prompts, same per-request output lengths
-drawn from a long-tailed distribution (most answers short, a few long: the case continuous
-batching exists for). `transformers` generate runs fixed batches, each until its longest
-request is done; the engine admits and retires requests at every step. Both ignore EOS so the
-token counts are identical. Figures are measured in one run and reported as a ratio.
+Same model (SmolLM2-135M-Instruct), same chat prompts, per-request output lengths drawn from a
+long-tailed distribution (most answers short, a few long: the case continuous batching exists
+for), EOS ignored so token counts are fixed. In one run:
+- the engine in `--dtype` (bf16 by default where the CPU computes bf16 natively);
+- `transformers` generate as a user calls it (fp32, fixed batches of `--batch`, each until its
+  longest request is done);
+- `transformers`' own continuous batching (`generate_batch`, fp32) on the first
+  `--generate-batch-requests`: it takes one max_new_tokens for all, so it generates the longest
+  length for every request and its rate counts all it generated;
+- the bound: every linear layer of the model (lm_head included) once, at the engine's mean
+  decode batch, in the engine's dtype: what a decode step cannot go below.
 
-    .venv/bin/python bench/rollout_engine.py [--requests 16] [--batch 8]
+The default 64 requests are what one rollout worker of examples/arith.yaml runs at once
+(8 prompts x 8 responses).
+
+    .venv/bin/python bench/rollout_engine.py [--requests 64] [--batch 8] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_model
+from transformers import GenerationConfig
 
 from asyncrl import arith
 from asyncrl.models import SMOLLM2, load_model, load_tokenizer
@@ -55,13 +66,42 @@ def run_transformers(model, tokenizer, inputs, lengths, batch: int) -> float:
     return time.perf_counter() - started
 
 
-def run_engine(engine: TorchEngine, inputs, lengths) -> float:
+def run_engine(engine: TorchEngine, inputs, lengths) -> tuple[float, float]:
+    """(seconds, mean decode batch)."""
+    before = engine.status()
     started = time.perf_counter()
     futures = [engine.submit(ids, SamplingParams(max_new_tokens=n)) for ids, n in zip(inputs, lengths)]
     results = [f.result() for f in futures]
     elapsed = time.perf_counter() - started
     assert [len(r.output_ids) for r in results] == lengths
-    return elapsed
+    after = engine.status()
+    steps = after.decode_steps_total - before.decode_steps_total
+    return elapsed, (after.decode_rows_total - before.decode_rows_total) / max(steps, 1)
+
+
+def run_generate_batch(model, inputs, lengths) -> tuple[float, int]:
+    """(seconds, tokens generated) for transformers' continuous batching."""
+    config = GenerationConfig(max_new_tokens=max(lengths), do_sample=True, temperature=1.0,
+                              top_k=0, eos_token_id=None, pad_token_id=0)
+    started = time.perf_counter()
+    outputs = model.generate_batch(inputs, generation_config=config)
+    elapsed = time.perf_counter() - started
+    return elapsed, sum(len(o.generated_tokens) for o in outputs.values())
+
+
+def linear_bound(model, batch: int, dtype: torch.dtype, repeats: int = 5) -> float:
+    """Seconds for every linear layer once at `batch` rows (the best of `repeats`)."""
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = [torch.randn(batch, layer.in_features, dtype=dtype) for layer in layers]
+    weights = [layer.weight.detach().to(dtype) for layer in layers]
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for x, w in zip(inputs, weights):
+                torch.nn.functional.linear(x, w)
+            best = min(best, time.perf_counter() - started)
+    return best
 
 
 def weight_update_latency(engine: TorchEngine, model, inputs) -> tuple[float, float]:
@@ -91,29 +131,48 @@ def engine_base(engine) -> int:
     return _BASE.setdefault(id(engine), engine.status().generated_tokens_total)
 
 
+def default_dtype() -> str:
+    return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--generate-batch-requests", type=int, default=16)
     parser.add_argument("--batch", type=int, default=8, help="transformers generate batch size")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=default_dtype(),
+                        help="the engine's weights and KV cache")
     args = parser.parse_args()
 
     tokenizer, model = load_tokenizer(SMOLLM2), load_model(SMOLLM2).eval()
     model.generation_config.eos_token_id = None  # both sides generate exactly `lengths`
     inputs, lengths = prompts(tokenizer, args.requests), long_tail_lengths(args.requests)
     tokens = sum(lengths)
-    engine = TorchEngine(model, max_running_requests=args.requests, max_sequence_length=512,
-                         seed=0).start()
+    engine_model = load_model(SMOLLM2, dtype=args.dtype).eval()
+    engine = TorchEngine(engine_model, max_running_requests=args.requests,
+                         max_sequence_length=512, seed=0).start()
     run_engine(engine, inputs[:2], [4, 4])  # warm-up
-    engine_seconds = run_engine(engine, inputs, lengths)
-    hf_seconds = run_transformers(model, tokenizer, inputs, lengths, args.batch)
-    swap, caught_up = weight_update_latency(engine, model, inputs)
+    engine_seconds, mean_batch = run_engine(engine, inputs, lengths)
+    swap, caught_up = weight_update_latency(engine, engine_model, inputs)
     engine.stop()
+    hf_seconds = run_transformers(model, tokenizer, inputs, lengths, args.batch)
+    some = args.generate_batch_requests
+    batch_seconds, batch_tokens = run_generate_batch(model, inputs[:some], lengths[:some])
+    bound = round(mean_batch) / linear_bound(engine_model, round(mean_batch),
+                                              getattr(torch, args.dtype))
 
+    engine_rate = tokens / engine_seconds
     print(f"{args.requests} requests, {tokens} output tokens (lengths {min(lengths)}..{max(lengths)}, "
           f"long-tailed), {torch.get_num_threads()} threads")
-    print(f"transformers generate (batch {args.batch}): {tokens / hf_seconds:6.1f} tokens/s")
-    print(f"asyncrl torch engine (continuous):  {tokens / engine_seconds:6.1f} tokens/s")
-    print(f"speed-up: {hf_seconds / engine_seconds:.2f}x")
+    print(f"transformers generate (fp32, batch {args.batch}):  {tokens / hf_seconds:7.1f} tokens/s")
+    print(f"transformers generate_batch (fp32, continuous): {batch_tokens / batch_seconds:7.1f} "
+          f"tokens/s ({min(some, args.requests)} requests, {batch_tokens} tokens: one "
+          "max_new_tokens for all)")
+    print(f"asyncrl torch engine ({args.dtype}, continuous): {engine_rate:7.1f} tokens/s, "
+          f"mean decode batch {mean_batch:.1f}")
+    print(f"linear layers' bound at batch {round(mean_batch)} ({args.dtype}): {bound:7.1f} tokens/s")
+    print(f"engine / generate: {hf_seconds / engine_seconds:.2f}x; "
+          f"engine / bound: {engine_rate / bound:.0%}")
     print(f"weight update: swap {swap * 1000:.0f} ms; announcement -> all 8 running requests "
           f"generating with the new version: {caught_up * 1000:.0f} ms")
 

@@ -412,3 +412,67 @@ def test_engine_on_the_selected_device_in_bfloat16(tmp_path):
         assert result.output_versions == [1] * 4
     finally:
         engine.stop()
+
+
+def test_weight_copies_and_aborts_run_on_the_engines_thread(tmp_path):
+    """Tensor work from other threads would give the process a second OpenMP pool (see
+    asyncrl.openmp): update_weights and abort hand their work to the engine's loop."""
+    save_model(tiny(seed=4), str(tmp_path / "model.safetensors"))
+    engine = TorchEngine(tiny(), max_running_requests=2, max_sequence_length=96, seed=0).start()
+    ran_on = []
+    for name in ("_swap_now", "_release_row"):
+        original = getattr(engine, name)
+
+        def recorded(*args, _original=original, **kwargs):
+            ran_on.append(threading.current_thread())
+            return _original(*args, **kwargs)
+
+        setattr(engine, name, recorded)
+    try:
+        future = engine.submit(prompts(1)[0], SamplingParams(max_new_tokens=90, ignore_eos=True))
+        wait_for_tokens(engine, 2)
+        assert engine.update_weights(tmp_path, version=1).version == 1
+        assert engine.abort() == [future.result(timeout=60).request_id]
+        assert future.result().finish_reason == "abort"
+        assert len(ran_on) == 2 and all(t is engine._thread for t in ran_on)
+        assert threading.current_thread() is not engine._thread
+    finally:
+        engine.stop()
+    # Stopped: the same calls run inline and still work.
+    assert engine.update_weights(tmp_path, version=2).version == 2
+
+
+def test_prefill_batches_are_runs_of_uncached_rows_within_the_token_cap():
+    from asyncrl.rollout.engine import _prefill_batches, _Request
+    from asyncrl.rollout.types import GenerationResult
+
+    def request(length, cached):
+        r = _Request(GenerationResult("r", list(range(length))), SamplingParams(), frozenset())
+        r.cached = cached
+        return r
+
+    running = [request(10, 0), request(10, 0), request(5, 5), request(30, 0), request(10, 0),
+               request(40, 0)]
+    assert _prefill_batches(running, 1000) == [slice(0, 2), slice(3, 6)]
+    # 3 rows x 30 tokens pass 80: the run is cut where the padded size would.
+    assert _prefill_batches(running, 80) == [slice(0, 2), slice(3, 5), slice(5, 6)]
+    assert _prefill_batches([request(4, 4)], 80) == []
+
+
+def test_an_engine_not_started_serves_in_the_callers_thread():
+    """The trainer's evaluator: no thread of its own, the same tokens as a started engine."""
+    batch = prompts(5, seed=8)
+    params = SamplingParams(max_new_tokens=9, temperature=0)
+    inline = TorchEngine(tiny(), max_running_requests=2, max_sequence_length=96, seed=0)
+    futures = [inline.submit(p, params) for p in batch]
+    inline.run_until_idle()
+    assert all(f.done() for f in futures)
+    threaded = TorchEngine(tiny(), max_running_requests=2, max_sequence_length=96, seed=0).start()
+    try:
+        expected = [threaded.submit(p, params).result(timeout=60).output_ids for p in batch]
+        with pytest.raises(RuntimeError, match="own thread"):
+            threaded.run_until_idle()
+    finally:
+        threaded.stop()
+    assert [f.result().output_ids for f in futures] == expected
+    assert torch.is_grad_enabled()  # the caller's thread is left as it was

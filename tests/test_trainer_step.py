@@ -89,3 +89,69 @@ def _packed(sample):
     from asyncrl.trainer.step import _pack
 
     return _pack([sample])
+
+
+def _as_version(samples, version, *, except_index=None):
+    return [TrainSample(s.input_ids, s.loss_mask, s.behaviour_logprobs, s.advantage,
+                        None if i == except_index else version) for i, s in enumerate(samples)]
+
+
+def test_engine_behaviour_logprobs_of_current_weights_equal_the_proximal_forward():
+    """What skipping the proximal forward rests on: a trajectory the engine sampled (untruncated,
+    at the job's temperature) from the weights the trainer holds has behaviour log-probs
+    equal to the trainer's proximal log-probs."""
+    from asyncrl.rollout.engine import TorchEngine
+    from asyncrl.rollout.types import SamplingParams
+
+    model = tiny_model()
+    updater = PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            UpdateConfig(temperature=0.7, untruncated_sampling=True))
+    engine = TorchEngine(copy.deepcopy(model), max_running_requests=4, max_sequence_length=64,
+                         seed=0).start()
+    try:
+        futures = [engine.submit(s.input_ids[~s.loss_mask].tolist(),
+                                 SamplingParams(max_new_tokens=12, temperature=0.7))
+                   for s in make_samples(4)]
+        results = [f.result(timeout=60) for f in futures]
+    finally:
+        engine.stop()
+    for result in results:
+        ids = torch.tensor(result.prompt_ids + result.output_ids)
+        mask = torch.arange(len(ids)) >= len(result.prompt_ids)
+        behaviour = torch.zeros(len(ids))
+        behaviour[mask] = torch.tensor(result.output_logprobs)
+        proximal = updater._logprobs(model, _packed(TrainSample(ids, mask, behaviour, 1.0)))
+        torch.testing.assert_close(proximal[mask], behaviour[mask], atol=1e-4, rtol=0)
+
+
+def test_proximal_forward_is_skipped_only_for_samples_of_the_current_weights():
+    samples = make_samples(8, behaviour_noise=0.0)
+    # Behaviour = the current weights' own log-probs, as the engine would report them.
+    model = tiny_model()
+    scorer = PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1), UpdateConfig())
+    samples = [TrainSample(s.input_ids, s.loss_mask,
+                           torch.where(s.loss_mask, scorer._logprobs(model, _packed(s)).detach(),
+                                       torch.zeros(len(s.input_ids))), s.advantage)
+               for s in samples]
+
+    def run(batch, version, **config):
+        trained = tiny_model()
+        updater = PolicyUpdater(trained, torch.optim.SGD(trained.parameters(), lr=0.1),
+                                UpdateConfig(micro_batch_max_tokens=24, **config))
+        return updater.step(batch, version), trained
+
+    computed, with_forward = run(_as_version(samples, 3), None, untruncated_sampling=True)
+    skipped, without = run(_as_version(samples, 3), 3, untruncated_sampling=True)
+    assert computed["proximal_forwards_skipped"] == 0
+    assert skipped["proximal_forwards_skipped"] == skipped["micro_batches"] > 1
+    assert skipped["loss"] == pytest.approx(computed["loss"], abs=1e-6)
+    for a, b in zip(with_forward.parameters(), without.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+    # One sample of another version keeps its micro-batch's forward; truncated sampling (top-p
+    # or top-k) or an older version keeps them all.
+    mixed, _ = run(_as_version(samples, 3, except_index=0), 3, untruncated_sampling=True)
+    assert mixed["proximal_forwards_skipped"] == mixed["micro_batches"] - 1
+    truncated, _ = run(_as_version(samples, 3), 3, untruncated_sampling=False)
+    older, _ = run(_as_version(samples, 2), 3, untruncated_sampling=True)
+    assert truncated["proximal_forwards_skipped"] == older["proximal_forwards_skipped"] == 0

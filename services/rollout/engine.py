@@ -9,6 +9,10 @@ version that produced it.
 A weight update happens between two steps: the new weights are copied in, the KV cache is
 dropped, and every unfinished request is prefilled again from prompt + tokens so far under the
 new weights, then continues. Nothing is lost or duplicated.
+
+All tensor work runs on the loop's thread, weight copies and aborts included (other threads
+hand them over with `_on_loop`): on a CPU a second thread running parallel kernels would give
+the process a second OpenMP pool, and slow every small kernel (see asyncrl.openmp).
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor
 
+from asyncrl.openmp import release_idle_thread_pools
 from asyncrl.rollout.kv_cache import SlotKVCache
 from asyncrl.rollout.sampling import apply_penalties, sample_tokens
 from asyncrl.rollout.types import (
@@ -54,6 +60,30 @@ class _Request:
     @property
     def tokens(self) -> list[int]:
         return self.result.prompt_ids + self.result.output_ids
+
+
+#: The most (padded) tokens one prefill forward pass takes: admitted requests prefill
+#: together up to this, so a burst of short prompts costs a few passes, not one each.
+PREFILL_MAX_TOKENS = 8192
+
+
+def _prefill_batches(running: list[_Request], max_tokens: int) -> list[slice]:
+    """Runs of consecutive rows whose requests need a prefill (nothing cached), each cut
+    where its padded size (rows x longest sequence) would pass `max_tokens`."""
+    batches: list[slice] = []
+    start, longest = None, 0
+    for row, request in enumerate(running + [None]):
+        needs = request is not None and request.cached == 0
+        length = len(request.tokens) if needs else 0
+        if start is not None and (
+            not needs or (row - start + 1) * max(longest, length) > max_tokens
+        ):
+            batches.append(slice(start, row))
+            start, longest = None, 0
+        if needs:
+            start = row if start is None else start
+            longest = max(longest, length)
+    return batches
 
 
 class TorchEngine:
@@ -86,10 +116,12 @@ class TorchEngine:
         self._generator = torch.Generator(device=self._device)
         self._generator.manual_seed(seed if seed is not None else torch.seed())
 
-        # _wake guards the queues and flags; _step_lock is held while the model runs, so a
-        # weight update (which takes it) always lands between two steps.
+        # _wake guards the queues and flags; _step_lock is held while the model runs and while
+        # a handed-over call (`_on_loop`) runs, so a weight update lands between two steps.
         self._wake = threading.Condition()
         self._step_lock = threading.Lock()
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._loop_done = False
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []  # request i lives in cache row i
         self._requests: dict[str, _Request] = {}
@@ -120,10 +152,28 @@ class TorchEngine:
         return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> TorchEngine:
+        """Starts the loop's thread. Call it from the thread that loaded the model: that
+        thread's idle OpenMP workers are let go here, so the loop's are the only ones."""
+        release_idle_thread_pools()
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
             self._thread.start()
         return self
+
+    def run_until_idle(self) -> None:
+        """Serves every submitted request to its end in the calling thread, for an engine
+        whose loop thread is not started: an evaluator that shares its process's one compute
+        thread (see asyncrl.openmp) rather than adding a thread of its own."""
+        if self._thread is not None:
+            raise RuntimeError("this engine's loop runs on its own thread; wait on the futures")
+        with torch.no_grad():
+            while self._waiting or self._running:
+                with self._step_lock:
+                    try:
+                        self._step()
+                    except Exception as exc:
+                        self._fail_all(exc)
+                        raise
 
     def stop(self) -> None:
         with self._wake:
@@ -147,8 +197,6 @@ class TorchEngine:
         if not params.ignore_eos:
             stop_ids = frozenset(params.stop_token_ids) | self._eos
         request = _Request(GenerationResult(request_id, prompt_ids), params, stop_ids)
-        if params.penalized:
-            request.counts = torch.zeros(self.vocab_size, device=self._device)
         with self._wake:
             if request_id in self._requests:
                 raise RequestError(f"rid {request_id!r} is already running; use a unique rid")
@@ -176,18 +224,22 @@ class TorchEngine:
     def abort(self, request_ids: list[str] | None = None) -> list[str]:
         """Ends the named requests (all when None) with finish reason "abort" and the tokens
         generated so far. Unknown ids are ignored; the ids actually aborted are returned."""
-        with self._step_lock, self._wake:
-            chosen = [
-                r for r in list(self._waiting) + self._running
-                if request_ids is None or r.result.request_id in request_ids
-            ]
-            for request in chosen:
-                if request in self._waiting:
-                    self._waiting.remove(request)
-                else:
-                    self._release_row(self._running.index(request))
-                self._finish(request, "abort")
-            return [r.result.request_id for r in chosen]
+
+        def abort() -> list[str]:
+            with self._wake:
+                chosen = [
+                    r for r in list(self._waiting) + self._running
+                    if request_ids is None or r.result.request_id in request_ids
+                ]
+                for request in chosen:
+                    if request in self._waiting:
+                        self._waiting.remove(request)
+                    else:
+                        self._release_row(self._running.index(request))
+                    self._finish(request, "abort")
+                return [r.result.request_id for r in chosen]
+
+        return self._on_loop(abort)
 
     def update_weights(self, path: str | Path, version: int) -> WeightUpdate:
         """Loads a safetensors snapshot (a file; a directory with a sharded Hugging Face
@@ -345,41 +397,74 @@ class TorchEngine:
         return state
 
     def _swap_weights(self, state: dict[str, Tensor], version: int, started: float) -> WeightUpdate:
+        return self._on_loop(lambda: self._swap_now(state, version, started))
+
+    def _swap_now(self, state: dict[str, Tensor], version: int, started: float) -> WeightUpdate:
         current = self._model.state_dict()
-        with self._step_lock:
-            swap_started = time.perf_counter()
-            self._check_version(version)
-            with torch.no_grad():
-                for name, tensor in state.items():
-                    current[name].copy_(tensor)
-            with self._wake:
-                self._version = version
-                # The cache holds keys/values of the old weights: drop it, and let every
-                # unfinished request prefill prompt + tokens so far under the new ones.
-                for request in self._running:
-                    request.cached = 0
-                    request.result.interruptions += 1
-                self._interrupted_total += len(self._running)
-                interrupted = len(self._running)
-                self._swap_seconds += time.perf_counter() - swap_started
+        swap_started = time.perf_counter()
+        self._check_version(version)
+        with torch.no_grad():
+            for name, tensor in state.items():
+                current[name].copy_(tensor)
+        with self._wake:
+            self._version = version
+            # The cache holds keys/values of the old weights: drop it, and let every
+            # unfinished request prefill prompt + tokens so far under the new ones.
+            for request in self._running:
+                request.cached = 0
+                request.result.interruptions += 1
+            self._interrupted_total += len(self._running)
+            interrupted = len(self._running)
+            self._swap_seconds += time.perf_counter() - swap_started
         return WeightUpdate(version, interrupted, time.perf_counter() - started)
 
     # ------------------------------------------------------------------ the loop
 
+    def _on_loop(self, work: Callable[[], Any]) -> Any:
+        """`work()`, run on the loop's thread between two steps (inline when no loop runs),
+        and its result or exception."""
+        with self._wake:
+            inline = (self._thread is None or self._loop_done
+                      or threading.current_thread() is self._thread)
+            if not inline:
+                future: Future = Future()
+                self._calls.append((work, future))
+                self._wake.notify_all()
+        if inline:
+            with self._step_lock:
+                return work()
+        return future.result()
+
+    def _run_calls(self) -> None:
+        while True:
+            with self._wake:
+                if not self._calls:
+                    return
+                work, future = self._calls.popleft()
+            with self._step_lock:
+                try:
+                    future.set_result(work())
+                except BaseException as exc:  # the caller re-raises it
+                    future.set_exception(exc)
+
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
         while True:
+            self._run_calls()
             with self._wake:
-                while not self._stopping and (
+                while not self._stopping and not self._calls and (
                     self._paused or not (self._waiting or self._running)
                 ):
                     self._idle = True
                     self._wake.notify_all()
                     self._wake.wait()
+                if self._calls:
+                    continue
                 if self._stopping:
+                    self._loop_done = True
                     self._idle = True
                     self._wake.notify_all()
-                    return
+                    break
                 self._idle = False
             with self._step_lock:
                 started = time.perf_counter()
@@ -388,38 +473,56 @@ class TorchEngine:
                 except Exception as exc:  # a bug must fail the requests, not hang them
                     self._fail_all(exc)
                 self._busy_seconds += time.perf_counter() - started
+        self._run_calls()  # handed over before the loop knew it was stopping
 
     def _step(self) -> None:
         with self._wake:
             while self._waiting and len(self._running) < self._cache.num_slots:
-                self._running.append(self._waiting.popleft())
-        for row, request in enumerate(self._running):
-            if request.cached == 0:
-                self._prefill(row, request)
+                request = self._waiting.popleft()
+                if request.params.penalized and request.counts is None:
+                    request.counts = torch.zeros(self.vocab_size, device=self._device)
+                self._running.append(request)
+        for rows in _prefill_batches(self._running, PREFILL_MAX_TOKENS):
+            self._prefill(rows)
         self._finish_done()
         if self._running:
             self._decode()
             self._finish_done()
 
-    def _prefill(self, row: int, request: _Request) -> None:
-        """Fills the request's cache row from its tokens. A fresh request samples its first
-        token here; a resumed one keeps its last sampled token pending for the next decode."""
+    def _prefill(self, rows: slice) -> None:
+        """Fills the cache rows of the requests in `rows` from their tokens, in one forward
+        pass (right-padded to the longest). A fresh request samples its first token here; a
+        resumed one keeps its last sampled token pending for the next decode."""
         started = time.perf_counter()
-        tokens = request.tokens
-        resumed = bool(request.result.output_ids)
-        if resumed:
-            tokens = tokens[:-1]
-            request.pending = request.result.output_ids[-1]
-        length = len(tokens)
-        ids = torch.tensor([tokens], device=self._device)
-        positions = torch.arange(length, device=self._device)[None, :]
-        mask = torch.ones(length, length, dtype=torch.bool, device=self._device).tril()
-        logits = self._forward(ids, positions, slice(row, row + 1), length, mask[None, None])
-        request.cached = length
-        if resumed:
+        requests = self._running[rows]
+        sequences, fresh = [], []
+        for index, request in enumerate(requests):
+            tokens = request.tokens
+            if request.result.output_ids:  # resumed after a weight update
+                tokens = tokens[:-1]
+                request.pending = request.result.output_ids[-1]
+            else:
+                fresh.append(index)
+            sequences.append(tokens)
+        width = max(len(tokens) for tokens in sequences)
+        ids = torch.tensor([tokens + [0] * (width - len(tokens)) for tokens in sequences],
+                           device=self._device)
+        lengths = torch.tensor([len(tokens) for tokens in sequences], device=self._device)
+        span = torch.arange(width, device=self._device)
+        # Causal, and no row attends to its padding; a padded position attends to real tokens
+        # only (never to nothing, which would give NaNs), and its output is never read.
+        mask = (span[None, :] <= span[:, None])[None] & (span[None, None, :] < lengths[:, None, None])
+        logits = self._forward(ids, span[None].expand(len(requests), -1), rows, width,
+                               mask[:, None], last=lengths - 1)
+        for request, tokens in zip(requests, sequences):
+            request.cached = len(tokens)
+        if fresh:
+            chosen = [requests[i] for i in fresh]
+            tokens, logprobs = self._sample(chosen, logits[fresh])
+            for index, request in enumerate(chosen):
+                self._append(request, tokens[index : index + 1], logprobs[index : index + 1])
+        if len(fresh) < len(requests):
             self._resume_prefill_seconds += time.perf_counter() - started
-        else:
-            self._append(request, *self._sample([request], logits))
 
     def _decode(self) -> None:
         """One token for every running request."""
@@ -438,9 +541,11 @@ class TorchEngine:
             self._append(request, tokens[index : index + 1], logprobs[index : index + 1])
 
     def _forward(
-        self, ids: Tensor, positions: Tensor, rows: slice, read_length: int, mask: Tensor
+        self, ids: Tensor, positions: Tensor, rows: slice, read_length: int, mask: Tensor,
+        last: Tensor | None = None,
     ) -> Tensor:
-        """Logits of the last position of each row, through the model's own decoder layers."""
+        """Logits at position `last[b]` of each row (the last one by default), through the
+        model's own decoder layers."""
         self._cache.prepare(rows, positions, read_length)
         hidden = self._model.model(
             input_ids=ids,
@@ -449,7 +554,9 @@ class TorchEngine:
             past_key_values=self._cache,
             use_cache=True,
         ).last_hidden_state
-        return self._model.lm_head(hidden[:, -1])
+        if last is None:
+            return self._model.lm_head(hidden[:, -1])
+        return self._model.lm_head(hidden[torch.arange(len(last), device=hidden.device), last])
 
     def _sample(self, requests: list[_Request], logits: Tensor) -> tuple[Tensor, Tensor]:
         """One token per request (row of `logits`) and its log-probability under the

@@ -34,33 +34,37 @@ class SlotKVCache:
         self.num_slots = num_slots
         self.max_length = max_length
         self._rows = slice(0, 0)
-        self._scatter_index: Tensor | None = None
+        self._row_index: Tensor | None = None
+        self._positions: Tensor | None = None
+        self._prefill_length = 0
         self._read_length = 0
 
     def prepare(self, rows: slice, positions: Tensor, read_length: int) -> None:
         """Sets where the next forward pass writes (`positions[b, t]` for row `rows.start + b`)
-        and how much of each row it attends over (`[:read_length]`)."""
+        and how much of each row it attends over (`[:read_length]`). A decode pass writes one
+        position per row; a prefill pass writes positions 0..T-1 of every row."""
         self._rows = rows
         self._read_length = read_length
-        self._scatter_index = None
         if positions.shape[1] == 1:
-            # Decode: one new position per row, written with one scatter per layer.
-            kv_heads, head_dim = self.keys[0].shape[1], self.keys[0].shape[3]
-            self._scatter_index = positions[:, None, :, None].expand(-1, kv_heads, 1, head_dim)
-        elif rows.stop - rows.start != 1:
-            raise ValueError("multi-token writes (prefill) fill one row at a time")
+            self._row_index = torch.arange(rows.start, rows.stop, device=positions.device)
+            self._positions = positions[:, 0]
+            self._prefill_length = 0
+        elif not bool((positions[:, 0] == 0).all()):
+            raise ValueError("a prefill writes every row from position 0")
         else:
-            self._prefill_span = slice(int(positions[0, 0]), int(positions[0, -1]) + 1)
+            self._row_index = self._positions = None
+            self._prefill_length = positions.shape[1]
 
     def update(self, key: Tensor, value: Tensor, layer_idx: int, *_, **__) -> tuple[Tensor, Tensor]:
         """Called by each attention layer with its new keys/values `[B, kv_heads, T, head_dim]`;
         returns the keys/values to attend over."""
         rows = self._rows
         for cache, new in ((self.keys[layer_idx], key), (self.values[layer_idx], value)):
-            if self._scatter_index is not None:
-                cache[rows].scatter_(2, self._scatter_index, new)
+            if self._row_index is not None:
+                # An indexed write, not scatter_: scatter_ on bf16 CPU tensors copies whole rows.
+                cache[self._row_index, :, self._positions] = new[:, :, 0]
             else:
-                cache[rows.start, :, self._prefill_span] = new[0]
+                cache[rows, :, : self._prefill_length] = new
         view = (rows, slice(None), slice(0, self._read_length))
         return self.keys[layer_idx][view], self.values[layer_idx][view]
 

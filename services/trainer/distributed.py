@@ -59,6 +59,7 @@ class Command:
 
     kind: Literal["restore", "step", "state", "checkpoint", "wait", "stop"]
     samples: Sequence[TrainSample] = ()  # step: this rank's share
+    version: int | None = None  # step: the policy version of the weights held now
     path: str | None = None  # restore: the checkpoint every rank loads (None: start fresh)
 
 

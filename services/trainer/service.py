@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from asyncrl.buffer.client import BufferClient
 from asyncrl.devices import local_rank, select_device
 from asyncrl.grpc_service import start_server
 from asyncrl.models import load_policy
+from asyncrl.openmp import release_idle_thread_pools
 from asyncrl.outage import OutageTooLong
 from asyncrl.prompts import build_prompts
 from asyncrl.reward.client import PromptScorer, reward_scorer
@@ -97,7 +100,9 @@ def samples_from_groups(groups, algorithm) -> tuple[list[TrainSample], torch.Ten
             mask[len(prompt):] = True
             behaviour = torch.zeros(len(ids))
             behaviour[len(prompt):] = torch.tensor(list(sample.behaviour_logprobs))
-            samples.append(TrainSample(ids, mask, behaviour, float(advantage)))
+            versions = set(sample.token_versions)
+            samples.append(TrainSample(ids, mask, behaviour, float(advantage),
+                                       versions.pop() if len(versions) == 1 else None))
     return samples, rewards
 
 
@@ -130,6 +135,11 @@ class Trainer:
         self.metrics_file = settings.run_dir / "metrics.jsonl"
         self.heartbeat = heartbeat_seconds(settings.collective_timeout)
         self._evaluator: TorchEngine | None = None
+        # Every tensor operation of this process after loading runs on this one thread:
+        # on a CPU a second thread doing tensor work would slow every small kernel (see
+        # asyncrl.openmp), so the loading thread's OpenMP workers go now.
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-compute")
+        release_idle_thread_pools()
         self.eval_items, self.reward = [], None
         if self.group.leader:
             _, held_out = build_prompts(spec, self.tokenizer)
@@ -142,7 +152,7 @@ class Trainer:
         if self.group.leader:
             await self._lead()
         else:
-            await asyncio.to_thread(self.follow)
+            await self._on_compute(self.follow)
 
     # ------------------------------------------------------------------ every rank
 
@@ -155,7 +165,7 @@ class Trainer:
             load_full_state(self.model, self.optimizer, checkpoint.model, checkpoint.optimizer)
             return checkpoint.state
         if command.kind == "step":
-            return self.updater.step(command.samples)
+            return self.updater.step(command.samples, command.version)
         if command.kind == "state":
             return full_model_state(self.model)
         if command.kind == "checkpoint":
@@ -174,7 +184,12 @@ class Trainer:
 
     async def _command(self, command: Command | list[Command]):
         """Sends a command to every rank (or one per rank) and executes this rank's."""
-        return await asyncio.to_thread(lambda: self.execute(self.group.send(command)))
+        return await self._on_compute(lambda: self.execute(self.group.send(command)))
+
+    async def _on_compute(self, work, *args, **kwargs):
+        """`work(*args, **kwargs)` on the process's compute thread."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._compute, functools.partial(work, *args, **kwargs))
 
     @contextlib.asynccontextmanager
     async def _alone(self):
@@ -248,7 +263,8 @@ class Trainer:
                 samples, rewards = samples_from_groups(batch.groups, spec.algorithm)
                 stale = [staleness(version, _versions(g)) for g in batch.groups]
                 shares = split_by_tokens(samples, self.group.world_size)
-                stats = await self._command([Command("step", samples=s) for s in shares])
+                stats = await self._command([Command("step", samples=s, version=version)
+                                             for s in shares])
                 state = await self._command(STATE)
                 step += 1
                 version += 1
@@ -274,7 +290,7 @@ class Trainer:
                 if step % spec.trainer.checkpoint_every == 0 or step == spec.algorithm.max_steps:
                     optimizer_state = await self._command(Command("checkpoint"))
                     async with self._alone():
-                        await asyncio.to_thread(save_checkpoint, self.model, state,
+                        await self._on_compute(save_checkpoint, self.model, state,
                                                 optimizer_state, settings.run_dir,
                                                 TrainerState(step, version))
             await self._command(STOP)
@@ -292,30 +308,36 @@ class Trainer:
     async def _publish(self, client: BufferClient, version: int, step: int,
                        state: dict) -> None:
         dtype = getattr(torch, self.spec.model.dtype)
-        path = await asyncio.to_thread(publish_weights, self.model, state, self.settings.run_dir,
-                                       version, dtype)
+        path = await self._on_compute(publish_weights, self.model, state, self.settings.run_dir,
+                                      version, dtype)
         await client.set_version(version, str(path.resolve()), step)
         self.status.version = version
 
     async def evaluate(self, state: dict[str, torch.Tensor]) -> float:
         """Greedy accuracy on held-out prompts, with the weights of `state` (the whole model).
-        The evaluation engine keeps its own copy of the model, in the model's dtype, and takes
-        the weights the way rollout workers do (a weight update)."""
+        The evaluation engine keeps its own copy of the model, in the model's dtype, takes the
+        weights the way rollout workers do (a weight update), and runs on the compute thread
+        (no thread of its own)."""
         if not self.eval_items:
             return -1.0
         if self._evaluator is None:
-            model, _ = load_policy(self.spec.model, device=self.device)
+            model, _ = await self._on_compute(load_policy, self.spec.model, device=self.device)
             longest = max(len(item.prompt_ids) for item in self.eval_items)
             self._evaluator = TorchEngine(
                 model, max_running_requests=len(self.eval_items),
                 max_sequence_length=longest + self.spec.rollout.max_new_tokens,
                 eos_token_ids=(self.tokenizer.eos_token_id,), seed=0,
-            ).start()
+            )
         engine = self._evaluator
-        await asyncio.to_thread(engine.update_weights_from_state_dict, state, self.status.version)
         params = SamplingParams(max_new_tokens=self.spec.rollout.max_new_tokens, temperature=0)
-        futures = [engine.submit(item.prompt_ids, params) for item in self.eval_items]
-        results = [await asyncio.wrap_future(f) for f in futures]
+
+        def generate() -> list:
+            engine.update_weights_from_state_dict(state, self.status.version)
+            futures = [engine.submit(item.prompt_ids, params) for item in self.eval_items]
+            engine.run_until_idle()
+            return [f.result() for f in futures]
+
+        results = await self._on_compute(generate)
         scores = await asyncio.gather(*(
             self.scorer.score(item, [r.output_ids]) for item, r in zip(self.eval_items, results)
         ))
