@@ -214,11 +214,17 @@ def packed_token_logprobs(
     position_ids: torch.Tensor,
     cu_seqlens: torch.Tensor,
     temperature: float = 1.0,
+    needed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-probability of every token of a packed batch given the tokens before it in its
     own sequence, token-aligned: out[i] = log p(input_ids[i] | its prefix). A sequence's first
     token has no prefix and gets 0. Logits are divided by the sampling temperature so the
     result matches the distribution the rollout engine sampled from.
+
+    `needed` (bool, token-aligned) limits the work to the tokens whose log-probs are used (the
+    trainer's loss mask: responses, not prompts); the others get 0. Only their positions go
+    through the vocabulary projection, the largest matrix of a small model, and only their
+    logits are kept for backward.
 
     Sequences are separated by restarting position_ids at 0; transformers turns that into a
     block-diagonal causal mask, so no token attends across a sequence boundary.
@@ -227,16 +233,19 @@ def packed_token_logprobs(
         raise ValueError("input_ids and position_ids must be 1-D tensors of the same length")
     if input_ids.numel() == 0:
         return torch.zeros(0, device=input_ids.device)
-    # use_cache=False: transformers only builds the packed (block-diagonal) mask without a cache.
-    output = model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False)
-    logits = output.logits[0]
-    logits = logits[:-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    next_ids = input_ids[1:]
-    picked = logits.gather(-1, next_ids[:, None]).squeeze(-1)
-    logprobs = torch.zeros(input_ids.shape[0], device=logits.device, dtype=logits.dtype)
-    logprobs[1:] = picked - torch.logsumexp(logits, dim=-1)
-    starts = cu_seqlens[:-1].long()
+    wanted = torch.ones_like(input_ids, dtype=torch.bool) if needed is None else needed.bool().clone()
     # The first token of each sequence was "predicted" from the previous sequence's end.
-    return logprobs.index_fill(0, starts, 0.0)
+    wanted[cu_seqlens[:-1].long()] = False
+    targets = wanted.nonzero().squeeze(-1)
+    # use_cache=False: transformers only builds the packed (block-diagonal) mask without a cache.
+    # logits_to_keep: the lm_head sees only the positions that predict a wanted token.
+    output = model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
+                   logits_to_keep=targets - 1)
+    logits = output.logits[0].float()
+    if temperature != 1.0:
+        # In place: [tokens x vocab] is the largest tensor of the step, and lm_head's backward
+        # needs its input, not this output.
+        logits = logits.div_(temperature)
+    picked = logits.gather(-1, input_ids[targets][:, None]).squeeze(-1)
+    logprobs = torch.zeros(input_ids.shape[0], device=logits.device, dtype=logits.dtype)
+    return logprobs.index_put((targets,), picked - torch.logsumexp(logits, dim=-1))

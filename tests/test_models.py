@@ -29,6 +29,29 @@ def test_packed_logprobs_match_each_sequence_alone():
     assert packed[cu_seqlens[:-1]].abs().sum() == 0
 
 
+def test_only_the_needed_logprobs_are_computed_and_they_are_the_same():
+    """The trainer asks for the response tokens' log-probs only: the same values, zeros
+    elsewhere, and the gradient reaches the model through exactly those."""
+    model = build_tiny_model(TinyModelConfig(), vocab_size=300)
+    sequences = [torch.randint(0, 300, (n,)) for n in (6, 4, 7)]
+    ids = torch.cat(sequences)
+    positions = torch.cat([torch.arange(s.numel()) for s in sequences])
+    cu_seqlens = torch.tensor([0, 6, 10, 17])
+    needed = torch.zeros(17, dtype=torch.bool)
+    needed[[0, 3, 4, 5, 8, 9, 12, 16]] = True  # 0 starts a sequence: it has no prefix
+    full = packed_token_logprobs(model, ids, positions, cu_seqlens, 0.8)
+    part = packed_token_logprobs(model, ids, positions, cu_seqlens, 0.8, needed=needed)
+    expected = torch.where(needed, full, torch.zeros_like(full))
+    expected[0] = 0.0
+    torch.testing.assert_close(part, expected.detach(), atol=1e-6, rtol=1e-6)
+    assert (part[~needed] == 0).all() and (part[[3, 4, 5, 8, 9, 12, 16]] != 0).all()
+    part.sum().backward()
+    assert model.lm_head.weight.grad.abs().sum() > 0
+    none = packed_token_logprobs(model, ids, positions, cu_seqlens,
+                                 needed=torch.zeros(17, dtype=torch.bool))
+    assert none.shape == (17,) and (none == 0).all()
+
+
 def test_logprobs_are_log_softmax_of_the_next_token_with_temperature():
     model = build_tiny_model(TinyModelConfig(), vocab_size=300).eval()
     ids = torch.randint(0, 300, (6,))

@@ -35,6 +35,7 @@ from asyncrl.buffer.client import BufferClient
 from asyncrl.devices import local_rank, select_device
 from asyncrl.grpc_service import start_server
 from asyncrl.models import load_policy
+from asyncrl.heap import trim_heap
 from asyncrl.openmp import release_idle_thread_pools
 from asyncrl.outage import OutageTooLong
 from asyncrl.prompts import build_prompts
@@ -165,7 +166,9 @@ class Trainer:
             load_full_state(self.model, self.optimizer, checkpoint.model, checkpoint.optimizer)
             return checkpoint.state
         if command.kind == "step":
-            return self.updater.step(command.samples, command.version)
+            stats = self.updater.step(command.samples, command.version)
+            trim_heap()  # the step's activations, back to the system (see asyncrl.heap)
+            return stats
         if command.kind == "state":
             return full_model_state(self.model)
         if command.kind == "checkpoint":

@@ -250,7 +250,8 @@ class PolicyUpdater:
 
     def _logprobs(self, model: torch.nn.Module, mb: PackedBatch) -> Tensor:
         return packed_token_logprobs(
-            model, mb.input_ids, mb.position_ids, mb.cu_seqlens, self.config.temperature
+            model, mb.input_ids, mb.position_ids, mb.cu_seqlens, self.config.temperature,
+            needed=mb.fields["loss_mask"],
         )
 
 
