@@ -476,3 +476,26 @@ def test_an_engine_not_started_serves_in_the_callers_thread():
         threaded.stop()
     assert [f.result().output_ids for f in futures] == expected
     assert torch.is_grad_enabled()  # the caller's thread is left as it was
+
+
+def test_the_responses_to_one_prompt_share_its_prefill():
+    """n requests with the same prompt (a GRPO group): one forward row, its cache copied to the
+    others; each still samples on its own, and every log-prob matches a full forward."""
+    model = tiny(seed=3)
+    engine = TorchEngine(model, max_running_requests=8, max_sequence_length=96, seed=0)
+    shared, other = prompts(2, seed=11)
+    batch = [shared] * 5 + [other] * 2 + [shared[:-1]]
+    sampled = [engine.submit(p, SamplingParams(max_new_tokens=12, temperature=1.0)) for p in batch]
+    forwarded = []
+    hook = model.model.embed_tokens.register_forward_hook(
+        lambda module, args, output: forwarded.append(args[0].shape))
+    engine.run_until_idle()
+    hook.remove()
+    assert forwarded[0][0] == 3  # the prefill: three distinct prompts went through the model
+    results = [f.result() for f in sampled]
+    assert len({tuple(r.output_ids) for r in results[:5]}) > 1  # twins sample independently
+    for prompt, result in zip(batch, results):
+        assert len(result.output_ids) == 12
+        torch.testing.assert_close(torch.tensor(result.output_logprobs),
+                                   recomputed(model, prompt, result.output_ids),
+                                   atol=LOGPROB_TOLERANCE, rtol=0)

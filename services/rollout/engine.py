@@ -492,34 +492,50 @@ class TorchEngine:
     def _prefill(self, rows: slice) -> None:
         """Fills the cache rows of the requests in `rows` from their tokens, in one forward
         pass (right-padded to the longest). A fresh request samples its first token here; a
-        resumed one keeps its last sampled token pending for the next decode."""
+        resumed one keeps its last sampled token pending for the next decode.
+
+        Requests with the same tokens (the n responses to one prompt) share one forward row:
+        the rows are ordered distinct sequences first (none of them holds a cache yet), only
+        those go through the model, and the others get a copy of their twin's cache row and
+        sample from the same logits."""
         started = time.perf_counter()
-        requests = self._running[rows]
-        sequences, fresh = [], []
-        for index, request in enumerate(requests):
+        sequences: dict[int, list[int]] = {}
+        for request in self._running[rows]:
             tokens = request.tokens
             if request.result.output_ids:  # resumed after a weight update
                 tokens = tokens[:-1]
                 request.pending = request.result.output_ids[-1]
-            else:
-                fresh.append(index)
-            sequences.append(tokens)
-        width = max(len(tokens) for tokens in sequences)
-        ids = torch.tensor([tokens + [0] * (width - len(tokens)) for tokens in sequences],
-                           device=self._device)
-        lengths = torch.tensor([len(tokens) for tokens in sequences], device=self._device)
+            sequences[id(request)] = tokens
+        twin_of: dict[tuple[int, ...], _Request] = {}
+        distinct, copies = [], []
+        for request in self._running[rows]:
+            twin = twin_of.setdefault(tuple(sequences[id(request)]), request)
+            (distinct if twin is request else copies).append(request)
+        self._running[rows] = distinct + copies
+        computed = slice(rows.start, rows.start + len(distinct))
+
+        width = max(len(sequences[id(r)]) for r in distinct)
+        ids = torch.tensor([sequences[id(r)] + [0] * (width - len(sequences[id(r)]))
+                            for r in distinct], device=self._device)
+        lengths = torch.tensor([len(sequences[id(r)]) for r in distinct], device=self._device)
         span = torch.arange(width, device=self._device)
         # Causal, and no row attends to its padding; a padded position attends to real tokens
         # only (never to nothing, which would give NaNs), and its output is never read.
         mask = (span[None, :] <= span[:, None])[None] & (span[None, None, :] < lengths[:, None, None])
-        logits = self._forward(ids, span[None].expand(len(requests), -1), rows, width,
+        logits = self._forward(ids, span[None].expand(len(distinct), -1), computed, width,
                                mask[:, None], last=lengths - 1)
-        for request, tokens in zip(requests, sequences):
-            request.cached = len(tokens)
+        row_of = {id(r): rows.start + i for i, r in enumerate(distinct)}
+        for offset, request in enumerate(copies, start=computed.stop):
+            twin = twin_of[tuple(sequences[id(request)])]
+            self._cache.move(row_of[id(twin)], offset, len(sequences[id(request)]))
+        requests = distinct + copies
+        for request in requests:
+            request.cached = len(sequences[id(request)])
+        fresh = [r for r in requests if len(r.result.output_ids) == 0]
         if fresh:
-            chosen = [requests[i] for i in fresh]
-            tokens, logprobs = self._sample(chosen, logits[fresh])
-            for index, request in enumerate(chosen):
+            twins = [row_of[id(twin_of[tuple(sequences[id(r)])])] - rows.start for r in fresh]
+            tokens, logprobs = self._sample(fresh, logits[twins])
+            for index, request in enumerate(fresh):
                 self._append(request, tokens[index : index + 1], logprobs[index : index + 1])
         if len(fresh) < len(requests):
             self._resume_prefill_seconds += time.perf_counter() - started
