@@ -499,45 +499,47 @@ class TorchEngine:
         those go through the model, and the others get a copy of their twin's cache row and
         sample from the same logits."""
         started = time.perf_counter()
-        sequences: dict[int, list[int]] = {}
+        entries = []  # (request, the tokens its cache row is filled from)
         for request in self._running[rows]:
             tokens = request.tokens
             if request.result.output_ids:  # resumed after a weight update
                 tokens = tokens[:-1]
                 request.pending = request.result.output_ids[-1]
-            sequences[id(request)] = tokens
-        twin_of: dict[tuple[int, ...], _Request] = {}
+            entries.append((request, tokens))
+        computed_row: dict[tuple[int, ...], int] = {}  # tokens -> offset of the row computed
         distinct, copies = [], []
-        for request in self._running[rows]:
-            twin = twin_of.setdefault(tuple(sequences[id(request)]), request)
-            (distinct if twin is request else copies).append(request)
-        self._running[rows] = distinct + copies
+        for request, tokens in entries:
+            key = tuple(tokens)
+            if key in computed_row:
+                copies.append((request, tokens, computed_row[key]))
+            else:
+                computed_row[key] = len(distinct)
+                distinct.append((request, tokens))
+        self._running[rows] = [r for r, _ in distinct] + [r for r, _, _ in copies]
         computed = slice(rows.start, rows.start + len(distinct))
 
-        width = max(len(sequences[id(r)]) for r in distinct)
-        ids = torch.tensor([sequences[id(r)] + [0] * (width - len(sequences[id(r)]))
-                            for r in distinct], device=self._device)
-        lengths = torch.tensor([len(sequences[id(r)]) for r in distinct], device=self._device)
+        width = max(len(tokens) for _, tokens in distinct)
+        ids = torch.tensor([tokens + [0] * (width - len(tokens)) for _, tokens in distinct],
+                           device=self._device)
+        lengths = torch.tensor([len(tokens) for _, tokens in distinct], device=self._device)
         span = torch.arange(width, device=self._device)
         # Causal, and no row attends to its padding; a padded position attends to real tokens
         # only (never to nothing, which would give NaNs), and its output is never read.
         mask = (span[None, :] <= span[:, None])[None] & (span[None, None, :] < lengths[:, None, None])
         logits = self._forward(ids, span[None].expand(len(distinct), -1), computed, width,
                                mask[:, None], last=lengths - 1)
-        row_of = {id(r): rows.start + i for i, r in enumerate(distinct)}
-        for offset, request in enumerate(copies, start=computed.stop):
-            twin = twin_of[tuple(sequences[id(request)])]
-            self._cache.move(row_of[id(twin)], offset, len(sequences[id(request)]))
-        requests = distinct + copies
-        for request in requests:
-            request.cached = len(sequences[id(request)])
-        fresh = [r for r in requests if len(r.result.output_ids) == 0]
+        for row, (_, tokens, source) in enumerate(copies, start=computed.stop):
+            self._cache.move(rows.start + source, row, len(tokens))
+        for request, tokens in entries:
+            request.cached = len(tokens)
+        # (request, the row of logits it samples from), fresh requests only
+        fresh = [(r, i) for i, (r, _) in enumerate(distinct) if not r.result.output_ids]
+        fresh += [(r, source) for r, _, source in copies if not r.result.output_ids]
         if fresh:
-            twins = [row_of[id(twin_of[tuple(sequences[id(r)])])] - rows.start for r in fresh]
-            tokens, logprobs = self._sample(fresh, logits[twins])
-            for index, request in enumerate(fresh):
+            tokens, logprobs = self._sample([r for r, _ in fresh], logits[[i for _, i in fresh]])
+            for index, (request, _) in enumerate(fresh):
                 self._append(request, tokens[index : index + 1], logprobs[index : index + 1])
-        if len(fresh) < len(requests):
+        if len(fresh) < len(entries):
             self._resume_prefill_seconds += time.perf_counter() - started
 
     def _decode(self) -> None:

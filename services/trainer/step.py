@@ -158,8 +158,7 @@ class PolicyUpdater:
             current += [True] * (int(most) - len(current))
             # ... and a skipped forward must be skipped on every rank, or the collectives of
             # the others would wait for it.
-            flags = torch.zeros(int(most), device=self.device)
-            flags[: len(current)] = torch.tensor(current, dtype=torch.float32)
+            flags = torch.tensor(current, dtype=torch.float32, device=self.device)
             current = [bool(f) for f in _all_reduce(flags, dist.ReduceOp.MIN)]
         local_tokens = sum(int(s.loss_mask.sum()) for s in samples)
         global_tokens = _all_reduce_sum(
@@ -170,8 +169,8 @@ class PolicyUpdater:
         self.model.eval()
         with torch.no_grad(), self._autocast():
             proximal = [
-                self._logprobs(self.model, mb) if self.config.decoupled and not skip
-                else mb.fields["behaviour_logprobs"]
+                mb.fields["behaviour_logprobs"] if skip or not self.config.decoupled
+                else self._logprobs(self.model, mb)
                 for mb, skip in zip(micro_batches, current)
             ]
             reference = (
@@ -179,7 +178,7 @@ class PolicyUpdater:
                 if self.config.kl_coef > 0
                 else None
             )
-        skipped = sum(1 for skip in current[: len(groups)] if skip and self.config.decoupled)
+        skipped = sum(current[: len(groups)])  # `current` is all False unless decoupled
 
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
