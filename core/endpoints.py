@@ -8,7 +8,7 @@ from __future__ import annotations
 PORTS: dict[str, dict[str, int]] = {
     "buffer": {"grpc": 50051, "metrics": 9101},
     "reward": {"grpc": 50081, "metrics": 9102},
-    "trainer": {"grpc": 50071, "metrics": 9103, "rendezvous": 29400},
+    "trainer": {"grpc": 50071, "metrics": 9103, "rendezvous": 29400, "weights": 29500},
     "rollout": {"http": 30000, "grpc": 50061, "sglang": 30001},
     "redis": {"redis": 6379},
 }

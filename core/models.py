@@ -208,6 +208,19 @@ def _smollm2_converted_dir() -> Path:
     return target
 
 
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """{alias: name} for parameters that are the same tensor under two names (tied weights),
+    the first name in the model's order being the one stored."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in first:
+            aliases[name] = first[id(parameter)]
+        else:
+            first[id(parameter)] = name
+    return aliases
+
+
 def packed_token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,

@@ -157,8 +157,8 @@ class LocalJob:
         self.services: list[ServiceProcess] = []
         self.redis: RedisServer | None = None
         self.redis_restarts = 0
-        self.ports = {name: free_port()
-                      for name in ("buffer", "reward", "trainer", "rollout_http", "rollout_grpc")}
+        self.ports = {name: free_port() for name in (
+            "buffer", "reward", "trainer", "trainer_weights", "rollout_http", "rollout_grpc")}
         # /metrics of each service (the rollout worker serves it on its HTTP port); 0 = off.
         self.metrics_ports = {name: free_port() if options.metrics else 0
                               for name in ("buffer", "reward", "trainer")}
@@ -191,7 +191,7 @@ class LocalJob:
             "rollout", job_file=job_file, buffer_address=buffer_address,
             reward_address=reward_address, redis_url=redis_url,
             http_port=self.ports["rollout_http"], grpc_port=self.ports["rollout_grpc"],
-            threads=self.rollout_threads)], env)
+            weights_address=self._weights_address(), threads=self.rollout_threads)], env)
         self._wait(lambda: self.trainer_status() is not None, "trainer", timeout=600)
 
     def start_redis(self) -> str:
@@ -201,6 +201,12 @@ class LocalJob:
             return self.job.spec.buffer.redis.url
         self.redis = RedisServer(self.run_dir / "redis", append_only=True).start()
         return self.redis.url
+
+    def _weights_address(self) -> str | None:
+        """Where the rollout worker joins the trainer's weight transfer group, if it does."""
+        if self.job.spec.trainer.weight_transfer != "distributed":
+            return None
+        return f"127.0.0.1:{self.ports['trainer_weights']}"
 
     def _trainer_command(self, exe: str, buffer_address: str, reward_address: str) -> list[str]:
         """`asyncrl serve trainer ...`; with trainer.processesPerReplica > 1 the same command
@@ -212,7 +218,7 @@ class LocalJob:
         serve = serve_command(
             "trainer", job_file=self.config_path, buffer_address=buffer_address,
             reward_address=reward_address, run_dir=self.run_dir, grpc_port=self.ports["trainer"],
-            metrics_port=self.metrics_ports["trainer"],
+            metrics_port=self.metrics_ports["trainer"], weights_port=self.ports["trainer_weights"],
             threads=max(1, self.trainer_threads // processes))
         if processes == 1:
             return [exe, *serve]

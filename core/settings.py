@@ -117,6 +117,11 @@ class RolloutSettings(ServiceSettings):
         default=SGLANG_STARTUP_SECONDS, gt=0,
         description="How long SGLang may take to become healthy.",
     )
+    weights_address: str | None = Field(
+        default=None, description="host:port of the trainer's weight transfer store; with "
+        "trainer.weightTransfer distributed the engine joins it and receives each version by "
+        "broadcast (without it, versions come from disk)."
+    )
 
 class TrainerSettings(ServiceSettings):
     buffer_address: str = Field(description="host:port of the buffer service.")
@@ -130,6 +135,11 @@ class TrainerSettings(ServiceSettings):
     reward_address: str | None = Field(
         default=None, description="Reward service for evaluations; without it, the same "
         "scorer runs in this process."
+    )
+    weights_port: int = Field(
+        default=port("trainer", "weights"), ge=1, le=65535,
+        description="Where rollout engines join the weight transfer group (rank 0 here), with "
+        "trainer.weightTransfer distributed.",
     )
     collective_timeout: float = Field(
         default=DEFAULT_COLLECTIVE_TIMEOUT, gt=0, description="Under torchrun: seconds a rank "

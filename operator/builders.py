@@ -15,7 +15,9 @@ What runs where:
                     code rewards root with the sandbox's four capabilities (SANDBOX_CAPABILITIES)
     <job>-rollout   Deployment+Svc   generation; GPUs, node pool, tolerations (HTTP 30000, gRPC 50061)
     <job>-trainer   StatefulSet      PPO updates, nodes x processes via torchrun (gRPC 50071)
-    <job>-trainer-headless  Service  stable pod DNS for torch rendezvous (29400)
+    <job>-trainer-headless  Service  stable pod DNS for torch rendezvous (29400) and, with
+                                     trainer.weightTransfer distributed, the weight
+                                     transfer group's store (29500)
     <job>-run       PVC              checkpoints and weight snapshots: trainer writes, rollout reads
     <job>-redis, <job>-buffer, <job>-trainer, <job>-reward   NetworkPolicy   only the job's own
                     pods (and the operator, for buffer statistics and trainer status) reach
@@ -59,6 +61,7 @@ REWARD_PORT, REWARD_METRICS = port("reward", "grpc"), port("reward", "metrics")
 ROLLOUT_HTTP, ROLLOUT_GRPC = port("rollout", "http"), port("rollout", "grpc")
 TRAINER_PORT, TRAINER_METRICS = port("trainer", "grpc"), port("trainer", "metrics")
 RENDEZVOUS_PORT, REDIS_PORT = port("trainer", "rendezvous"), port("redis", "redis")
+WEIGHTS_PORT = port("trainer", "weights")
 
 #: Seconds a service container may take to start (loading a model can take minutes) before
 #: its startup probe fails and the kubelet restarts it; the probe runs every PROBE_PERIOD.
@@ -333,7 +336,9 @@ def rollout_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
         "rollout", job_file=JOB_FILE, host="0.0.0.0", http_port=ROLLOUT_HTTP,
         grpc_port=ROLLOUT_GRPC, buffer_address=f"{child_name(job, 'buffer')}:{BUFFER_PORT}",
         reward_address=f"{child_name(job, 'reward')}:{REWARD_PORT}",
-        redis_url=redis_url_with_password(job), worker="$(POD_NAME)")
+        redis_url=redis_url_with_password(job), worker="$(POD_NAME)",
+        weights_address=(f"{trainer_rendezvous_host(job)}:{WEIGHTS_PORT}"
+                         if distributed_weights(job) else None))
     env = [_pod_name_env()] + ([_password_env(job)] if password_ref(job) else [])
     health = {"httpGet": {"path": "/health", "port": "http"}}
     # Not ready while Redis is down (no weight updates can reach it), yet not restarted.
@@ -403,8 +408,7 @@ def trainer_statefulset(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
             rendezvous_id=job.metadata.name)]
     container = _container(job, config, "trainer", serve, env=env, command=command,
                            gpus=trainer.placement.gpus,
-                           ports=[("grpc", TRAINER_PORT), ("metrics", TRAINER_METRICS),
-                                  ("rendezvous", RENDEZVOUS_PORT)],
+                           ports=trainer_ports(job),
                            resources=_resources(trainer.resources, "trainer",
                                                 gpus=trainer.placement.gpus),
                            **_grpc_probes(TRAINER_PORT), mounts=[_run_mount()])
@@ -428,6 +432,17 @@ def trainer_statefulset(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
             "template": _template(job, "trainer", pod),
         },
     }
+
+
+def distributed_weights(job: RLJob) -> bool:
+    return job.spec.trainer.weight_transfer == "distributed"
+
+
+def trainer_ports(job: RLJob) -> list[tuple[str, int]]:
+    """The trainer's ports; with distributed weights also the transfer group's store, where
+    rollout workers join (through the headless Service: pod 0's stable name)."""
+    ports = [("grpc", TRAINER_PORT), ("metrics", TRAINER_METRICS), ("rendezvous", RENDEZVOUS_PORT)]
+    return ports + ([("weights", WEIGHTS_PORT)] if distributed_weights(job) else [])
 
 
 def trainer_rendezvous_host(job: RLJob) -> str:
@@ -472,8 +487,8 @@ def rendezvous_wait_container(host: str, *, image: str, pull_policy: str) -> dic
 
 
 def trainer_headless_service(job: RLJob) -> dict[str, Any]:
-    service = _service(job, "trainer", [("grpc", TRAINER_PORT), ("rendezvous", RENDEZVOUS_PORT)],
-                       name=child_name(job, "trainer-headless"))
+    ports = [p for p in trainer_ports(job) if p[0] != "metrics"]
+    service = _service(job, "trainer", ports, name=child_name(job, "trainer-headless"))
     service["spec"]["clusterIP"] = "None"
     # Rendezvous happens before any trainer is Ready.
     service["spec"]["publishNotReadyAddresses"] = True

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from asyncrl.algorithms.ppo import decoupled_ppo_loss, kl_penalty
+from asyncrl.algorithms.ppo import decoupled_ppo_loss, kl_penalty, loglinear_proximal_logprobs
 
 F64 = torch.float64
 
@@ -319,3 +319,58 @@ def test_kl_estimator_errors():
         kl_penalty(t([0.0]), t([0.0]), "k4")
     with pytest.raises(ValueError, match="reference_logprobs"):
         kl_penalty(t([0.0]), t([0.0, 1.0]))
+
+
+# --------------------------------------------------------------------------- loglinear proximal
+
+
+def test_loglinear_proximal_end_points():
+    behaviour, current = t([-1.0, -2.0, -3.0]), t([-1.5, -0.5, -2.0])
+    # A token of the proximal version, one of the current version (newer than the proximal
+    # policy) and a prompt token (no version) keep their behaviour log-probs.
+    kept = loglinear_proximal_logprobs(behaviour, current, torch.tensor([4, 5, -1]),
+                                       proximal_version=4, current_version=5)
+    assert kept.tolist() == behaviour.tolist()
+    # When the proximal policy is the current one, every older token takes the current
+    # log-prob, and a token it generated keeps the behaviour one (alpha would be 0 / 0).
+    same = loglinear_proximal_logprobs(behaviour, current, torch.tensor([0, 4, 5]),
+                                       proximal_version=5, current_version=5)
+    assert same.tolist() == [-1.5, -0.5, -3.0]
+    # The older the token, the closer to the current log-prob: alpha = 1e6 / (1e6 + 1).
+    old = loglinear_proximal_logprobs(t([-1.0]), t([-2.0]), torch.tensor([0]),
+                                      proximal_version=10**6, current_version=10**6 + 1)
+    assert old.item() == pytest.approx(-2.0, abs=1e-5)
+
+
+def test_loglinear_proximal_hand_computed_values():
+    # alpha = (v_prox - v) / (v_cur - v):
+    #   v=0, v_prox=1, v_cur=2 -> 1/2: -1.0 + 0.5 * (-2.0 - -1.0)  = -1.5
+    #   v=1, v_prox=4, v_cur=5 -> 3/4: -2.0 + 0.75 * (-0.4 - -2.0) = -0.8
+    #   v=2, v_prox=4, v_cur=5 -> 2/3: -3.0 + 2/3 * (0.0 - -3.0)   = -1.0
+    behaviour, current = t([-1.0, -2.0, -3.0]), t([-2.0, -0.4, 0.0])
+    first = loglinear_proximal_logprobs(behaviour[:1], current[:1], torch.tensor([0]),
+                                        proximal_version=1, current_version=2)
+    rest = loglinear_proximal_logprobs(behaviour[1:], current[1:], torch.tensor([1, 2]),
+                                       proximal_version=4, current_version=5)
+    assert first.tolist() == pytest.approx([-1.5], abs=1e-12)
+    assert rest.tolist() == pytest.approx([-0.8, -1.0], abs=1e-12)
+
+
+def test_loglinear_proximal_is_a_constant_of_the_loss():
+    current = t([-2.0, -0.4]).requires_grad_()
+    approx = loglinear_proximal_logprobs(t([-1.0, -2.0]), current, torch.tensor([0, 1]),
+                                         proximal_version=2, current_version=3)
+    assert not approx.requires_grad
+
+
+def test_loglinear_proximal_argument_errors():
+    two = t([-1.0, -2.0])
+    with pytest.raises(ValueError, match="proximal_version 3 is newer than current_version 2"):
+        loglinear_proximal_logprobs(two, two, torch.tensor([0, 1]),
+                                    proximal_version=3, current_version=2)
+    with pytest.raises(ValueError, match="token_versions"):
+        loglinear_proximal_logprobs(two, two, torch.tensor([0]),
+                                    proximal_version=1, current_version=2)
+    with pytest.raises(ValueError, match="behaviour_logprobs"):
+        loglinear_proximal_logprobs(two[:1], two, torch.tensor([0, 1]),
+                                    proximal_version=1, current_version=2)

@@ -61,6 +61,7 @@ def test_minimal_manifest_gets_every_default():
     assert (a.clip_eps, a.clip_eps_high, a.effective_clip_eps_high) == (0.2, None, 0.2)
     assert (a.dual_clip, a.behaviour_weight_cap, a.behaviour_cap_mode) == (None, 5.0, "mask")
     assert a.decoupled is True and a.batch_norm_advantages is False
+    assert a.proximal == "recompute"
     assert (a.learning_rate, a.weight_decay, a.max_grad_norm, a.max_steps) == (1e-6, 0.0, 1.0, 100)
     assert (a.kl.coef, a.kl.estimator) == (0.0, "k3")
     r = s.rollout
@@ -188,6 +189,8 @@ def test_operator_may_parse_whole_objects_from_the_api_server():
          "divides hiddenSize"),
         ({"reward": {"math": {"extract": ["boxed", "boxed"]}}}, "spec.reward.math.extract",
          "list each rule once"),
+        ({"algorithm": {"proximal": "loglinear", "decoupled": False}}, "spec.algorithm.proximal",
+         "remove proximal, or set decoupled: true"),
     ],
 )
 def test_cross_field_rules(spec_fields, path, fix):
@@ -247,6 +250,16 @@ def test_greedy_rollouts_are_refused_because_they_can_never_learn(rollout, field
     assert problem.startswith(f"spec.rollout.{field}: "), line
     assert "every advantage is 0; the job can never learn" in problem, line
     assert given_fix == fix
+
+
+def test_proximal_takes_recompute_or_loglinear():
+    line = only_error(manifest(algorithm={"proximal": "approx"}))
+    problem, fix = line.split("; fix: ", 1)
+    assert problem == "spec.algorithm.proximal: must be 'recompute' or 'loglinear' " \
+                      '(got "approx")', line
+    assert fix == "use one of: recompute, loglinear"
+    job = parse_manifest(manifest(algorithm={"proximal": "loglinear"}))
+    assert job.spec.algorithm.proximal == "loglinear"
 
 
 def test_behaviour_cap_below_one_is_allowed_when_it_clamps():

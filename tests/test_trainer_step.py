@@ -155,3 +155,72 @@ def test_proximal_forward_is_skipped_only_for_samples_of_the_current_weights():
     truncated, _ = run(_as_version(samples, 3), 3, untruncated_sampling=False)
     older, _ = run(_as_version(samples, 2), 3, untruncated_sampling=True)
     assert truncated["proximal_forwards_skipped"] == older["proximal_forwards_skipped"] == 0
+
+
+def _forward_counter(model):
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    return calls
+
+
+def test_loglinear_runs_no_proximal_forward_and_matches_recompute_on_older_tokens():
+    samples = _as_version(make_samples(8), 2)  # generated one version before the weights
+
+    def run(**config):
+        model = tiny_model()
+        forwards = _forward_counter(model)
+        updater = PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                UpdateConfig(micro_batch_max_tokens=24, **config))
+        return updater.step(samples, 3), len(forwards), model
+
+    recomputed, recompute_forwards, with_forward = run()
+    approximated, loglinear_forwards, without = run(proximal="loglinear")
+    assert approximated["micro_batches"] > 1
+    assert recompute_forwards == 2 * recomputed["micro_batches"]
+    assert loglinear_forwards == approximated["micro_batches"]  # the training forwards only
+    assert approximated["proximal_forwards_skipped"] == approximated["micro_batches"]
+    assert recomputed["proximal_forwards_skipped"] == 0
+    # One optimizer step per batch: the proximal weights are the current ones, so for tokens
+    # older than them the approximation is the recomputed value.
+    assert torch.isfinite(torch.tensor(approximated["loss"]))
+    assert approximated["loss"] == pytest.approx(recomputed["loss"], abs=1e-6)
+    assert approximated["clip_fraction"] == recomputed["clip_fraction"] == 0.0
+    for a, b in zip(with_forward.parameters(), without.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_loglinear_keeps_behaviour_logprobs_of_tokens_the_current_weights_generated():
+    # Weights updated mid-generation: each response's first token is from the current version
+    # 3, the rest from version 2.
+    samples = []
+    for s in make_samples(6, behaviour_noise=1.0):
+        versions = torch.where(s.loss_mask, 2, -1)
+        versions[int(s.loss_mask.nonzero()[0])] = 3
+        samples.append(TrainSample(s.input_ids, s.loss_mask, s.behaviour_logprobs, s.advantage,
+                                   token_versions=versions))
+    model = tiny_model()
+    updater = PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            UpdateConfig(proximal="loglinear"))
+    # The behaviour weight exp(proximal - behaviour) is 1 where proximal is the behaviour
+    # log-prob, and exp(current - behaviour) where it is the current one.
+    weights = []
+    for s in samples:
+        current = updater._logprobs(model, _packed(s)).detach()
+        weight = torch.where(s.token_versions == 3, 1.0, torch.exp(current - s.behaviour_logprobs))
+        weights.append(weight[s.loss_mask])
+    expected = torch.cat(weights).mean().item()
+    assert expected != pytest.approx(1.0, abs=0.05)
+    stats = updater.step(samples, 3)
+    assert stats["behaviour_weight_mean"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_loglinear_needs_versions():
+    model = tiny_model()
+    updater = PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            UpdateConfig(proximal="loglinear"))
+    with pytest.raises(ValueError, match="proximal loglinear needs the version"):
+        updater.step(_as_version(make_samples(2), 2), None)
+    with pytest.raises(ValueError, match="proximal loglinear needs the version"):
+        updater.step(make_samples(2), 3)
+    with pytest.raises(ValueError, match="proximal must be one of"):
+        PolicyUpdater(model, updater.optimizer, UpdateConfig(proximal="approx"))

@@ -5,7 +5,8 @@ than the trainer. AReaL decouples the two roles the "old" policy plays in PPO: t
 taken around a recent *proximal* policy (the current weights before this update, recomputed by the
 trainer), and the gap between the proximal and the behaviour policy is corrected by an importance
 weight ``π_prox / π_behav``. With ``decoupled=False`` this reduces to standard PPO, whose trust
-region sits around the (stale) behaviour policy.
+region sits around the (stale) behaviour policy. ``loglinear_proximal_logprobs`` approximates the
+proximal log-probs without that forward pass.
 
 Everything here is a pure function of tensors: no logging, no I/O, no device moves.
 """
@@ -17,10 +18,15 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["BEHAVIOUR_CAP_MODES", "KL_ESTIMATORS", "decoupled_ppo_loss", "kl_penalty"]
+__all__ = [
+    "BEHAVIOUR_CAP_MODES", "KL_ESTIMATORS", "PROXIMAL_MODES", "decoupled_ppo_loss", "kl_penalty",
+    "loglinear_proximal_logprobs",
+]
 
 BEHAVIOUR_CAP_MODES = ("mask", "clamp")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+#: How the trainer gets the proximal log-probs: a forward pass, or loglinear_proximal_logprobs.
+PROXIMAL_MODES = ("recompute", "loglinear")
 
 
 def decoupled_ppo_loss(
@@ -139,6 +145,51 @@ def decoupled_ppo_loss(
         raw_weight=raw_weight,
     )
     return loss, stats
+
+
+def loglinear_proximal_logprobs(
+    behaviour_logprobs: Tensor,
+    logprobs: Tensor,
+    token_versions: Tensor,
+    *,
+    proximal_version: int,
+    current_version: int,
+) -> Tensor:
+    """AReaL's "loglinear" approximation of the proximal policy's log-probs, per token.
+
+    Approximates ``log π_prox(token)`` without a forward pass of the proximal policy, by
+    interpolating linearly in policy version between the log-prob under the policy that
+    generated the token (version ``v``, ``behaviour_logprobs``) and under the current policy
+    (``logprobs``, detached here: the result is a constant of the loss)::
+
+        alpha = (proximal_version - v) / (current_version - v)
+        proximal = behaviour_logprobs + alpha * (logprobs - behaviour_logprobs)
+
+    that is, a weighted geometric mean of the two probabilities. ``alpha`` is 0 (the behaviour
+    log-prob) for a token of the proximal version, whose generator is the proximal policy (up
+    to the engine's numerics), for a newer one (no extrapolation), and for a negative version
+    (a prompt token, or unknown); it grows towards 1 (the current log-prob) as the token gets
+    older, and is 1 for every older token when the proximal policy is the current one.
+
+    All tensors are token-aligned and share one shape; ``proximal_version <= current_version``.
+    """
+    for name, tensor in (("behaviour_logprobs", behaviour_logprobs),
+                         ("token_versions", token_versions)):
+        if tensor.shape != logprobs.shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, "
+                             f"expected the shape of logprobs {tuple(logprobs.shape)}")
+    if proximal_version > current_version:
+        raise ValueError(f"proximal_version {proximal_version} is newer than current_version "
+                         f"{current_version}")
+    dtype = torch.promote_types(logprobs.dtype, behaviour_logprobs.dtype)
+    version = token_versions.to(dtype)
+    older = (version >= 0) & (version < proximal_version)
+    # Older tokens have current_version - v >= proximal_version - v > 0; the others get a
+    # denominator of 1 so that no division by zero appears even in the branch not taken.
+    alpha = torch.where(older, (proximal_version - version)
+                        / torch.where(older, current_version - version, 1.0), 0.0)
+    behaviour = behaviour_logprobs.detach().to(dtype)
+    return behaviour + alpha * (logprobs.detach().to(dtype) - behaviour)
 
 
 def kl_penalty(

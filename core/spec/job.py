@@ -162,6 +162,13 @@ class AlgorithmSpec(SpecModel):
         description="Decoupled PPO (AReaL): clip against the proximal policy and weight by the "
         "behaviour ratio. false is plain PPO against the behaviour policy.",
     )
+    proximal: Literal["recompute", "loglinear"] = Field(
+        default="recompute",
+        description="How the trainer gets the proximal policy's log-probs: recompute runs a "
+        "forward pass of the current weights before the update; loglinear (AReaL) interpolates "
+        "each token's log-prob between its behaviour and current values by policy version, "
+        "with no extra forward pass.",
+    )
     learning_rate: float = Field(default=1e-6, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(
@@ -188,6 +195,18 @@ class AlgorithmSpec(SpecModel):
                 field="behaviourWeightCap",
                 fix="set behaviourWeightCap to 1 or more (the default is 5), or "
                 "behaviourCapMode: clamp",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _proximal_needs_decoupled(self) -> AlgorithmSpec:
+        # Plain PPO has no proximal policy, so the setting would silently do nothing.
+        if self.proximal == "loglinear" and not self.decoupled:
+            raise rule_error(
+                "proximal loglinear approximates the proximal policy of decoupled PPO, and "
+                "plain PPO (decoupled false) has none",
+                field="proximal",
+                fix="remove proximal, or set decoupled: true",
             )
         return self
 
@@ -444,6 +463,16 @@ class TrainerSpec(SpecModel):
         description="none: every trainer process holds the whole model and optimizer (data "
         "parallel); fsdp: parameters, gradients and optimizer state are sharded across the "
         "trainer processes (FSDP2), for models that do not fit on one device.",
+    )
+    weight_transfer: Literal["disk", "distributed"] = Field(
+        default="disk",
+        description="How each new policy version reaches the rollout engines. disk: the "
+        "trainer writes a safetensors snapshot to the run volume and engines load it; "
+        "distributed: the trainer broadcasts the weights over torch.distributed (gloo, or "
+        "NCCL when trainer and rollout pods have GPUs) to every engine, which joined its "
+        "group at start (SGLang's /init_weights_update_group and "
+        "/update_weights_from_distributed); a version that cannot go that way (an engine "
+        "missing or restarted) is written to disk instead.",
     )
     checkpoint_every: int = Field(default=10, ge=1, description="Save a checkpoint every N steps.")
     eval_every: int = Field(default=10, ge=1, description="Evaluate every N steps.")

@@ -43,6 +43,7 @@ from asyncrl.rollout.types import (
     SamplingParams,
     WeightUpdate,
 )
+from asyncrl.weight_transfer import TensorMeta, broadcast
 
 
 @dataclass(eq=False)
@@ -126,6 +127,7 @@ class TorchEngine:
         self._running: list[_Request] = []  # request i lives in cache row i
         self._requests: dict[str, _Request] = {}
         self._paused = False
+        self._weights_incomplete = False
         self._idle = True
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -254,6 +256,35 @@ class TorchEngine:
         self._check_version(version)
         return self._swap_weights(self._check_tensors(state, f"state dict for version {version}"),
                                   version, started)
+
+    def update_weights_from_distributed(
+        self, group, tensors: list[TensorMeta], version: int | None,
+    ) -> WeightUpdate:
+        """Receives `tensors` (the transfer's manifest, or one part of it) broadcast by rank 0
+        of `group` (asyncrl.weight_transfer) straight into the weights, then serves policy
+        `version` (None: more parts follow; the caller keeps generation paused meanwhile)."""
+        started = time.perf_counter()
+        if version is not None:
+            self._check_version(version)
+        current = self._model.state_dict()
+        for meta in tensors:
+            if meta.name not in current or tuple(current[meta.name].shape) != meta.shape:
+                shape = tuple(current[meta.name].shape) if meta.name in current else None
+                raise RequestError(
+                    f"weight transfer: {meta.name!r} {meta.shape} does not match the model "
+                    f"({'no such tensor' if shape is None else shape})")
+
+        def receive(current: dict[str, Tensor]) -> None:
+            for meta in tensors:
+                target = current[meta.name]
+                if target.dtype == meta.dtype and target.is_contiguous():
+                    broadcast(group, target)  # in place: no copy at all
+                else:
+                    incoming = torch.empty(meta.shape, dtype=meta.dtype, device=target.device)
+                    broadcast(group, incoming)
+                    target.copy_(incoming)
+
+        return self._on_loop(lambda: self._install(receive, version, started))
 
     def status(self) -> EngineStatus:
         with self._wake:
@@ -400,13 +431,30 @@ class TorchEngine:
         return self._on_loop(lambda: self._swap_now(state, version, started))
 
     def _swap_now(self, state: dict[str, Tensor], version: int, started: float) -> WeightUpdate:
-        current = self._model.state_dict()
-        swap_started = time.perf_counter()
-        self._check_version(version)
-        with torch.no_grad():
+        def copy_in(current: dict[str, Tensor]) -> None:
             for name, tensor in state.items():
                 current[name].copy_(tensor)
+
+        return self._install(copy_in, version, started)
+
+    def _install(self, write: Callable[[dict[str, Tensor]], None], version: int | None,
+                 started: float) -> WeightUpdate:
+        """`write(state dict)` puts new weights in place; then policy `version` is served
+        (None: a part of an update whose last part names the version). If `write` fails part
+        way, the weights are a mix of two versions: nothing is generated until a whole update
+        lands."""
+        current = self._model.state_dict()
+        swap_started = time.perf_counter()
+        if version is not None:
+            self._check_version(version)
+        self._weights_incomplete = True
+        with torch.no_grad():
+            write(current)
+        if version is None:
+            self._swap_seconds += time.perf_counter() - swap_started
+            return WeightUpdate(self._version, 0, time.perf_counter() - started)
         with self._wake:
+            self._weights_incomplete = False
             self._version = version
             # The cache holds keys/values of the old weights: drop it, and let every
             # unfinished request prefill prompt + tokens so far under the new ones.
@@ -453,7 +501,8 @@ class TorchEngine:
             self._run_calls()
             with self._wake:
                 while not self._stopping and not self._calls and (
-                    self._paused or not (self._waiting or self._running)
+                    self._paused or self._weights_incomplete
+                    or not (self._waiting or self._running)
                 ):
                     self._idle = True
                     self._wake.notify_all()

@@ -21,6 +21,13 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from asyncrl.rollout.types import EngineStatus, GenerationResult, SamplingParams, WeightUpdate
+from asyncrl.weight_transfer import (
+    JOIN_TIMEOUT_SECONDS,
+    GroupAddress,
+    TensorMeta,
+    in_background,
+    join,
+)
 
 
 @runtime_checkable
@@ -49,6 +56,16 @@ class InferenceEngine(Protocol):
         """Loads the snapshot at `path` (a Hugging Face model directory or a safetensors file)
         as policy `version`, interrupting running requests."""
 
+    async def join_weight_transfer(self, address: GroupAddress, rank_offset: int) -> None:
+        """Joins the trainer's weight transfer group (asyncrl.weight_transfer) as rank
+        `rank_offset` (and the ranks after it, one per GPU of an SGLang server); returns once
+        every rank has joined."""
+
+    async def update_weights_from_distributed(self, tensors: list[TensorMeta],
+                                              version: int) -> WeightUpdate:
+        """Receives the tensors the trainer broadcasts as policy `version`, interrupting
+        running requests."""
+
 
 class TorchInferenceEngine:
     """`InferenceEngine` over a started TorchEngine: its futures become awaitables, and calls
@@ -56,6 +73,7 @@ class TorchInferenceEngine:
 
     def __init__(self, engine):
         self.engine = engine
+        self._group = None  # the weight transfer group, once joined
 
     @property
     def version(self) -> int:
@@ -79,3 +97,14 @@ class TorchInferenceEngine:
 
     async def update_weights_from_disk(self, path: Path, version: int) -> WeightUpdate:
         return await asyncio.to_thread(self.engine.update_weights, path, version)
+
+    async def join_weight_transfer(self, address: GroupAddress, rank_offset: int) -> None:
+        self._group = await asyncio.wrap_future(
+            in_background(join, address, rank_offset, JOIN_TIMEOUT_SECONDS))
+
+    async def update_weights_from_distributed(self, tensors: list[TensorMeta],
+                                              version: int) -> WeightUpdate:
+        if self._group is None:
+            raise RuntimeError("join_weight_transfer first")
+        return await asyncio.to_thread(self.engine.update_weights_from_distributed,
+                                       self._group, tensors, version)

@@ -19,7 +19,9 @@ so routes, request bodies and response shapes follow SGLang's native API
   `output_token_versions` (the integer policy version of each output token) is **our
   extension**: SGLang has no per-token versions, so the SGLang client must not rely on it.
 - `POST /pause_generation`, `POST /continue_generation`, `POST /update_weights_from_disk`,
-  `POST /abort_request`, `GET /health` (also `/health_generate`), `GET /get_model_info`,
+  `POST /init_weights_update_group`, `POST /update_weights_from_distributed`,
+  `POST /destroy_weights_update_group` (weights broadcast by the trainer over torch.distributed:
+  asyncrl.weight_transfer), `POST /abort_request`, `GET /health` (also `/health_generate`), `GET /get_model_info`,
   `GET /get_weight_version`, and `GET /metrics` (Prometheus text). `GET /ready` is ours:
   /health plus the worker's own dependencies (Redis, which announces the weights).
 
@@ -42,6 +44,7 @@ import uuid
 from concurrent.futures import Future
 from typing import Annotated, Any, Callable, Literal
 
+import torch
 from fastapi import APIRouter, Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -61,6 +64,13 @@ from asyncrl.rollout.types import (
     RequestError,
     SamplingParams,
     UnknownRequestError,
+)
+from asyncrl.weight_transfer import (
+    JOIN_TIMEOUT_SECONDS,
+    GroupAddress,
+    TensorMeta,
+    in_background,
+    join,
 )
 
 # SGLang treats a temperature below this as greedy.
@@ -273,21 +283,78 @@ class UpdateWeightsFromDiskRequest(BaseModel):
     abort_all_requests: StrictBool = False
 
     def target_version(self, current: int) -> int:
-        versions = set()
-        if self.version is not None:
-            versions.add(self.version)
-        if self.weight_version is not None:
-            try:
-                versions.add(int(self.weight_version))
-            except ValueError:
-                raise RequestError(
-                    f"weight_version must be an integer policy version, got {self.weight_version!r}"
-                ) from None
-        if len(versions) > 1:
+        return _target_version(self.weight_version, self.version, current)
+
+
+def _target_version(weight_version: str | int | None, version: int | None, current: int) -> int:
+    """The policy version an update names (SGLang's string weight_version, or our integer
+    `version`); the one after `current` when it names none."""
+    versions = set()
+    if version is not None:
+        versions.add(version)
+    if weight_version is not None:
+        try:
+            versions.add(int(weight_version))
+        except ValueError:
             raise RequestError(
-                f"weight_version {self.weight_version!r} and version {self.version} disagree"
-            )
-        return versions.pop() if versions else current + 1
+                f"weight_version must be an integer policy version, got {weight_version!r}"
+            ) from None
+    if len(versions) > 1:
+        raise RequestError(f"weight_version {weight_version!r} and version {version} disagree")
+    return versions.pop() if versions else current + 1
+
+
+class InitWeightsUpdateGroupRequest(BaseModel):
+    """SGLang's InitWeightsUpdateGroupReqInput (asyncrl.weight_transfer)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    master_address: StrictStr
+    master_port: StrictInt
+    rank_offset: StrictInt
+    world_size: StrictInt
+    group_name: StrictStr = "weight_update_group"
+    backend: Literal["gloo", "nccl"] = "nccl"
+
+    def address(self) -> GroupAddress:
+        if not 1 <= self.rank_offset < self.world_size:
+            raise RequestError(f"rank_offset {self.rank_offset} must be in 1..world_size - 1 "
+                               f"({self.world_size - 1}); rank 0 is the trainer")
+        return GroupAddress(self.master_address, self.master_port, self.world_size,
+                            self.group_name, self.backend)
+
+
+class UpdateWeightsFromDistributedRequest(BaseModel):
+    """SGLang's UpdateWeightsFromDistributedReqInput: the named tensors arrive by broadcast
+    from rank 0 of the group, in this order. `flush_cache` (SGLang's default, true) ends an
+    update: the version it names (or the next) is served from then on; a request with
+    flush_cache false is one part of an update, and the engine generates nothing until the
+    part that ends it has landed."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    names: list[StrictStr]
+    dtypes: list[StrictStr]
+    shapes: list[list[StrictInt]]
+    group_name: StrictStr = "weight_update_group"
+    flush_cache: StrictBool = True
+    abort_all_requests: StrictBool = False
+    weight_version: StrictStr | StrictInt | None = None
+
+    def tensors(self) -> list[TensorMeta]:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise RequestError(f"names ({len(self.names)}), dtypes ({len(self.dtypes)}) and "
+                               f"shapes ({len(self.shapes)}) must have the same length")
+        unknown = sorted(set(self.dtypes) - set(_TRANSFER_DTYPES))
+        if unknown:
+            raise RequestError(f"dtypes {unknown} are not supported; use one of "
+                               f"{sorted(_TRANSFER_DTYPES)}")
+        return [TensorMeta(n, _TRANSFER_DTYPES[d], tuple(s))
+                for n, d, s in zip(self.names, self.dtypes, self.shapes)]
+
+
+_TRANSFER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                    "float16": torch.float16}
 
 
 class AbortRequestBody(BaseModel):
@@ -356,6 +423,7 @@ def create_app(engine, *, model_path: str, metrics: RolloutMetrics,
     """The HTTP front of one engine (a started TorchEngine or anything with its interface);
     `ready` tells whether the worker's dependencies are reachable (see health_and_metrics)."""
     app = FastAPI(title="asyncrl rollout (SGLang-compatible)")
+    groups: dict[str, Any] = {}  # weight transfer groups joined, by name
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -452,6 +520,47 @@ def create_app(engine, *, model_path: str, metrics: RolloutMetrics,
             "weight_version": str(update.version),
             "seconds": update.seconds,
         }
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(body: InitWeightsUpdateGroupRequest):
+        address = body.address()
+        try:
+            groups[body.group_name] = await asyncio.wrap_future(
+                in_background(join, address, body.rank_offset, JOIN_TIMEOUT_SECONDS))
+        except Exception as exc:  # the trainer never came, or the store refused us
+            return JSONResponse({"success": False, "message": f"cannot join: {exc}"},
+                                status_code=500)
+        return {"success": True, "message": f"Joined {body.group_name} as rank {body.rank_offset}."}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedRequest):
+        tensors = body.tensors()
+        group = groups.get(body.group_name)
+        if group is None:
+            raise RequestError(f"no weight transfer group {body.group_name!r}; "
+                               "POST /init_weights_update_group first")
+        version = (_target_version(body.weight_version, None, engine.version)
+                   if body.flush_cache else None)
+        if body.abort_all_requests:
+            await asyncio.to_thread(engine.abort, None)
+        try:
+            update = await asyncio.to_thread(engine.update_weights_from_distributed,
+                                             group, tensors, version)
+        except Exception as exc:
+            metrics.observe_weight_update_failure()
+            status = 400 if isinstance(exc, RequestError) else 500
+            return JSONResponse({"success": False, "message": str(exc)}, status_code=status)
+        if version is not None:
+            metrics.observe_weight_update(update)
+        return {"success": True, "message": "Succeeded to update parameter online.",
+                "weight_version": str(engine.version), "seconds": update.seconds}
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(body: Annotated[dict | None, Body()] = None):
+        name = (body or {}).get("group_name", "weight_update_group")
+        if groups.pop(name, None) is None:
+            raise RequestError(f"no weight transfer group {name!r}")
+        return {"success": True, "message": f"Left {name}."}
 
     @app.post("/abort_request")
     async def abort_request(body: AbortRequestBody):

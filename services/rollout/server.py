@@ -42,7 +42,10 @@ from asyncrl.rollout.sglang_launch import (
     sglang_launch_command,
 )
 from asyncrl.rollout.types import SamplingParams
-from asyncrl.rollout.weight_sync import WeightWatcher, engine_applier
+from asyncrl.rollout.weight_sync import TransferMember, WeightWatcher, engine_applier
+from asyncrl.weight_transfer import backend as transfer_backend
+from asyncrl.weight_transfer import directory_manifest, engine_ranks, model_manifest
+from asyncrl.weight_transfer import world_size as transfer_world_size
 from asyncrl.rollout.workflow import EngineGenerator, RolloutWorkflow
 from asyncrl.settings import RolloutSettings
 from asyncrl.spec import load_manifest
@@ -92,13 +95,15 @@ def serve(settings: RolloutSettings) -> None:
         seed=spec.dataset.seed,
     ).start()
     engine = TorchInferenceEngine(torch_engine)
+    transfer = transfer_member(settings, spec, engine,
+                               lambda dtype: model_manifest(model, dtype))
     control = serve_control(engine, settings.grpc_port, host=settings.host,
                             ready=lambda: redis_outage.available)
     app = create_app(torch_engine, model_path=spec.model.source, metrics=metrics,
                      ready=lambda: redis_outage.available)
     try:
         asyncio.run(_serve_async(settings, job.metadata.name, engine, app, workflow, metrics,
-                                 redis_outage=redis_outage))
+                                 redis_outage=redis_outage, transfer=transfer))
     except OutageTooLong as exc:
         raise SystemExit(f"rollout: {exc}") from None
     finally:
@@ -135,9 +140,12 @@ async def _serve_sglang(settings: RolloutSettings, job, slots: int, length: int,
             control = serve_control(engine, settings.grpc_port, host=settings.host,
                                     ready=lambda: redis_outage.available)
             app = status_app(engine, metrics, ready=lambda: redis_outage.available)
+            transfer = transfer_member(
+                settings, job.spec, engine,
+                lambda dtype: directory_manifest(model_directory(job.spec.model), dtype))
             await _serve_async(settings, job.metadata.name, engine, app, workflow, metrics,
                                watch=_watch_sglang(server, client, engine),
-                               redis_outage=redis_outage)
+                               redis_outage=redis_outage, transfer=transfer)
     finally:
         if control is not None:
             control.stop(grace=2)
@@ -155,6 +163,22 @@ async def _watch_sglang(server: SGLangServer, client: SGLangClient, engine: SGLa
             raise SGLangExited(f"SGLang exited with code {code}; last output:\n{server.log_tail}")
         engine.set_healthy(await client.health())
         await asyncio.sleep(interval)
+
+
+def transfer_member(settings: RolloutSettings, spec, engine: InferenceEngine,
+                    manifest) -> TransferMember | None:
+    """This worker's end of the distributed weight transfer, when the job uses it;
+    `manifest(dtype)` lists the engine's tensors."""
+    if spec.trainer.weight_transfer != "distributed":
+        return None
+    if not settings.weights_address:
+        log.warning("trainer.weightTransfer is distributed but this worker has no "
+                    "--weights-address: it loads every version from disk")
+        return None
+    rollout = spec.rollout
+    return TransferMember(engine, settings.weights_address, transfer_world_size(spec),
+                          engine_ranks(rollout.engine, rollout.placement.gpus),
+                          transfer_backend(spec), manifest(getattr(torch, spec.model.dtype)))
 
 
 def status_app(engine: InferenceEngine, metrics: RolloutMetrics,
@@ -204,7 +228,8 @@ def _workflow_factory(settings: RolloutSettings, job, tokenizer, train, metrics)
 async def _serve_async(settings: RolloutSettings, job: str, engine: InferenceEngine, app,
                        workflow=None, metrics: RolloutMetrics | None = None,
                        watch: Coroutine | None = None,
-                       redis_outage: Outage | None = None) -> None:
+                       redis_outage: Outage | None = None,
+                       transfer: TransferMember | None = None) -> None:
     """Serves `app`, follows announced versions and runs the workflow until one of them (or
     `watch`) ends; an error in any stops the worker with that error (OutageTooLong once
     Redis has been unreachable for longer than `redis_outage` allows)."""
@@ -216,12 +241,14 @@ async def _serve_async(settings: RolloutSettings, job: str, engine: InferenceEng
     if settings.redis_url:
         client = connect(settings.redis_url)
         watcher = WeightWatcher(
-            client, job, engine_applier(engine, settings.weights_cache, metrics),
+            client, job, engine_applier(engine, settings.weights_cache, metrics, transfer),
             current_version=engine.version, poll_seconds=settings.poll_seconds,
             outage=redis_outage,
         )
         watcher_task = asyncio.create_task(watcher.run())
     serving = asyncio.create_task(server.serve())
+    # Joining waits for the whole group (the trainer and every engine) while the worker serves.
+    joining = asyncio.create_task(transfer.join()) if transfer else None
     # A weight update that fails stops the worker too: serving an old version forever while
     # the trainer moves on would silently break the staleness bound.
     tasks = {serving} | ({watcher_task} if watcher_task else set())
@@ -238,6 +265,8 @@ async def _serve_async(settings: RolloutSettings, job: str, engine: InferenceEng
         for task in tasks:
             if not task.done() and task is not serving:
                 task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if joining is not None:
+            joining.cancel()
+        await asyncio.gather(*tasks, *filter(None, [joining]), return_exceptions=True)
         if client:
             await client.aclose()

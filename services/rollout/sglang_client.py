@@ -37,6 +37,7 @@ from typing import Any, Literal
 import httpx
 
 from asyncrl.rollout.types import FinishReason, GenerationResult, SamplingParams, WeightUpdate
+from asyncrl.weight_transfer import GroupAddress, TensorMeta
 
 #: SGLang's pause modes: "abort" ends running requests; "retract" puts them back in the
 #: waiting queue (their KV cache may be dropped and is recomputed on continue); "in_place"
@@ -127,6 +128,31 @@ def update_weights_payload(model_path: str, version: int) -> dict[str, Any]:
     flushed after the update (SGLang's default, spelled out), so no request continues on keys
     and values computed by the old weights."""
     return {"model_path": model_path, "weight_version": str(version), "flush_cache": True}
+
+
+def init_weights_group_payload(address: GroupAddress, rank_offset: int) -> dict[str, Any]:
+    """/init_weights_update_group: the server's tensor-parallel rank r joins as rank_offset + r."""
+    return {"master_address": address.master_address, "master_port": address.master_port,
+            "rank_offset": rank_offset, "world_size": address.world_size,
+            "group_name": address.group_name, "backend": address.backend}
+
+
+def distributed_update_payload(
+    tensors: list[TensorMeta], group_name: str, version: int | None,
+) -> dict[str, Any]:
+    """/update_weights_from_distributed for one bucket: the server receives each named tensor
+    from rank 0's broadcast, in this order. The bucket that names the version is the last:
+    it flushes the KV cache (keys and values of the old weights) and sets the version."""
+    body: dict[str, Any] = {
+        "names": [t.name for t in tensors],
+        "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+        "shapes": [list(t.shape) for t in tensors],
+        "group_name": group_name,
+        "flush_cache": version is not None,
+    }
+    if version is not None:
+        body["weight_version"] = str(version)
+    return body
 
 
 def abort_payload(rid: str | None = None) -> dict[str, Any]:
@@ -377,20 +403,39 @@ class SGLangClient:
         """Loads the weights at `path` as policy `version` (on the server's file system).
         `seconds` is measured here, round trip included."""
         started = time.perf_counter()
-        response = await self._request(
-            "POST", "/update_weights_from_disk", update_weights_payload(path, version)
-        )
-        body = self._json(response, "/update_weights_from_disk")
-        if not isinstance(body, dict) or body.get("success") is not True:
-            message = body.get("message") if isinstance(body, dict) else None
-            raise SGLangError("/update_weights_from_disk", response.status_code,
-                              message or f"update not confirmed: {body!r:.200}")
+        body = await self._confirmed("/update_weights_from_disk",
+                                     update_weights_payload(path, version))
         self.version = version
         return WeightUpdate(
             version=version,
             interrupted_requests=int(body.get("num_paused_requests") or 0),
             seconds=time.perf_counter() - started,
         )
+
+    async def init_weights_update_group(self, address: GroupAddress, rank_offset: int) -> None:
+        """Joins the server to the weight transfer group; returns once the group has formed
+        (every rank joined), so no HTTP timeout applies."""
+        await self._confirmed("/init_weights_update_group",
+                              init_weights_group_payload(address, rank_offset), timeout=None)
+
+    async def update_weights_from_distributed(
+        self, tensors: list[TensorMeta], group_name: str, version: int | None,
+    ) -> None:
+        """Receives one bucket of the transfer (see `distributed_update_payload`)."""
+        await self._confirmed("/update_weights_from_distributed",
+                              distributed_update_payload(tensors, group_name, version))
+        if version is not None:
+            self.version = version
+
+    async def _confirmed(self, path: str, body: dict[str, Any], **kwargs) -> dict[str, Any]:
+        """POSTs `body`; the answer must say success: true."""
+        response = await self._request("POST", path, body, **kwargs)
+        answer = self._json(response, path)
+        if not isinstance(answer, dict) or answer.get("success") is not True:
+            message = answer.get("message") if isinstance(answer, dict) else None
+            raise SGLangError(path, response.status_code,
+                              message or f"not confirmed: {answer!r:.200}")
+        return answer
 
     async def abort(self, rid: str | None = None) -> None:
         """Aborts one request, or all requests when rid is None."""

@@ -5,7 +5,8 @@ Interruption works the way SGLang does it. A weight update
 1. stops new requests from being sent (they wait, then go out under the new version),
 2. pauses the server in mode "abort": every running request returns at once with
    finish_reason "abort" and the tokens it had,
-3. loads the snapshot with /update_weights_from_disk (KV cache flushed), and
+3. loads the snapshot with /update_weights_from_disk, or receives the trainer's broadcast
+   with /update_weights_from_distributed in buckets (KV cache flushed either way), and
 4. continues the server.
 
 `generate` then resends each request it lost to the update as prompt + tokens so far with the
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from asyncrl.rollout.sglang_client import SGLangClient
 from asyncrl.rollout.types import EngineStatus, GenerationResult, SamplingParams, WeightUpdate
+from asyncrl.weight_transfer import GroupAddress, TensorMeta, buckets
 
 
 class SGLangEngine:
@@ -52,6 +54,7 @@ class SGLangEngine:
         self._generated_total = 0
         self._interrupted_total = 0
         self._swap_seconds = 0.0
+        self._group_name: str | None = None  # the weight transfer group, once joined
 
     # ------------------------------------------------------------------ InferenceEngine
 
@@ -126,6 +129,32 @@ class SGLangEngine:
         self._paused = False
 
     async def update_weights_from_disk(self, path: Path, version: int) -> WeightUpdate:
+        return await self._update(
+            version, lambda: self._client.update_weights_from_disk(str(path), version))
+
+    async def join_weight_transfer(self, address: GroupAddress, rank_offset: int) -> None:
+        await self._client.init_weights_update_group(address, rank_offset)
+        self._group_name = address.group_name
+
+    async def update_weights_from_distributed(self, tensors: list[TensorMeta],
+                                              version: int) -> WeightUpdate:
+        if self._group_name is None:
+            raise RuntimeError("join_weight_transfer first")
+
+        async def receive() -> WeightUpdate:
+            started = time.perf_counter()
+            parts = buckets(tensors)
+            for i, part in enumerate(parts):
+                last = i == len(parts) - 1
+                await self._client.update_weights_from_distributed(
+                    part, self._group_name, version if last else None)
+            return WeightUpdate(version, 0, time.perf_counter() - started)
+
+        return await self._update(version, receive)
+
+    async def _update(self, version: int, load) -> WeightUpdate:
+        """Runs `load()` (which puts policy `version` in place on the server) between pausing
+        the server in mode abort and continuing it."""
         async with self._update_lock:
             started = time.perf_counter()
             self._updates_started += 1
@@ -134,7 +163,7 @@ class SGLangEngine:
             try:
                 await self._client.pause("abort")
                 try:
-                    update = await self._client.update_weights_from_disk(str(path), version)
+                    update = await load()
                     self._version = version
                 finally:
                     await self._client.resume()

@@ -22,11 +22,26 @@ import redis.asyncio as redis
 
 from asyncrl.outage import Outage, redis_down
 from asyncrl.rollout.engine_api import InferenceEngine
+from asyncrl.rollout.types import WeightUpdate
+from asyncrl.weight_transfer import (
+    JOIN_TIMEOUT_SECONDS,
+    GroupAddress,
+    TensorMeta,
+    claim_ranks,
+    connect_store,
+    in_background,
+    is_distributed_uri,
+)
 from asyncrl.weights import WeightVersion, weights_channel, weights_key
 
 log = logging.getLogger(__name__)
 
 ApplyWeights = Callable[[WeightVersion], Awaitable[None]]
+
+
+class VersionSkipped(Exception):
+    """An announcement this worker cannot take (a broadcast it is not part of): the version
+    stays as it is until a later announcement, such as the same version on disk."""
 
 
 class WeightWatcher:
@@ -74,7 +89,11 @@ class WeightWatcher:
         announced = WeightVersion.from_hash(await self._client.hgetall(weights_key(self._job)))
         if announced is None or announced.version <= self.version:
             return
-        await self._apply(announced)
+        try:
+            await self._apply(announced)
+        except VersionSkipped as skipped:
+            log.info("version %d not applied: %s", announced.version, skipped)
+            return
         self.version = announced.version
         self.updates += 1
 
@@ -98,14 +117,61 @@ async def fetch_snapshot(uri: str, cache_dir: Path) -> Path:
     return target
 
 
-def engine_applier(engine: InferenceEngine, cache_dir: Path, metrics=None) -> ApplyWeights:
-    """Applies announced versions to an InferenceEngine (torch or SGLang), counting each
-    update and its latency in `metrics` (a RolloutMetrics) when given."""
+class TransferMember:
+    """A rollout worker's end of the distributed weight transfer (asyncrl.weight_transfer):
+    `join` claims this engine's ranks from the trainer's store and joins the group (in the
+    background, while the worker serves); then `receive` takes each broadcast version."""
+
+    def __init__(self, engine: InferenceEngine, store_address: str, world_size: int,
+                 ranks: int, backend: str, tensors: list[TensorMeta]):
+        host, _, port = store_address.rpartition(":")
+        self.engine = engine
+        self.address = GroupAddress(host, int(port), world_size, backend=backend)
+        self.ranks = ranks
+        self.tensors = tensors
+        self.joined = False
+
+    async def join(self) -> None:
+        """Joins, or logs why not: without the group, versions come from disk."""
+        address = self.address
+        try:
+            store = await asyncio.wrap_future(in_background(
+                connect_store, address.master_address, address.master_port,
+                JOIN_TIMEOUT_SECONDS))
+            rank = claim_ranks(store, self.ranks, address.world_size)
+            await self.engine.join_weight_transfer(address, rank)
+        except Exception as exc:
+            log.warning("not in the weight transfer group (%s): this worker loads every "
+                        "version from disk", exc)
+            return
+        self.joined = True
+        log.info("joined the weight transfer group at %s:%d as rank %d", address.master_address,
+                 address.master_port, rank)
+
+    async def receive(self, version: int) -> WeightUpdate:
+        if not self.joined:
+            raise VersionSkipped("broadcast to the transfer group, which this worker is not in; "
+                                 "waiting for the trainer to write it to disk")
+        return await self.engine.update_weights_from_distributed(self.tensors, version)
+
+
+def engine_applier(engine: InferenceEngine, cache_dir: Path, metrics=None,
+                   transfer: TransferMember | None = None) -> ApplyWeights:
+    """Applies announced versions to an InferenceEngine (torch or SGLang): a snapshot from
+    disk or HTTP, or a broadcast through `transfer`. Counts each update and its latency in
+    `metrics` (a RolloutMetrics) when given."""
 
     async def apply(announced: WeightVersion) -> None:
         try:
-            path = await fetch_snapshot(announced.uri, cache_dir)
-            update = await engine.update_weights_from_disk(path, announced.version)
+            if is_distributed_uri(announced.uri):
+                if transfer is None:
+                    raise VersionSkipped("broadcast, but this worker has no weights address")
+                update = await transfer.receive(announced.version)
+            else:
+                path = await fetch_snapshot(announced.uri, cache_dir)
+                update = await engine.update_weights_from_disk(path, announced.version)
+        except VersionSkipped:
+            raise
         except Exception:
             if metrics is not None:
                 metrics.observe_weight_update_failure()

@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from asyncrl.models import tied_aliases
+
 
 @dataclass(frozen=True)
 class TrainerState:
@@ -52,19 +54,6 @@ def _atomic_dir(target: Path, write) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
-
-
-def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
-    """{alias: name} for parameters that are the same tensor under two names (tied weights),
-    the first name in the model's order being the one stored."""
-    first: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        if id(parameter) in first:
-            aliases[name] = first[id(parameter)]
-        else:
-            first[id(parameter)] = name
-    return aliases
 
 
 def _write_model(directory: Path, model: torch.nn.Module, state: dict[str, torch.Tensor],

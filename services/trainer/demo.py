@@ -64,11 +64,12 @@ def run_demo(spec, steps: int, on_step: Callable[[DemoStep], None] = lambda _: N
             advantages = compute_advantages(
                 rewards, algorithm.advantage_estimator, algorithm.batch_norm_advantages
             ).flatten()
+            # Synchronous: the weights of step k (updated k - 1 times) generated every sample.
             samples = [
-                TrainSample(s.input_ids, s.loss_mask, s.behaviour_logprobs, float(a))
+                TrainSample(s.input_ids, s.loss_mask, s.behaviour_logprobs, float(a), step - 1)
                 for s, a in zip(samples, advantages)
             ]
-            stats = updater.step(samples)
+            stats = updater.step(samples, step - 1)
             result = DemoStep(step, float(rewards.mean()), generate_seconds, stats)
             results.append(result)
             on_step(result)

@@ -46,6 +46,10 @@ class TrainerMetrics:
                                           names, registry=registry))
         self.loss = labelled(Gauge("asyncrl_trainer_loss", "Loss of the last update "
                                    "(dimensionless).", names, registry=registry))
+        self._publish_seconds = Histogram(
+            "asyncrl_trainer_publish_seconds", "Time to hand a new version to the rollout "
+            "engines: the broadcast (transfer distributed) or writing the snapshot (disk).",
+            ("rljob", "transfer"), buckets=_STEP_BUCKETS, registry=registry)
         # No series before the first evaluation (a 0 would read as a measured accuracy).
         self._eval_accuracy = Gauge("asyncrl_trainer_eval_accuracy_ratio",
                                     "Held-out accuracy at the last evaluation (0 to 1).", names,
@@ -54,6 +58,9 @@ class TrainerMetrics:
 
     def observe_version(self, version: int) -> None:
         self.version.set(version)
+
+    def observe_publish(self, seconds: float, transfer: str) -> None:
+        self._publish_seconds.labels(transfer=transfer, **self._labels).observe(seconds)
 
     def observe_eval(self, accuracy: float) -> None:
         if accuracy >= 0:  # -1 means no held-out prompts

@@ -63,8 +63,12 @@ from asyncrl.trainer.distributed import (
     under_torchrun,
 )
 from asyncrl.trainer.metrics import TrainerMetrics
+from asyncrl.trainer.weight_broadcast import WeightBroadcaster
 from asyncrl.trainer.step import PolicyUpdater, TrainSample, reference_policy
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
+from asyncrl.weight_transfer import announcement_uri, model_manifest
+from asyncrl.weight_transfer import backend as transfer_backend
+from asyncrl.weight_transfer import world_size as transfer_world_size
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +106,14 @@ def samples_from_groups(groups, algorithm) -> tuple[list[TrainSample], torch.Ten
             behaviour = torch.zeros(len(ids))
             behaviour[len(prompt):] = torch.tensor(list(sample.behaviour_logprobs))
             versions = set(sample.token_versions)
+            token_versions = None
+            if len(sample.token_versions) == len(response):
+                token_versions = torch.full((len(ids),), -1)
+                token_versions[len(prompt):] = torch.tensor(list(sample.token_versions),
+                                                            dtype=torch.long)
             samples.append(TrainSample(ids, mask, behaviour, float(advantage),
-                                       versions.pop() if len(versions) == 1 else None))
+                                       versions.pop() if len(versions) == 1 else None,
+                                       token_versions))
     return samples, rewards
 
 
@@ -122,6 +132,12 @@ class Trainer:
         # float32 master weights whatever model.dtype says; bf16 is autocast (see step.py).
         self.model, self.tokenizer = load_policy(spec.model, dtype="float32", device=self.device)
         reference = reference_policy(spec, self.device)
+        self.broadcaster = None
+        if spec.trainer.weight_transfer == "distributed" and self.group.leader:
+            # The manifest from the whole model, before any sharding.
+            self.broadcaster = WeightBroadcaster(
+                settings.weights_port, transfer_world_size(spec), transfer_backend(spec),
+                model_manifest(self.model, getattr(torch, spec.model.dtype)))
         self.sharded = spec.trainer.sharding == "fsdp" and self.group.distributed
         if self.sharded:
             for model in filter(None, (self.model, reference)):
@@ -274,14 +290,16 @@ class Trainer:
                 async with self._alone():
                     await client.ack(batch.batch_id)
                     self.status.phase = "publishing"
-                    await self._publish(client, version, step, state)
+                    transfer, publish_seconds = await self._publish(client, version, step,
+                                                                    state)
                     record = {
                         "kind": "train", "step": step, "version": version, "time": time.time(),
                         "elapsed": time.perf_counter() - started,
                         "reward_mean": float(rewards.mean()), "staleness": stale,
                         "staleness_mean": sum(stale) / len(stale),
                         "dropped_stale": batch.dropped_stale, "redelivered": batch.redelivered,
-                        "wait_seconds": wait_seconds, "trained_samples": len(samples), **stats,
+                        "wait_seconds": wait_seconds, "trained_samples": len(samples),
+                        "weight_transfer": transfer, "publish_seconds": publish_seconds, **stats,
                     }
                     if step % spec.trainer.eval_every == 0 or step == spec.algorithm.max_steps:
                         self.status.phase = "evaluating"
@@ -309,12 +327,32 @@ class Trainer:
                 await self.reward.close()
 
     async def _publish(self, client: BufferClient, version: int, step: int,
-                       state: dict) -> None:
+                       state: dict) -> tuple[str, float]:
+        """Makes policy `version` (the whole model's `state`) the rollout engines': broadcast
+        when the transfer group is up, else as a snapshot on disk; then announced. Returns
+        how (distributed or disk) and the seconds it took."""
+        if self.broadcaster is not None and self.broadcaster.ready():
+            # Announced first: each engine starts receiving when it reads the announcement.
+            await client.set_version(version, announcement_uri(self.broadcaster.address.group_name),
+                                     step)
+            try:
+                seconds = await self._on_compute(self.broadcaster.send, state)
+            except Exception as exc:
+                log.warning("broadcasting version %d failed (%s): it and every later version "
+                            "go to disk", version, exc)
+            else:
+                self.status.version = version
+                self.metrics.observe_publish(seconds, "distributed")
+                return "distributed", seconds
+        started = time.perf_counter()
         dtype = getattr(torch, self.spec.model.dtype)
         path = await self._on_compute(publish_weights, self.model, state, self.settings.run_dir,
                                       version, dtype)
         await client.set_version(version, str(path.resolve()), step)
         self.status.version = version
+        seconds = time.perf_counter() - started
+        self.metrics.observe_publish(seconds, "disk")
+        return "disk", seconds
 
     async def evaluate(self, state: dict[str, torch.Tensor]) -> float:
         """Greedy accuracy on held-out prompts, with the weights of `state` (the whole model).

@@ -1,5 +1,6 @@
-"""One policy update: proximal log-probs, decoupled PPO over token-balanced micro-batches,
-gradients summed across data-parallel ranks, one optimizer step.
+"""One policy update: proximal log-probs (recomputed, or approximated with `loglinear`),
+decoupled PPO over token-balanced micro-batches, gradients summed across data-parallel ranks,
+one optimizer step.
 
 Precision: the model's parameters (the master weights) and the optimizer state stay float32;
 with `model.dtype: bfloat16` the forward passes run under bf16 autocast (on CPU and GPU), so
@@ -25,7 +26,12 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from asyncrl.algorithms.packing import PackedBatch, balance_micro_batches, pack_sequences
-from asyncrl.algorithms.ppo import decoupled_ppo_loss, kl_penalty
+from asyncrl.algorithms.ppo import (
+    PROXIMAL_MODES,
+    decoupled_ppo_loss,
+    kl_penalty,
+    loglinear_proximal_logprobs,
+)
 from asyncrl.models import load_policy, packed_token_logprobs
 
 
@@ -36,7 +42,9 @@ class TrainSample:
     `loss_mask` is True on generated tokens; `behaviour_logprobs` holds the rollout engine's
     log-probability of each generated token (0 elsewhere); `advantage` is the sequence's
     advantage, applied to each of its generated tokens; `version` is the policy version that
-    generated every one of its tokens (None when several did, or it is not known).
+    generated every one of its tokens (None when several did, or it is not known);
+    `token_versions` holds the version of each token (token-aligned, read only where
+    `loss_mask` is set; None: every generated token has `version`).
     """
 
     input_ids: Tensor
@@ -44,6 +52,7 @@ class TrainSample:
     behaviour_logprobs: Tensor
     advantage: float
     version: int | None = None
+    token_versions: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,7 @@ class UpdateConfig:
     behaviour_weight_cap: float | None = 5.0
     behaviour_cap_mode: str = "mask"
     decoupled: bool = True
+    proximal: str = "recompute"  # loglinear: approximated, no proximal forward pass
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     max_grad_norm: float = 1.0
@@ -77,6 +87,7 @@ class UpdateConfig:
             behaviour_weight_cap=algorithm.behaviour_weight_cap,
             behaviour_cap_mode=algorithm.behaviour_cap_mode,
             decoupled=algorithm.decoupled,
+            proximal=algorithm.proximal,
             kl_coef=algorithm.kl.coef,
             kl_estimator=algorithm.kl.estimator,
             max_grad_norm=algorithm.max_grad_norm,
@@ -119,6 +130,8 @@ class PolicyUpdater:
         if config.compute_dtype not in _COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of {sorted(_COMPUTE_DTYPES)}, "
                              f"got {config.compute_dtype!r}")
+        if config.proximal not in PROXIMAL_MODES:
+            raise ValueError(f"proximal must be one of {PROXIMAL_MODES}, got {config.proximal!r}")
         self.model = model
         self.device = next(model.parameters()).device
         self.sharded = isinstance(model, FSDPModule)
@@ -140,14 +153,22 @@ class PolicyUpdater:
         """One update with this rank's `samples`; `version` is the policy version of the
         weights the model holds now (None: unknown)."""
         started = time.perf_counter()
+        loglinear = self.config.decoupled and self.config.proximal == "loglinear"
+        if loglinear and (version is None or any(
+                s.version is None and s.token_versions is None for s in samples)):
+            raise ValueError("proximal loglinear needs the version of the weights being updated "
+                             "and of every sample's tokens")
         groups = balance_micro_batches(
             [s.input_ids.numel() for s in samples], self.config.micro_batch_max_tokens)
         micro_batches = [_to_device(_pack([samples[i] for i in indices]), self.device)
                          for indices in groups]
         # A micro-batch generated entirely by these very weights, sampled untruncated: its
         # proximal log-probs are its behaviour log-probs, so that forward pass is skipped.
-        current = [self.config.decoupled and self.config.untruncated_sampling
-                   and version is not None and all(samples[i].version == version for i in indices)
+        # With loglinear no micro-batch needs it.
+        current = [loglinear or (
+                       self.config.decoupled and self.config.untruncated_sampling
+                       and version is not None
+                       and all(samples[i].version == version for i in indices))
                    for indices in groups]
         if self.sharded:
             # Every forward is a collective under FSDP: pad to the most micro-batches any
@@ -165,11 +186,13 @@ class PolicyUpdater:
             torch.tensor(float(local_tokens), device=self.device))
 
         # The proximal policy is the current weights before this update (AReaL's
-        # decoupled objective); standard PPO needs no extra forward pass.
+        # decoupled objective); standard PPO needs no extra forward pass, and loglinear
+        # derives it from the training forward's log-probs (None until then).
         self.model.eval()
         with torch.no_grad(), self._autocast():
             proximal = [
-                mb.fields["behaviour_logprobs"] if skip or not self.config.decoupled
+                None if loglinear
+                else mb.fields["behaviour_logprobs"] if skip or not self.config.decoupled
                 else self._logprobs(self.model, mb)
                 for mb, skip in zip(micro_batches, current)
             ]
@@ -190,6 +213,13 @@ class PolicyUpdater:
             with self._autocast():
                 logprobs = self._logprobs(self.model, mb)
             mask = mb.fields["loss_mask"]
+            if loglinear:
+                # One optimizer step per batch: these log-probs come from the weights before
+                # the update, so the current version is the proximal one (exact for every
+                # token older than it; tokens it generated keep their behaviour log-probs).
+                proximal[index] = loglinear_proximal_logprobs(
+                    mb.fields["behaviour_logprobs"], logprobs, mb.fields["token_versions"],
+                    proximal_version=version, current_version=version)
             loss, stats = decoupled_ppo_loss(
                 logprobs,
                 proximal[index],
@@ -262,6 +292,12 @@ def _pack(samples: Sequence[TrainSample]) -> PackedBatch:
             "behaviour_logprobs": [s.behaviour_logprobs.float() for s in samples],
             "advantages": [
                 torch.full(s.input_ids.shape, float(s.advantage)) for s in samples
+            ],
+            # -1: not known (the empty micro-batch of FSDP padding has no version).
+            "token_versions": [
+                torch.full(s.input_ids.shape, -1 if s.version is None else s.version)
+                if s.token_versions is None else s.token_versions.long()
+                for s in samples
             ],
         },
     )

@@ -1,0 +1,199 @@
+"""Weights sent from the trainer to the rollout engines over torch.distributed
+(`trainer.weightTransfer: distributed`), the way SGLang takes them: `/init_weights_update_group`
+once, then `/update_weights_from_distributed` per version.
+
+One group per job. The trainer's leader is rank 0: it hosts the rendezvous store (a TCPStore
+on its `weights` port) and broadcasts; each rollout engine claims the next free rank(s) from a
+counter in that store (an SGLang server with tensor parallelism takes one rank per GPU) and
+joins. The world size is fixed by the job (`world_size`), so the group forms once every engine
+has joined.
+
+Per version the trainer announces the version with a `torch-distributed://` URI (instead of a
+snapshot path) and broadcasts every tensor of the manifest, one broadcast each, in manifest
+order; each engine receives them straight into its weights. The manifest is the snapshot's
+layout (tied weights once, under their first name) in the job's dtype, sorted by name, so the
+trainer, the torch engine (from its model) and an SGLang worker (from the model directory's
+safetensors header) derive the same list without exchanging it.
+
+If an engine is missing or a broadcast fails, the trainer publishes that version (and the
+ones after) to disk instead: the group cannot lose a member and go on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, TypeVar
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.models import tied_aliases
+
+T = TypeVar("T")
+
+#: The URI scheme of a version announced for the distributed transfer.
+SCHEME = "torch-distributed"
+#: The store key rank claims count on.
+_RANK_COUNTER = "asyncrl/weight-transfer/ranks"
+#: How long a member waits for the others to join the group, and in each broadcast.
+JOIN_TIMEOUT_SECONDS = 600.0
+#: Bytes of weights per /update_weights_from_distributed request to an SGLang server.
+DEFAULT_BUCKET_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def bytes(self) -> int:
+        return torch.Size(self.shape).numel() * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class GroupAddress:
+    """What `/init_weights_update_group` takes, less the rank."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    group_name: str = "asyncrl-weights"
+    backend: str = "gloo"
+
+
+def announcement_uri(group_name: str) -> str:
+    return f"{SCHEME}://{group_name}"
+
+
+def is_distributed_uri(uri: str) -> bool:
+    return urlparse(uri).scheme == SCHEME
+
+
+def engine_ranks(engine: str, gpus: int) -> int:
+    """Ranks one rollout replica takes: SGLang one per tensor-parallel GPU, the torch engine one."""
+    return max(gpus, 1) if engine == "sglang" else 1
+
+
+def world_size(spec) -> int:
+    """The trainer's leader plus every rollout engine's ranks (an RLJobSpec)."""
+    rollout = spec.rollout
+    return 1 + rollout.replicas * engine_ranks(rollout.engine, rollout.placement.gpus)
+
+
+def backend(spec) -> str:
+    """NCCL when both the trainer's and the rollout engines' pods have GPUs, else gloo."""
+    both_gpus = spec.trainer.placement.gpus and spec.rollout.placement.gpus
+    return "nccl" if both_gpus else "gloo"
+
+
+def manifest(shapes: Mapping[str, Iterable[int]], dtype: torch.dtype) -> list[TensorMeta]:
+    """The tensors of one transfer, in the order they are sent: sorted by name."""
+    return [TensorMeta(name, dtype, tuple(shapes[name])) for name in sorted(shapes)]
+
+
+def model_manifest(model: torch.nn.Module, dtype: torch.dtype) -> list[TensorMeta]:
+    """The manifest of a model's snapshot: every tensor of its state dict, tied weights once."""
+    aliases = tied_aliases(model)
+    return manifest({name: tensor.shape for name, tensor in model.state_dict().items()
+                     if name not in aliases}, dtype)
+
+
+def directory_manifest(directory: Path, dtype: torch.dtype) -> list[TensorMeta]:
+    """The manifest of a Hugging Face model directory, read from its safetensors headers."""
+    from safetensors import safe_open
+
+    shapes: dict[str, list[int]] = {}
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                shapes[name] = handle.get_slice(name).get_shape()
+    if not shapes:
+        raise FileNotFoundError(f"{directory}: no *.safetensors to read the weight layout from")
+    return manifest(shapes, dtype)
+
+
+def buckets(tensors: list[TensorMeta], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+            ) -> list[list[TensorMeta]]:
+    """Consecutive runs of the manifest of at most `bucket_bytes` each (a larger tensor alone)."""
+    out: list[list[TensorMeta]] = []
+    size = 0
+    for meta in tensors:
+        if not out or size + meta.bytes > bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(meta)
+        size += meta.bytes
+    return out
+
+
+def host_store(port: int, timeout: float) -> dist.TCPStore:
+    """The rendezvous store, on the trainer's leader (listening on every interface)."""
+    return dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout))
+
+
+def connect_store(address: str, port: int, timeout: float) -> dist.TCPStore:
+    return dist.TCPStore(address, port, is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout))
+
+
+def claim_ranks(store: dist.Store, count: int, world: int) -> int:
+    """The first of `count` consecutive ranks no one else holds (rank 0 is the trainer's)."""
+    last = store.add(_RANK_COUNTER, count)
+    if last > world - 1:
+        raise RuntimeError(
+            f"weight transfer: ranks {last - count + 1}..{last} claimed but the group has "
+            f"{world - 1} engine ranks; every rollout engine joins once (a restarted worker "
+            "cannot rejoin: the trainer then publishes to disk)")
+    return last - count + 1
+
+
+def join(address: GroupAddress, rank: int, timeout: float,
+         store: dist.Store | None = None) -> dist.ProcessGroup:
+    """This process's member of the transfer group, apart from any default process group
+    (a trainer under torchrun keeps its own). Blocks until every rank has joined."""
+    if store is None:
+        store = connect_store(address.master_address, address.master_port, timeout)
+    # The key layout an SGLang server's ranks use (its init_custom_process_group prefixes the
+    # group name, then torch's _new_process_group_helper "<group>/" and "<device>/"), so
+    # that they and ours meet in one store.
+    device = "cuda" if address.backend == "nccl" else "cpu"
+    for prefix in (address.group_name, f"{address.group_name}/", f"{device}/"):
+        store = dist.PrefixStore(prefix, store)
+    delta = datetime.timedelta(seconds=timeout)
+    if address.backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, address.world_size, delta)
+    if address.backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = delta
+        return dist.ProcessGroupNCCL(store, rank, address.world_size, options)
+    raise ValueError(f"weight transfer backend {address.backend!r}: use gloo or nccl")
+
+
+def in_background(work: Callable[..., T], *args) -> Future[T]:
+    """`work(*args)` in a daemon thread: joining blocks until every member is there (up to
+    JOIN_TIMEOUT_SECONDS), and a process that stops meanwhile must not wait for it."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work(*args))
+        except BaseException as exc:  # handed to whoever waits on the future
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="weight-transfer-join", daemon=True).start()
+    return future
+
+
+def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    """Rank 0's `tensor` into every member's `tensor` (same shape and dtype), in place."""
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
