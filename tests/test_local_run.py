@@ -196,6 +196,26 @@ def test_run_as_the_readme_types_it_relative_file_and_default_run_folder(tmp_pat
 
 
 @pytest.mark.slow
+def test_distributed_weight_transfer_carries_every_version_to_the_rollout_worker(tmp_path):
+    manifest = yaml.safe_load(TINY.read_text())
+    manifest["spec"]["trainer"]["weightTransfer"] = "distributed"
+    job_file = tmp_path / "tiny-distributed.yaml"
+    job_file.write_text(yaml.safe_dump(manifest))
+    run_dir = tmp_path / "run"
+    done = subprocess.run([ASYNCRL, "run", str(job_file), "--run-dir", str(run_dir),
+                           "--steps", "3"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = metrics(run_dir)
+    assert [r["weight_transfer"] for r in records] == ["distributed"] * 3
+    # The worker generated with each new version (else staleness would exceed the bound and
+    # the gate would have stalled the run); no snapshot was written for it.
+    eta = manifest["spec"]["algorithm"]["maxStaleness"]
+    assert all(s <= eta for r in records for s in r["staleness"])
+    assert not list((run_dir / "weights").glob("v*"))
+    assert "joined the weight transfer group" in (run_dir / "logs/rollout.log").read_text()
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_ctrl_c_stops_every_process_and_the_same_command_resumes_with_the_buffer_intact(tmp_path):
     run_dir = tmp_path / "run"

@@ -309,6 +309,26 @@ def test_multi_node_trainer_runs_under_torchrun(gpu):
     assert headless["spec"]["publishNotReadyAddresses"] is True
 
 
+def test_distributed_weights_open_the_trainer_store_to_rollout_workers(tiny):
+    def ports(container_or_service, key):
+        return {p["name"]: p[key] for p in container_or_service["ports"]}
+
+    def weights_address(job):
+        args = builders.rollout_deployment(job, CONFIG)["spec"]["template"]["spec"][
+            "containers"][0]["args"]
+        return args[args.index("--weights-address") + 1] if "--weights-address" in args else None
+
+    assert weights_address(tiny) is None  # disk, the default: nothing more is opened
+    trainer = builders.trainer_statefulset(tiny, CONFIG)["spec"]["template"]["spec"]
+    assert "weights" not in ports(trainer["containers"][0], "containerPort")
+
+    job = job_from(trainer__weightTransfer="distributed")
+    assert weights_address(job) == "tiny-trainer-0.tiny-trainer-headless:29500"
+    trainer = builders.trainer_statefulset(job, CONFIG)["spec"]["template"]["spec"]
+    assert ports(trainer["containers"][0], "containerPort")["weights"] == 29500
+    assert ports(builders.trainer_headless_service(job)["spec"], "port")["weights"] == 29500
+
+
 def test_single_process_trainer_runs_asyncrl_directly(tiny):
     pod = builders.trainer_statefulset(tiny, CONFIG)["spec"]["template"]["spec"]
     assert pod["containers"][0]["command"] == ["asyncrl"]

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from asyncrl.rollout.sglang_client import SGLangClient
 from asyncrl.rollout.types import EngineStatus, GenerationResult, SamplingParams, WeightUpdate
-from asyncrl.weight_transfer import GroupAddress, TensorMeta, buckets
+from asyncrl.weight_transfer import DEFAULT_BUCKET_BYTES, GroupAddress, TensorMeta, buckets
 
 
 class SGLangEngine:
@@ -37,8 +37,10 @@ class SGLangEngine:
         max_running_requests: int,
         max_sequence_length: int,
         version: int = 0,
+        transfer_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ):
         self._client = client
+        self._bucket_bytes = transfer_bucket_bytes
         self._version = version
         client.version = version
         self._max_running_requests = max_running_requests
@@ -143,7 +145,7 @@ class SGLangEngine:
 
         async def receive() -> WeightUpdate:
             started = time.perf_counter()
-            parts = buckets(tensors)
+            parts = buckets(tensors, self._bucket_bytes)
             for i, part in enumerate(parts):
                 last = i == len(parts) - 1
                 await self._client.update_weights_from_distributed(

@@ -1,0 +1,225 @@
+"""The distributed weight transfer (trainer.weightTransfer: distributed): the trainer's
+WeightBroadcaster as rank 0 and rollout engines that joined its group, the torch engine in
+process and behind its SGLang-compatible HTTP API (driven by our SGLang client), over real gloo
+process groups on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+from rollout_helpers import VOCAB, HttpServer, free_port, recomputed_logprobs, tiny_engine, wait_for
+
+from asyncrl.models import TinyModelConfig, build_tiny_model
+from asyncrl.rollout.engine_api import TorchInferenceEngine
+from asyncrl.rollout.http_api import create_app
+from asyncrl.rollout.metrics import RolloutMetrics
+from asyncrl.rollout.sglang_client import SGLangClient
+from asyncrl.rollout.sglang_engine import SGLangEngine
+from asyncrl.rollout.types import SamplingParams
+from asyncrl.rollout.weight_sync import TransferMember, VersionSkipped, engine_applier
+from asyncrl.trainer.weight_broadcast import WeightBroadcaster
+from asyncrl.weight_transfer import (
+    announcement_uri,
+    buckets,
+    claim_ranks,
+    connect_store,
+    directory_manifest,
+    host_store,
+    model_manifest,
+)
+from asyncrl.weights import WeightVersion
+
+
+def run(scenario):
+    return asyncio.run(asyncio.wait_for(scenario, timeout=300))
+
+
+def tiny(seed: int):
+    return build_tiny_model(TinyModelConfig(seed=seed), vocab_size=VOCAB)
+
+
+def test_the_manifest_is_the_snapshot_layout_sorted_tied_weights_once(tmp_path):
+    model = tiny(0)
+    tensors = model_manifest(model, torch.bfloat16)
+    names = [t.name for t in tensors]
+    assert names == sorted(names)
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names  # tied
+    assert {t.dtype for t in tensors} == {torch.bfloat16}
+    # An SGLang worker reads the same list from the model directory it serves.
+    model.save_pretrained(tmp_path)
+    assert directory_manifest(tmp_path, torch.bfloat16) == tensors
+
+    limit = 3 * tensors[0].bytes
+    parts = buckets(tensors, bucket_bytes=limit)
+    assert len(parts) > 1 and [t for part in parts for t in part] == tensors
+    assert all(sum(t.bytes for t in part) <= limit or len(part) == 1 for part in parts)
+
+
+def test_ranks_are_claimed_once_each_and_never_past_the_world():
+    port = free_port()
+    store = host_store(port, timeout=10)
+    client = connect_store("127.0.0.1", port, timeout=10)
+    assert claim_ranks(client, 1, world=4) == 1
+    assert claim_ranks(client, 2, world=4) == 2  # an SGLang server with two GPUs: ranks 2, 3
+    with pytest.raises(RuntimeError, match="restarted worker cannot rejoin"):
+        claim_ranks(client, 1, world=4)
+    del store
+
+
+def test_a_group_that_never_forms_sends_versions_to_disk():
+    broadcaster = WeightBroadcaster(free_port(), world_size=2, backend="gloo",
+                                    tensors=model_manifest(tiny(0), torch.float32), timeout=1)
+    assert not broadcaster.ready(wait=0)  # still forming: this version goes to disk
+    assert not broadcaster.ready(wait=30)  # no engine came within the timeout
+    assert broadcaster.broken
+
+
+async def _join(member: TransferMember, broadcaster: WeightBroadcaster) -> None:
+    await asyncio.gather(member.join(),
+                         asyncio.to_thread(lambda: assert_ready(broadcaster)))
+    assert member.joined
+
+
+def assert_ready(broadcaster: WeightBroadcaster) -> None:
+    assert broadcaster.ready(wait=60)
+
+
+async def _update_while_generating(engine, torch_engine, member, broadcaster, new_model):
+    """Four long requests; once they generate, version 1 is broadcast into the engine."""
+    params = SamplingParams(max_new_tokens=60)
+    requests = [asyncio.create_task(engine.generate([3 + i, 4, 5], params)) for i in range(4)]
+    await asyncio.to_thread(wait_for, lambda: torch_engine.status().generated_tokens_total >= 20,
+                            60, "tokens to be generated")
+    update, seconds = await asyncio.gather(
+        member.receive(1), asyncio.to_thread(broadcaster.send, new_model.state_dict()))
+    return update, seconds, await asyncio.gather(*requests)
+
+
+def _check_results(results, torch_engine) -> None:
+    models = {0: tiny(0), 1: tiny(1)}
+    spanning = 0
+    for result in results:
+        assert len(result.output_ids) == 60 and result.finish_reason == "length"
+        assert result.output_versions == sorted(result.output_versions)
+        spanning += len(set(result.output_versions)) > 1
+        expected = recomputed_logprobs(models, result.prompt_ids, result.output_ids,
+                                       result.output_versions)
+        assert result.output_logprobs == pytest.approx(expected.tolist(), abs=1e-4)
+    assert spanning >= 1
+    # Every weight is version 1's, tied ones included.
+    received = torch_engine._model.state_dict()
+    for name, tensor in models[1].state_dict().items():
+        assert torch.equal(received[name], tensor), name
+
+
+def test_the_torch_engine_receives_a_version_in_place_mid_generation():
+    torch_engine = tiny_engine(seed=0)
+    engine = TorchInferenceEngine(torch_engine)
+    new_model = tiny(1)
+    tensors = model_manifest(new_model, torch.float32)
+    port = free_port()
+    broadcaster = WeightBroadcaster(port, world_size=2, backend="gloo", tensors=tensors)
+    member = TransferMember(engine, f"127.0.0.1:{port}", world_size=2, ranks=1,
+                            backend="gloo", tensors=tensors)
+    storage = {n: t.data_ptr() for n, t in torch_engine._model.state_dict().items()}
+    try:
+        async def scenario():
+            await _join(member, broadcaster)
+            return await _update_while_generating(engine, torch_engine, member, broadcaster,
+                                                  new_model)
+
+        update, seconds, results = run(scenario())
+    finally:
+        torch_engine.stop()
+    assert update.version == 1 and engine.version == 1 and update.interrupted_requests >= 1
+    assert seconds > 0
+    _check_results(results, torch_engine)
+    # Received straight into the weights: no tensor was replaced.
+    assert {n: t.data_ptr() for n, t in torch_engine._model.state_dict().items()} == storage
+
+
+@pytest.fixture
+def served_engine():
+    torch_engine = tiny_engine(seed=0)
+    app = create_app(torch_engine, model_path="tiny-random", metrics=RolloutMetrics(job="t"))
+    with HttpServer(app) as served:
+        yield served.url, torch_engine
+    torch_engine.stop()
+
+
+def test_an_sglang_api_server_receives_a_version_in_buckets_mid_generation(served_engine):
+    url, torch_engine = served_engine
+    new_model = tiny(1)
+    tensors = model_manifest(new_model, torch.float32)
+    port = free_port()
+    broadcaster = WeightBroadcaster(port, world_size=2, backend="gloo", tensors=tensors)
+
+    async def scenario():
+        async with SGLangClient(url) as client:
+            # Small buckets: the version spans several /update_weights_from_distributed calls.
+            engine = SGLangEngine(client, max_running_requests=8, max_sequence_length=256,
+                                  transfer_bucket_bytes=4 * tensors[0].bytes)
+            member = TransferMember(engine, f"127.0.0.1:{port}", world_size=2, ranks=1,
+                                    backend="gloo", tensors=tensors)
+            await _join(member, broadcaster)
+            return await _update_while_generating(engine, torch_engine, member, broadcaster,
+                                                  new_model), engine.version
+
+    (update, _, results), version = run(scenario())
+    assert len(buckets(tensors, 4 * tensors[0].bytes)) > 1
+    assert update.version == 1 and version == 1 and torch_engine.version == 1
+    _check_results(results, torch_engine)
+
+
+def test_bad_transfer_requests_are_refused_naming_the_fix(served_engine):
+    url, torch_engine = served_engine
+    with httpx.Client(base_url=url, timeout=30) as http:
+        answer = http.post("/init_weights_update_group", json={
+            "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 0,
+            "world_size": 2, "backend": "gloo"})
+        assert answer.status_code == 400 and "rank 0 is the trainer" in answer.text
+        body = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]]}
+        answer = http.post("/update_weights_from_distributed", json=body)
+        assert answer.status_code == 400 and "/init_weights_update_group first" in answer.text
+        answer = http.post("/update_weights_from_distributed",
+                           json={**body, "dtypes": ["int8"]})
+        assert answer.status_code == 400 and "not supported" in answer.text
+        answer = http.post("/update_weights_from_distributed",
+                           json={**body, "shapes": [[64], [1]]})
+        assert answer.status_code == 400 and "same length" in answer.text
+        # The engine is untouched and still serves.
+        answer = http.post("/generate", json={"input_ids": [1, 2], "sampling_params":
+                                              {"max_new_tokens": 3}})
+        assert answer.status_code == 200 and len(answer.json()["output_ids"]) == 3
+    assert torch_engine.version == 0
+
+
+def test_a_tensor_the_model_lacks_is_refused_before_anything_is_received():
+    torch_engine = tiny_engine(seed=0)
+    tensors = model_manifest(tiny(1), torch.float32)
+    wrong = [type(tensors[0])("model.no_such.weight", torch.float32, (4,))] + tensors
+    try:
+        with pytest.raises(Exception, match="no such tensor"):
+            torch_engine.update_weights_from_distributed(object(), wrong, 1)
+        assert torch_engine.version == 0
+        assert torch_engine.submit([1, 2], SamplingParams(max_new_tokens=2)).result(30)
+    finally:
+        torch_engine.stop()
+
+
+def test_a_worker_outside_the_group_skips_a_broadcast_and_takes_the_version_from_disk(tmp_path):
+    torch_engine = tiny_engine(seed=0)
+    engine = TorchInferenceEngine(torch_engine)
+    apply = engine_applier(engine, tmp_path / "cache")
+    tiny(1).save_pretrained(tmp_path / "v1")
+    try:
+        with pytest.raises(VersionSkipped):
+            run(apply(WeightVersion(1, announcement_uri("asyncrl-weights"))))
+        assert torch_engine.version == 0
+        run(apply(WeightVersion(1, str(tmp_path / "v1"))))  # the trainer's fallback
+        assert torch_engine.version == 1
+    finally:
+        torch_engine.stop()
