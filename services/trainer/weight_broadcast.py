@@ -54,10 +54,13 @@ class WeightBroadcaster:
         group = self._forming.result()
         device = "cuda" if self.address.backend == "nccl" else "cpu"
         started = time.perf_counter()
+        # Cast everything first: casts between broadcasts would each wake torch's OpenMP
+        # workers from sleep (three times slower in bf16 on a CPU, measured).
+        outgoing = [state[meta.name].detach().to(device=device, dtype=meta.dtype).contiguous()
+                    for meta in self.tensors]
         try:
-            for meta in self.tensors:
-                broadcast(group, state[meta.name].detach().to(device=device, dtype=meta.dtype)
-                          .contiguous())
+            for tensor in outgoing:
+                broadcast(group, tensor)
         except Exception:
             self.broken = True
             raise
