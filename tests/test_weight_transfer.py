@@ -9,6 +9,7 @@ import asyncio
 
 import httpx
 import pytest
+import redis.asyncio as redis
 import torch
 from rollout_helpers import VOCAB, HttpServer, free_port, recomputed_logprobs, tiny_engine, wait_for
 
@@ -19,7 +20,7 @@ from asyncrl.rollout.metrics import RolloutMetrics
 from asyncrl.rollout.sglang_client import SGLangClient
 from asyncrl.rollout.sglang_engine import SGLangEngine
 from asyncrl.rollout.types import SamplingParams
-from asyncrl.rollout.weight_sync import TransferMember, VersionSkipped, engine_applier
+from asyncrl.rollout.weight_sync import TransferMember, WeightWatcher, engine_applier
 from asyncrl.trainer.weight_broadcast import WeightBroadcaster
 from asyncrl.weight_transfer import (
     announcement_uri,
@@ -30,7 +31,7 @@ from asyncrl.weight_transfer import (
     host_store,
     model_manifest,
 )
-from asyncrl.weights import WeightVersion
+from asyncrl.weights import WeightVersion, weights_channel, weights_key
 
 
 def run(scenario):
@@ -210,16 +211,39 @@ def test_a_tensor_the_model_lacks_is_refused_before_anything_is_received():
         torch_engine.stop()
 
 
-def test_a_worker_outside_the_group_skips_a_broadcast_and_takes_the_version_from_disk(tmp_path):
+def test_a_worker_outside_the_group_skips_a_broadcast_and_takes_the_version_from_disk(
+    redis_server, tmp_path,
+):
+    """A worker that is not in the group (it restarted) leaves a broadcast version alone, and
+    takes the same version once the trainer, whose broadcast failed, announces it on disk."""
     torch_engine = tiny_engine(seed=0)
-    engine = TorchInferenceEngine(torch_engine)
-    apply = engine_applier(engine, tmp_path / "cache")
     tiny(1).save_pretrained(tmp_path / "v1")
+    reads = []
+
+    class CountingWatcher(WeightWatcher):
+        async def catch_up(self) -> None:
+            await super().catch_up()
+            reads.append(self.version)
+
+    async def announce(client, uri: str) -> None:
+        await client.hset(weights_key("t"), mapping=WeightVersion(1, uri, 1).to_hash())
+        await client.publish(weights_channel("t"), "1")
+
+    async def scenario():
+        client = redis.from_url(redis_server.url)
+        apply = engine_applier(TorchInferenceEngine(torch_engine), tmp_path / "cache")
+        watcher = CountingWatcher(client, "t", apply, poll_seconds=0.2)
+        task = asyncio.create_task(watcher.run())
+        await announce(client, announcement_uri("asyncrl-weights"))
+        await asyncio.to_thread(wait_for, lambda: len(reads) >= 3, 30, "re-reads")
+        assert torch_engine.version == 0 and watcher.version == 0 and not task.done()
+        await announce(client, str(tmp_path / "v1"))  # the trainer's fallback
+        await asyncio.to_thread(wait_for, lambda: torch_engine.version == 1, 30, "version 1")
+        assert watcher.updates == 1
+        task.cancel()
+        await client.aclose()
+
     try:
-        with pytest.raises(VersionSkipped):
-            run(apply(WeightVersion(1, announcement_uri("asyncrl-weights"))))
-        assert torch_engine.version == 0
-        run(apply(WeightVersion(1, str(tmp_path / "v1"))))  # the trainer's fallback
-        assert torch_engine.version == 1
+        run(scenario())
     finally:
         torch_engine.stop()

@@ -6,6 +6,9 @@ as a message. Messages only say "look again"; the hash is the truth, re-read on 
 every `poll_seconds` without one, and after reconnecting, so lost messages cost at most one
 poll interval and never a version. While Redis is unreachable the watcher retries with backoff
 (`redis`, an Outage: the worker's readiness) and gives up past the outage bound.
+
+A version comes from a snapshot (a path or URL) or, with trainer.weightTransfer distributed,
+by broadcast from the trainer to the group this worker joined (`TransferMember`).
 """
 
 from __future__ import annotations
