@@ -20,7 +20,12 @@ from asyncrl.rollout.metrics import RolloutMetrics
 from asyncrl.rollout.sglang_client import SGLangClient
 from asyncrl.rollout.sglang_engine import SGLangEngine
 from asyncrl.rollout.types import SamplingParams
-from asyncrl.rollout.weight_sync import TransferMember, WeightWatcher, engine_applier
+from asyncrl.rollout.weight_sync import (
+    TransferMember,
+    VersionSkipped,
+    WeightWatcher,
+    engine_applier,
+)
 from asyncrl.trainer.weight_broadcast import WeightBroadcaster
 from asyncrl.weight_transfer import (
     announcement_uri,
@@ -247,3 +252,52 @@ def test_a_worker_outside_the_group_skips_a_broadcast_and_takes_the_version_from
         run(scenario())
     finally:
         torch_engine.stop()
+
+
+def _trainer_that_dies_mid_broadcast(port: int, sent: int) -> None:
+    """Rank 0 that broadcasts the first `sent` tensors of version 1, then is gone."""
+    import os
+
+    model = tiny(1)
+    broadcaster = WeightBroadcaster(port, world_size=2, backend="gloo",
+                                    tensors=model_manifest(model, torch.float32)[:sent])
+    assert broadcaster.ready(wait=120)
+    broadcaster.send(model.state_dict())
+    os._exit(0)
+
+
+def test_a_trainer_lost_mid_broadcast_holds_generation_until_the_version_comes_from_disk(
+    tmp_path,
+):
+    import multiprocessing
+
+    torch_engine = tiny_engine(seed=0)
+    engine = TorchInferenceEngine(torch_engine)
+    tensors = model_manifest(tiny(1), torch.float32)
+    tiny(1).save_pretrained(tmp_path / "v1")
+    port = free_port()
+    trainer = multiprocessing.get_context("spawn").Process(
+        target=_trainer_that_dies_mid_broadcast, args=(port, 3))
+    trainer.start()
+    member = TransferMember(engine, f"127.0.0.1:{port}", world_size=2, ranks=1,
+                            backend="gloo", tensors=tensors)
+    try:
+        async def scenario():
+            await member.join()
+            assert member.joined
+            with pytest.raises(VersionSkipped, match="broadcast failed"):
+                await member.receive(1)
+            assert not member.joined and torch_engine.version == 0
+            # Half old, half new weights: nothing is generated with them.
+            pending = torch_engine.submit([1, 2], SamplingParams(max_new_tokens=4))
+            await asyncio.sleep(1.0)
+            assert torch_engine.status().generated_tokens_total == 0 and not pending.done()
+            # The trainer's fallback: the same version from disk; generation goes on.
+            await engine.update_weights_from_disk(tmp_path / "v1", 1)
+            return await asyncio.wrap_future(pending)
+
+        result = run(scenario())
+    finally:
+        torch_engine.stop()
+        trainer.join(30)
+    assert torch_engine.version == 1 and result.output_versions == [1] * 4

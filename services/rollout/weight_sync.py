@@ -155,7 +155,15 @@ class TransferMember:
         if not self.joined:
             raise VersionSkipped("broadcast to the transfer group, which this worker is not in; "
                                  "waiting for the trainer to write it to disk")
-        return await self.engine.update_weights_from_distributed(self.tensors, version)
+        try:
+            return await self.engine.update_weights_from_distributed(self.tensors, version)
+        except Exception as exc:
+            # The trainer (or a peer) went away mid-broadcast: the group is over. The engine
+            # generates nothing until whole weights land, which the trainer's fallback to
+            # disk brings; the worker itself carries on.
+            self.joined = False
+            raise VersionSkipped(f"the broadcast failed ({exc}); waiting for the trainer "
+                                 "to write this version to disk") from exc
 
 
 def engine_applier(engine: InferenceEngine, cache_dir: Path, metrics=None,
