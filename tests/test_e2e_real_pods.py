@@ -116,12 +116,15 @@ class Job:
     def step(self) -> int:
         return self.status().get("trainerStep") or 0
 
-    def steps_recorded(self) -> list[int]:
+    def train_records(self) -> list[dict]:
         path = self.run_dir / "metrics.jsonl"
         if not path.exists():
             return []
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        return [r["step"] for r in records if r.get("kind") == "train"]
+        return [r for r in records if r.get("kind") == "train"]
+
+    def steps_recorded(self) -> list[int]:
+        return [r["step"] for r in self.train_records()]
 
     def describe(self) -> str:
         pods = "\n".join(
@@ -155,12 +158,15 @@ class Job:
 
 def manifest(namespace: str) -> dict:
     """examples/tiny.yaml as a cluster job: Redis with its append-only file (the volume
-    outlives the pod), small CPU requests (the node has 2 cores), enough steps to act on."""
+    outlives the pod), small CPU requests (the node has 2 cores), enough steps to act on, and
+    weights broadcast from the trainer pod to the rollout pods (falling back to the run
+    volume when the faults below break the transfer group)."""
     data = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
     data["metadata"] = {"name": JOB, "namespace": namespace}
     spec = data["spec"]
     spec["algorithm"]["maxSteps"] = MAX_STEPS
     spec["buffer"]["redis"]["persistence"] = "aof"
+    spec["trainer"]["weightTransfer"] = "distributed"
     small = {"requests": {"cpu": "50m", "memory": "128Mi"}}
     for component in ("rollout", "trainer", "reward", "buffer"):
         spec.setdefault(component, {})["resources"] = small
@@ -406,6 +412,11 @@ def test_the_job_succeeds_with_every_step_recorded_once_and_no_sample_lost(job):
     assert not warnings.stdout.strip(), job.cluster.kubectl(
         "-n", job.namespace, "describe", "rljob", JOB).stdout
     assert job.steps_recorded() == list(range(1, job.max_steps + 1))
+    # Versions went pod to pod over the transfer group (the first steps, before any fault)
+    # and through the run volume once a fault had broken it.
+    transfers = [r["weight_transfer"] for r in job.train_records()]
+    assert transfers[0] == "distributed" and set(transfers) <= {"distributed", "disk"}, transfers
+    print(f"\nweight transfer per step: {transfers}")
     # What a user sees at the end (the README shows it).
     for command in (("get", "rljobs"), ("describe", "rljob", JOB), ("get", "pods")):
         shown = job.cluster.kubectl("-n", job.namespace, *command).stdout
