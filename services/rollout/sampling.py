@@ -37,19 +37,19 @@ def sample_tokens(
     p = torch.where(greedy, torch.ones_like(top_p), top_p)
     if bool((k < vocab).any()) or bool((p < 1).any()):
         scaled = _truncate(scaled, k, p)
-    logprobs = torch.log_softmax(scaled, dim=-1)
-    sampled = _inverse_cdf_sample(logprobs.exp(), generator)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-
-
-def _inverse_cdf_sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One draw per row; a cumulative sum and a binary search are much cheaper on a CPU than
-    torch.multinomial over a 50k vocabulary."""
-    cumulative = probs.cumsum(dim=-1)
-    draw = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device)
-    index = torch.searchsorted(cumulative, draw * cumulative[:, -1:])
-    return index.squeeze(-1).clamp(max=probs.shape[-1] - 1)
+    # The row maximum, the exponentials, their sum (the softmax's normaliser) and running sum
+    # (the sampling CDF): no full log-softmax for the one log-probability per row that is kept.
+    top = scaled.amax(dim=-1, keepdim=True)
+    exps = (scaled - top).exp_()
+    total = exps.sum(dim=-1, keepdim=True)
+    cumulative = exps.cumsum_(dim=-1)
+    draw = torch.rand(scaled.shape[0], 1, generator=generator, device=scaled.device)
+    tokens = torch.searchsorted(cumulative, draw * cumulative[:, -1:]).squeeze(-1)
+    tokens = tokens.clamp_(max=vocab - 1)
+    if bool(greedy.any()):  # an argmax over the vocabulary only when a row asks for it
+        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+    chosen = scaled.gather(-1, tokens[:, None])
+    return tokens, (chosen - top - total.log()).squeeze(-1)
 
 
 def _truncate(scaled: Tensor, k: Tensor, p: Tensor) -> Tensor:
