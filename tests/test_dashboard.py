@@ -34,7 +34,7 @@ UNITLESS = {
     "asyncrl_trainer_loss": "a loss is dimensionless and not bounded to 0..1",
     "asyncrl_reward_sandbox_available": "a 0/1 boolean, like Prometheus' own `up`",
 }
-LABELS = {"rljob", "kind", "reason", "finish_reason", "result", "le"}
+LABELS = {"rljob", "kind", "reason", "finish_reason", "result", "le", "transfer"}
 
 
 @pytest.fixture(scope="module")
