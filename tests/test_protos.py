@@ -79,3 +79,24 @@ def test_services_have_stubs_and_servicers():
         assert hasattr(grpc_module, f"{service}Stub")
         assert hasattr(grpc_module, f"{service}Servicer")
         assert hasattr(grpc_module, f"add_{service}Servicer_to_server")
+
+
+def test_the_buffers_encoded_messages_read_and_write_the_clients_bytes():
+    """The buffer reads PutGroupRequest as EncodedPutGroupRequest, a Group as EncodedGroup, and
+    writes Batch as EncodedBatch (buffer.proto): the bytes must be each other's."""
+    from asyncrl.v1 import buffer_pb2, common_pb2
+
+    group = _fill(common_pb2.Group())
+    request = buffer_pb2.PutGroupRequest(job="j", slot_id="s", group=group, acquire_next=True,
+                                         worker="w")
+    encoded = buffer_pb2.EncodedPutGroupRequest.FromString(request.SerializeToString())
+    assert (encoded.job, encoded.slot_id, encoded.acquire_next, encoded.worker) == \
+        ("j", "s", True, "w")
+    assert common_pb2.Group.FromString(encoded.group) == group
+    assert buffer_pb2.PutGroupRequest.FromString(encoded.SerializeToString()) == request
+    view = buffer_pb2.EncodedGroup.FromString(encoded.group)
+    assert common_pb2.Group.FromString(view.SerializeToString()) == group
+    batch = buffer_pb2.EncodedBatch(batch_id="b", groups=[encoded.group] * 2, dropped_stale=1,
+                                    redelivered=True)
+    assert buffer_pb2.Batch.FromString(batch.SerializeToString()) == buffer_pb2.Batch(
+        batch_id="b", groups=[group] * 2, dropped_stale=1, redelivered=True)

@@ -12,12 +12,21 @@ from asyncrl.grpc_health import is_serving
 from asyncrl.grpc_service import BATCH_BYTES, channel
 from asyncrl.outage import DEFAULT_OUTAGE_SECONDS, Outage, retry
 from asyncrl.samples import Group, Slot
-from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc
+from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
 
 # Calls that are safe to repeat (puts are idempotent per slot, acks per batch).
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _refusal(result: buffer_pb2.PutGroupResult) -> grpc.aio.AioRpcError:
+    """One refused put of a PutGroups, as the error its own PutGroup would have raised."""
+    return grpc.aio.AioRpcError(_CODES[result.code], grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                details=result.message)
 
 
 def _unavailable(exc: BaseException) -> bool:
@@ -30,6 +39,20 @@ class BufferClient:
                  outage_seconds: float = DEFAULT_OUTAGE_SECONDS):
         self._channel = channel(address, receive=BATCH_BYTES)
         self.stub = buffer_pb2_grpc.BufferStub(self._channel)
+        # PutGroup(s) with each group encoded once (Encoded*: PutGroup(s)Request's bytes),
+        # rather than copied into a request and then encoded: a group is large.
+        service = f"/{buffer_pb2.DESCRIPTOR.services_by_name['Buffer'].full_name}"
+        self._put_group = self._channel.unary_unary(
+            f"{service}/PutGroup",
+            request_serializer=buffer_pb2.EncodedPutGroupRequest.SerializeToString,
+            response_deserializer=buffer_pb2.PutGroupResponse.FromString)
+        self._put_groups = self._channel.unary_unary(
+            f"{service}/PutGroups",
+            request_serializer=buffer_pb2.EncodedPutGroupsRequest.SerializeToString,
+            response_deserializer=buffer_pb2.PutGroupsResponse.FromString)
+        # Puts waiting for the one in flight to return; they are then sent together.
+        self._queued_puts: list[tuple[buffer_pb2.EncodedPutGroupRequest, asyncio.Future]] = []
+        self._sending: asyncio.Task | None = None
         self.address = address
         self._outage_seconds = outage_seconds
         self.job = job
@@ -44,8 +67,9 @@ class BufferClient:
         return await retry(call, outage, transient=_unavailable)
 
     async def close(self) -> None:
-        for task in self._heartbeats.values():
-            task.cancel()
+        for task in [*self._heartbeats.values(), self._sending]:
+            if task is not None:
+                task.cancel()
         await self._channel.close()
 
     # ------------------------------------------------------------------ rollout side (SlotGate)
@@ -56,22 +80,66 @@ class BufferClient:
             reply = await self._with_retries(lambda: self.stub.AcquireSlot(
                 buffer_pb2.AcquireSlotRequest(job=self.job, worker=self.worker), timeout=10))
             if reply.granted:
-                self._heartbeats[reply.slot_id] = asyncio.create_task(self._keep_alive(reply.slot_id))
-                return Slot(reply.slot_id)
+                return self._hold(reply.slot_id)
             await asyncio.sleep(max(reply.retry_after_ms, 20) / 1000)
 
-    async def put(self, slot: Slot, group: Group) -> None:
-        message = group.to_pb() if isinstance(group, Group) else group
-        await self._with_retries(lambda: self.stub.PutGroup(
-            buffer_pb2.PutGroupRequest(job=self.job, slot_id=slot.slot_id, group=message),
-            timeout=30))
+    async def put(self, slot: Slot, group: Group | common_pb2.Group | bytes, *,
+                  acquire_next: bool = False) -> Slot | None:
+        """Puts `group` (a Group, its protobuf, or that protobuf encoded) with `slot`. With
+        `acquire_next`, also asks the gate for this worker's next slot in the same round trip:
+        that Slot (its lease kept alive) if granted, else None (`acquire` then waits for one)."""
+        if isinstance(group, Group):
+            group = group.to_pb()
+        encoded = group if isinstance(group, bytes) else group.SerializeToString()
+        request = buffer_pb2.EncodedPutGroupRequest(
+            job=self.job, slot_id=slot.slot_id, group=encoded, acquire_next=acquire_next,
+            worker=self.worker)
+        reply = asyncio.get_running_loop().create_future()
+        self._queued_puts.append((request, reply))
+        if self._sending is None or self._sending.done():
+            self._sending = asyncio.create_task(self._send_puts())
+        reply = await reply
         self._stop_heartbeat(slot)
+        return self._hold(reply.next_slot.slot_id) if reply.next_slot.granted else None
+
+    async def _send_puts(self) -> None:
+        """Sends the queued puts, one round trip at a time: the puts of a worker whose groups
+        finish while one is in flight go together in the next (PutGroups). A lone put goes
+        at once, as PutGroup."""
+        while self._queued_puts:
+            puts, self._queued_puts = self._queued_puts, []
+            try:
+                if len(puts) == 1:
+                    results = [await self._with_retries(
+                        lambda: self._put_group(puts[0][0], timeout=30))]
+                else:
+                    request = buffer_pb2.EncodedPutGroupsRequest(puts=[p for p, _ in puts])
+                    reply = await self._with_retries(lambda: self._put_groups(request, timeout=30))
+                    results = [r.response if r.code == 0 else _refusal(r) for r in reply.results]
+            except asyncio.CancelledError:  # close()
+                for _, waiter in puts + self._queued_puts:
+                    waiter.cancel()
+                raise
+            except Exception as exc:  # noqa: BLE001 - each waiting put raises it
+                results = [exc] * len(puts)
+            for (_, waiter), result in zip(puts, results):
+                if waiter.done():  # its put() was cancelled
+                    continue
+                if isinstance(result, Exception):
+                    waiter.set_exception(result)
+                else:
+                    waiter.set_result(result)
 
     async def release(self, slot: Slot, reason: str) -> None:
         self._stop_heartbeat(slot)
         await self._with_retries(lambda: self.stub.ReleaseSlot(
             buffer_pb2.ReleaseSlotRequest(job=self.job, slot_id=slot.slot_id, reason=reason),
             timeout=10))
+
+    def _hold(self, slot_id: str) -> Slot:
+        """A granted slot, whose lease is kept alive until it is put or released."""
+        self._heartbeats[slot_id] = asyncio.create_task(self._keep_alive(slot_id))
+        return Slot(slot_id)
 
     async def _keep_alive(self, slot_id: str) -> None:
         while True:

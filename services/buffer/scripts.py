@@ -5,6 +5,10 @@ die between any two calls without losing or duplicating anything: all state live
 Keys: each script gets the job's key prefix and appends the suffixes of the one layout,
 asyncrl.redis_keys.LAYOUT.
 Times come from Redis (TIME), never from the caller, so replicas cannot disagree about leases.
+A group's bytes never pass through a script: Redis copies every argument and reply of a script
+into Lua strings, which for a group of long samples costs more than all else a put does. They
+are SET beside the script in one transaction (`group:<slot>`), the stream entry names the slot,
+and a batch's bytes are read with plain GETs.
 """
 
 _NOW = """
@@ -12,26 +16,33 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# ARGV: prefix, slot id.  -> {-1} unknown job | {0, reason} refused | {1, expires_ms}
-ACQUIRE = _NOW + """
-local p = ARGV[1]
-local cfg = redis.call('HMGET', p .. 'config', 'max_staleness', 'batch_size', 'max_concurrent', 'lease_ms')
-if not cfg[1] then return {-1} end
-local expired = redis.call('ZREMRANGEBYSCORE', p .. 'slots', '-inf', now)
-if expired > 0 then redis.call('HINCRBY', p .. 'state', 'expired', expired) end
-local running = redis.call('ZCARD', p .. 'slots')
-local st = redis.call('HMGET', p .. 'state', 'trainer_version', 'accepted', 'dropped_stale')
-local version = tonumber(st[1] or '0')
--- Groups dropped as too stale are never trained: their budget is given back, or a job whose
--- every slot went to a dropped group would wait forever.
-local kept = tonumber(st[2] or '0') - tonumber(st[3] or '0')
-local capacity = (tonumber(cfg[1]) + version + 1) * tonumber(cfg[2]) - (kept + running)
-if capacity <= 0 then return {0, 'staleness'} end
-local max_concurrent = tonumber(cfg[3])
-if max_concurrent > 0 and running >= max_concurrent then return {0, 'concurrency'} end
-local expires = now + tonumber(cfg[4])
-redis.call('ZADD', p .. 'slots', expires, ARGV[2])
-return {1, expires}
+# The staleness gate: grants `slot` if the bound and the concurrency limit allow.
+# -> {-1} unknown job | {0, reason} refused | {1, expires_ms}
+_GRANT = """
+local function grant(p, slot)
+  local cfg = redis.call('HMGET', p .. 'config', 'max_staleness', 'batch_size', 'max_concurrent', 'lease_ms')
+  if not cfg[1] then return {-1} end
+  local expired = redis.call('ZREMRANGEBYSCORE', p .. 'slots', '-inf', now)
+  if expired > 0 then redis.call('HINCRBY', p .. 'state', 'expired', expired) end
+  local running = redis.call('ZCARD', p .. 'slots')
+  local st = redis.call('HMGET', p .. 'state', 'trainer_version', 'accepted', 'dropped_stale')
+  local version = tonumber(st[1] or '0')
+  -- Groups dropped as too stale are never trained: their budget is given back, or a job whose
+  -- every slot went to a dropped group would wait forever.
+  local kept = tonumber(st[2] or '0') - tonumber(st[3] or '0')
+  local capacity = (tonumber(cfg[1]) + version + 1) * tonumber(cfg[2]) - (kept + running)
+  if capacity <= 0 then return {0, 'staleness'} end
+  local max_concurrent = tonumber(cfg[3])
+  if max_concurrent > 0 and running >= max_concurrent then return {0, 'concurrency'} end
+  local expires = now + tonumber(cfg[4])
+  redis.call('ZADD', p .. 'slots', expires, slot)
+  return {1, expires}
+end
+"""
+
+# ARGV: prefix, slot id.  -> as _GRANT
+ACQUIRE = _NOW + _GRANT + """
+return grant(ARGV[1], ARGV[2])
 """
 
 # ARGV: prefix, slot id.  -> {0} gone | {1, expires_ms}
@@ -54,23 +65,38 @@ RELEASE = """
 return redis.call('ZREM', ARGV[1] .. 'slots', ARGV[2])
 """
 
-# ARGV: prefix, slot id, group bytes, oldest token version, group id.
-# -> {0, 'unknown'|'expired'} | {1, stream id, accepted} | {2, stream id} (a retry of a done put)
-PUT = _NOW + """
-local p = ARGV[1]
-local done = redis.call('GET', p .. 'put:' .. ARGV[2])
-if done then return {2, done} end
-local score = redis.call('ZSCORE', p .. 'slots', ARGV[2])
-if not score then return {0, 'unknown'} end
-redis.call('ZREM', p .. 'slots', ARGV[2])
+# Runs in one transaction right after `SET group:<slot> <bytes> NX EX <seconds>`, which it
+# keeps (PERSIST) if it accepts the group and deletes otherwise.
+# ARGV: prefix, slot id, oldest token version, group id, next slot id ('' for none).
+# -> {0, 'unknown'|'expired'} | {1, stream id, accepted, next} | {2, stream id, 0, next} (a retry
+# of a done put), `next` as _GRANT answers for the next slot, or 0.
+PUT = _NOW + _GRANT + """
+local p, slot = ARGV[1], ARGV[2]
+local function next_slot() return ARGV[5] ~= '' and grant(p, ARGV[5]) or 0 end
+local bytes = p .. 'group:' .. slot
+local done = redis.call('GET', p .. 'put:' .. slot)
+if done then
+  -- A retry: its SET changed nothing while the group waits; once the group was trained or
+  -- dropped, its SET made a copy nobody will read.
+  if not redis.call('XRANGE', p .. 'groups', done, done)[1] then redis.call('DEL', bytes) end
+  return {2, done, 0, next_slot()}
+end
+local score = redis.call('ZSCORE', p .. 'slots', slot)
+if not score then
+  redis.call('DEL', bytes)
+  return {0, 'unknown'}
+end
+redis.call('ZREM', p .. 'slots', slot)
 if tonumber(score) <= now then
   redis.call('HINCRBY', p .. 'state', 'expired', 1)
+  redis.call('DEL', bytes)
   return {0, 'expired'}
 end
-local id = redis.call('XADD', p .. 'groups', '*', 'g', ARGV[3], 'v', ARGV[4], 'id', ARGV[5])
-redis.call('SET', p .. 'put:' .. ARGV[2], id, 'EX', 86400)
+redis.call('PERSIST', bytes)
+local id = redis.call('XADD', p .. 'groups', '*', 'slot', slot, 'v', ARGV[3], 'id', ARGV[4])
+redis.call('SET', p .. 'put:' .. slot, id, 'EX', 86400)
 local accepted = redis.call('HINCRBY', p .. 'state', 'accepted', 1)
-return {1, id, accepted}
+return {1, id, accepted, next_slot()}
 """
 
 _ENTRIES = """
@@ -85,6 +111,11 @@ end
 local function field(entry, name)
   local f = entry[2]
   for i = 1, #f, 2 do if f[i] == name then return f[i + 1] end end
+end
+-- An entry written before groups had keys of their own holds its bytes itself (field g).
+local function drop_bytes(entry)
+  local slot = field(entry, 'slot')
+  if slot then redis.call('DEL', p .. 'group:' .. slot) end
 end
 """
 
@@ -109,23 +140,31 @@ if reclaim then
   redis.call('HINCRBY', p .. 'state', 'redelivered', 1)
   return {'redelivered', reclaim, entries(redis.call('LRANGE', p .. 'batch:' .. reclaim, 0, -1))}
 end
+-- Too few groups for a batch: answer before touching any, since a waiting trainer asks
+-- again and again. Not yet batched = never read (stream length - pending) + staged.
+local pending = redis.call('XPENDING', p .. 'groups', 'trainer')[1]
+if redis.call('XLEN', p .. 'groups') - pending + redis.call('LLEN', p .. 'staged') < n then
+  return {'wait', 0}
+end
 local eta = tonumber(cfg[1])
 local version = tonumber(redis.call('HGET', p .. 'state', 'trainer_version') or '0')
 local kept, dropped = {}, 0
 while #kept < n do
-  local entry
+  local read
   local id = redis.call('LPOP', p .. 'staged')
   if id then
-    entry = redis.call('XRANGE', p .. 'groups', id, id)[1]
+    read = redis.call('XRANGE', p .. 'groups', id, id)
   else
-    local read = redis.call('XREADGROUP', 'GROUP', 'trainer', consumer, 'COUNT', 1, 'STREAMS', p .. 'groups', '>')
+    read = redis.call('XREADGROUP', 'GROUP', 'trainer', consumer, 'COUNT', n - #kept,
+                      'STREAMS', p .. 'groups', '>')
     if not read then break end
-    entry = read[1][2][1]
+    read = read[1][2]
   end
-  if entry then
+  for _, entry in ipairs(read) do
     if version - tonumber(field(entry, 'v')) > eta then
       redis.call('XACK', p .. 'groups', 'trainer', entry[1])
       redis.call('XDEL', p .. 'groups', entry[1])
+      drop_bytes(entry)
       dropped = dropped + 1
     else
       table.insert(kept, entry)
@@ -150,9 +189,11 @@ return {'new', new_id, kept, dropped}
 # ARGV: prefix, batch id.  -> {0} unknown | {1, groups} | {2} already acknowledged
 ACK = """
 local p, id = ARGV[1], ARGV[2]
+""" + _ENTRIES + """
 if redis.call('EXISTS', p .. 'acked:' .. id) == 1 then return {2} end
 local ids = redis.call('LRANGE', p .. 'batch:' .. id, 0, -1)
 if #ids == 0 then return {0} end
+for _, entry in ipairs(entries(ids)) do drop_bytes(entry) end
 redis.call('XACK', p .. 'groups', 'trainer', unpack(ids))
 redis.call('XDEL', p .. 'groups', unpack(ids))
 redis.call('DEL', p .. 'batch:' .. id)

@@ -1,7 +1,8 @@
 """`asyncrl serve buffer`: the gRPC Buffer service over Redis.
 
-The servicer only checks and translates protobuf; `BufferStore` does the work. Errors are
-mapped to status codes in one place (`_status_for`), and a bad request changes nothing.
+The servicer only translates protobuf; `check_group` decides what a well-formed group is and
+`BufferStore` does the work. Errors are mapped to status codes in one place (`_status_for`),
+and a bad request changes nothing.
 """
 
 from __future__ import annotations
@@ -13,22 +14,28 @@ from dataclasses import dataclass
 import grpc
 import redis.asyncio as redis
 
+from asyncrl.buffer.groups import check_group
 from asyncrl.buffer.metrics import BufferMetrics
 from asyncrl.buffer.store import (
+    Batch,
     BufferError,
     BufferStore,
     FailedPrecondition,
     InvalidArgument,
     JobConfig,
     NotFound,
+    Put,
+    PutResult,
     ResourceExhausted,
+    SlotGrant,
 )
 from asyncrl.grpc_errors import map_errors
+from asyncrl.heap import reuse_large_blocks
 from asyncrl import grpc_service
 from asyncrl.outage import REDIS_DOWN, Outage, OutageTooLong, connect, redis_address, retry
 from asyncrl.settings import BufferSettings
 from asyncrl.spec import load_manifest
-from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
+from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc
 from asyncrl.weights import WeightVersion
 
 log = logging.getLogger(__name__)
@@ -52,38 +59,6 @@ def _status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
 _mapped = map_errors(_status_for, "buffer")
 
 
-def validate_group(group: common_pb2.Group, job: JobConfig) -> int:
-    """Checks a put group is well formed; returns its oldest token version."""
-    if not group.group_id:
-        raise InvalidArgument("group.group_id is empty")
-    if len(group.samples) != job.group_size:
-        raise InvalidArgument(
-            f"group has {len(group.samples)} samples; job {job.name!r} has algorithm.groupSize "
-            f"{job.group_size}: put whole groups"
-        )
-    oldest = None
-    for index, sample in enumerate(group.samples):
-        where = f"group.samples[{index}]"
-        if not sample.prompt_ids:
-            raise InvalidArgument(f"{where}.prompt_ids is empty")
-        n = len(sample.response_ids)
-        if len(sample.behaviour_logprobs) != n or len(sample.token_versions) != n:
-            raise InvalidArgument(
-                f"{where}: response_ids, behaviour_logprobs and token_versions need one entry "
-                f"per response token (got {n}, {len(sample.behaviour_logprobs)}, "
-                f"{len(sample.token_versions)})"
-            )
-        # min() runs in C over the repeated fields: records hold thousands of tokens.
-        if min(sample.prompt_ids) < 0 or (n and min(sample.response_ids) < 0):
-            raise InvalidArgument(f"{where} has a negative token id")
-        if n:
-            low = min(sample.token_versions)
-            if low < 0:
-                raise InvalidArgument(f"{where}.token_versions has a negative version")
-            oldest = low if oldest is None else min(oldest, low)
-    return oldest or 0
-
-
 class BufferServicer(buffer_pb2_grpc.BufferServicer):
     def __init__(self, store: BufferStore, client: redis.Redis, metrics: BufferMetrics):
         self._store = store
@@ -92,12 +67,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
 
     @_mapped
     async def AcquireSlot(self, request, context):
-        grant = await self._store.acquire_slot(request.job, request.worker)
-        return buffer_pb2.AcquireSlotResponse(
-            granted=grant.granted, slot_id=grant.slot_id,
-            lease_expires_unix_ms=grant.lease_expires_unix_ms, reason=grant.reason,
-            retry_after_ms=0 if grant.granted else 100,
-        )
+        return _grant_pb(await self._store.acquire_slot(request.job, request.worker))
 
     @_mapped
     async def Heartbeat(self, request, context):
@@ -110,28 +80,45 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         return buffer_pb2.ReleaseSlotResponse(released=released)
 
     @_mapped
-    async def PutGroup(self, request, context):
-        job = self._store.job(request.job)
-        oldest = validate_group(request.group, job)
-        _, accepted = await self._store.put_group(
-            request.job, request.slot_id, request.group.group_id, oldest,
-            request.group.SerializeToString(),
+    async def PutGroup(self, request: buffer_pb2.EncodedPutGroupRequest, context):
+        group_id, oldest = check_group(request.group, self._store.job(request.job))
+        put = await self._store.put_group(
+            request.job, request.slot_id, group_id, oldest, request.group,
+            next_worker=request.worker if request.acquire_next else None,
         )
         self._metrics.observe_put(request.group)
-        return buffer_pb2.PutGroupResponse(accepted=True, accepted_total=accepted)
+        return _put_pb(put)
 
     @_mapped
-    async def GetBatch(self, request, context):
+    async def PutGroups(self, request: buffer_pb2.EncodedPutGroupsRequest, context):
+        if len({put.job for put in request.puts}) > 1:
+            raise InvalidArgument("the puts of one PutGroups name different jobs; send one "
+                                  "PutGroups per job")
+        job = self._store.job(request.puts[0].job if request.puts else "")
+        outcomes: list = [None] * len(request.puts)
+        puts = []
+        for index, put in enumerate(request.puts):
+            try:
+                group_id, oldest = check_group(put.group, job)
+            except BufferError as exc:
+                outcomes[index] = exc
+                continue
+            puts.append((index, Put(put.slot_id, group_id, oldest, put.group,
+                                    put.worker if put.acquire_next else None)))
+        stored = await self._store.put_groups(job.name, [put for _, put in puts])
+        for (index, _), outcome in zip(puts, stored):
+            outcomes[index] = outcome
+        for put in request.puts:
+            self._metrics.observe_put(put.group)
+        return buffer_pb2.PutGroupsResponse(results=[_put_result_pb(o) for o in outcomes])
+
+    @_mapped
+    async def GetBatch(self, request, context) -> bytes:
         batch = await self._store.get_batch(
             request.job, request.consumer, request.num_groups, request.wait_ms
         )
         self._metrics.observe_batch(batch)
-        return buffer_pb2.Batch(
-            batch_id=batch.batch_id,
-            groups=[common_pb2.Group.FromString(e.group_bytes) for e in batch.entries],
-            dropped_stale=batch.dropped_stale,
-            redelivered=batch.redelivered,
-        )
+        return _batch_bytes(batch)
 
     @_mapped
     async def AckBatch(self, request, context):
@@ -159,6 +146,52 @@ async def redis_answers(client: redis.Redis, timeout: float = 1.0) -> bool:
     except (*REDIS_DOWN, asyncio.TimeoutError):
         return False
     return True
+
+
+_GROUPS_TAG = bytes([buffer_pb2.EncodedBatch.DESCRIPTOR.fields_by_name["groups"].number << 3 | 2])
+
+
+def _batch_bytes(batch: Batch) -> bytes:
+    """The encoded Batch (as EncodedBatch) with its groups as stored. The small fields are
+    encoded by protobuf; each group is framed as one more `groups` field (tag, length, bytes)
+    here, so that the tens of MB of a batch are copied once, not into a message and out."""
+    head = buffer_pb2.EncodedBatch(batch_id=batch.batch_id, dropped_stale=batch.dropped_stale,
+                                   redelivered=batch.redelivered).SerializeToString()
+    framed = [head]
+    for entry in batch.entries:
+        framed += (_GROUPS_TAG, _varint(len(entry.group_bytes)), entry.group_bytes)
+    return b"".join(framed)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _put_pb(put: PutResult) -> buffer_pb2.PutGroupResponse:
+    return buffer_pb2.PutGroupResponse(
+        accepted=True, accepted_total=put.accepted_total,
+        next_slot=_grant_pb(put.next_slot) if put.next_slot else None,
+    )
+
+
+def _put_result_pb(outcome: PutResult | Exception) -> buffer_pb2.PutGroupResult:
+    if isinstance(outcome, PutResult):
+        return buffer_pb2.PutGroupResult(response=_put_pb(outcome))
+    code, message = _status_for(outcome)
+    return buffer_pb2.PutGroupResult(code=code.value[0], message=message)
+
+
+def _grant_pb(grant: SlotGrant) -> buffer_pb2.AcquireSlotResponse:
+    return buffer_pb2.AcquireSlotResponse(
+        granted=grant.granted, slot_id=grant.slot_id,
+        lease_expires_unix_ms=grant.lease_expires_unix_ms, reason=grant.reason,
+        retry_after_ms=0 if grant.granted else 100,
+    )
 
 
 def _version_pb(announced: WeightVersion) -> buffer_pb2.VersionInfo:
@@ -200,9 +233,38 @@ async def create_server(
     """A started gRPC server for `store` on `address` (host:port)."""
     return await grpc_service.start_server(
         "buffer", address,
-        lambda server: buffer_pb2_grpc.add_BufferServicer_to_server(
-            BufferServicer(store, client, metrics), server),
+        lambda server: add_servicer(BufferServicer(store, client, metrics), server),
         lambda: redis_answers(client), send=grpc_service.BATCH_BYTES)
+
+
+class _Handlers:
+    """Stands in for a server to take the handlers the generated code registers."""
+
+    def add_generic_rpc_handlers(self, _) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.service, self.handlers = service, handlers
+
+
+def add_servicer(servicer: BufferServicer, server: grpc.aio.Server) -> None:
+    """Registers `servicer` as the generated add_BufferServicer_to_server does, except that
+    PutGroup(s) read their requests and GetBatch writes its reply with groups left encoded
+    (Encoded* in buffer.proto, `_batch_bytes`): the same bytes on the wire."""
+    generated = _Handlers()
+    buffer_pb2_grpc.add_BufferServicer_to_server(servicer, generated)
+    handlers = dict(generated.handlers)
+    handlers["PutGroup"] = grpc.unary_unary_rpc_method_handler(
+        servicer.PutGroup, request_deserializer=buffer_pb2.EncodedPutGroupRequest.FromString,
+        response_serializer=buffer_pb2.PutGroupResponse.SerializeToString)
+    handlers["PutGroups"] = grpc.unary_unary_rpc_method_handler(
+        servicer.PutGroups, request_deserializer=buffer_pb2.EncodedPutGroupsRequest.FromString,
+        response_serializer=buffer_pb2.PutGroupsResponse.SerializeToString)
+    handlers["GetBatch"] = grpc.unary_unary_rpc_method_handler(  # it answers encoded bytes
+        servicer.GetBatch, request_deserializer=buffer_pb2.GetBatchRequest.FromString)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(generated.service, handlers),))
+    server.add_registered_method_handlers(generated.service, handlers)
 
 
 async def _watch_redis(running: RunningBuffer, every: float = 2.0) -> None:
@@ -222,6 +284,8 @@ async def _watch_redis(running: RunningBuffer, every: float = 2.0) -> None:
 
 
 def serve(settings: BufferSettings) -> None:
+    reuse_large_blocks()  # groups of hundreds of KB and batches of MBs, many a second
+
     async def run() -> None:
         running = await start_server(settings)
         if settings.metrics_port:

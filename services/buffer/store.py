@@ -1,20 +1,31 @@
 """The buffer's domain operations over Redis (async). The gRPC servicer only translates
-protobuf to these calls; every state change is one atomic script (see scripts.py)."""
+protobuf to these calls; every state change is one atomic script (see scripts.py), a put's
+together with the SET of its group's bytes in one transaction."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field
 
 import redis.asyncio as redis
+from redis.exceptions import NoScriptError
 
 from asyncrl.buffer import scripts
 from asyncrl.redis_keys import key, prefix, weights_channel, weights_key
 from asyncrl.weights import WeightVersion
 
 CONSUMER_GROUP = "trainer"
+#: Bytes of groups one replica has on their way into Redis at once. With appendfsync always,
+#: Redis writes and syncs everything a turn of its event loop took in before it answers
+#: anyone: a turn that took in a hundred groups of long samples would keep the trainer and
+#: the gate waiting for hundreds of milliseconds. Puts past it wait their turn here instead.
+WRITE_BYTES = 16 << 20
+#: How long a group's bytes live when the PUT script never ran to keep or delete them (its
+#: transaction failed): a put retried within it finds them again.
+ORPHAN_SECONDS = 3600
 
 
 class BufferError(Exception):
@@ -73,6 +84,24 @@ class SlotGrant:
 
 
 @dataclass(frozen=True)
+class Put:
+    """A checked group to store under the slot it was generated in."""
+
+    slot_id: str
+    group_id: str
+    oldest_version: int
+    group_bytes: bytes
+    next_worker: str | None = None   # also ask the gate for this worker's next slot
+
+
+@dataclass(frozen=True)
+class PutResult:
+    newly_accepted: bool      # False for a retry of a put that already succeeded
+    accepted_total: int       # 0 for such a retry
+    next_slot: SlotGrant | None = None
+
+
+@dataclass(frozen=True)
 class BatchEntry:
     stream_id: str
     group_id: str
@@ -106,6 +135,8 @@ class BufferStore:
     def __init__(self, client: redis.Redis, jobs: list[JobConfig]):
         self._client = client
         self._jobs = {job.name: job for job in jobs}
+        self._writing = _ByteBudget(WRITE_BYTES)
+        self._ahead: dict[str, asyncio.Task] = {}   # job -> the next batch's groups, by slot
         self._scripts = {
             name: client.register_script(getattr(scripts, name))
             for name in ("ACQUIRE", "HEARTBEAT", "RELEASE", "PUT", "GET_BATCH", "ACK", "SET_VERSION")
@@ -152,15 +183,8 @@ class BufferStore:
 
     async def acquire_slot(self, job_name: str, worker: str) -> SlotGrant:
         job = self.job(job_name)
-        if not worker:
-            raise InvalidArgument("worker is empty; name the rollout worker (e.g. its pod name)")
-        slot_id = f"{worker}:{uuid.uuid4().hex[:12]}"
-        reply = await self._run("ACQUIRE", job, slot_id)
-        if reply[0] == -1:
-            raise NotFound(f"job {job_name!r} is not registered in Redis; restart the buffer")
-        if reply[0] == 0:
-            return SlotGrant(False, reason=_text(reply[1]))
-        return SlotGrant(True, slot_id, int(reply[1]))
+        slot_id = _new_slot_id(worker)
+        return _grant(job, slot_id, await self._run("ACQUIRE", job, slot_id))
 
     async def heartbeat(self, job_name: str, slot_id: str) -> tuple[bool, int]:
         reply = await self._run("HEARTBEAT", self.job(job_name), _required(slot_id, "slot_id"))
@@ -170,24 +194,70 @@ class BufferStore:
         return bool(await self._run("RELEASE", self.job(job_name), _required(slot_id, "slot_id")))
 
     async def put_group(
-        self, job_name: str, slot_id: str, group_id: str, oldest_version: int, group_bytes: bytes
-    ) -> tuple[bool, int]:
-        """Stores a validated group under its slot. Returns (newly accepted, accepted total);
-        a retry of a put that already succeeded returns (False, 0) and changes nothing."""
+        self, job_name: str, slot_id: str, group_id: str, oldest_version: int,
+        group_bytes: bytes, next_worker: str | None = None,
+    ) -> PutResult:
+        """One put of `put_groups`; its refusal raised."""
+        (outcome,) = await self.put_groups(
+            job_name, [Put(slot_id, group_id, oldest_version, group_bytes, next_worker)])
+        if isinstance(outcome, BufferError):
+            raise outcome
+        return outcome
+
+    async def put_groups(self, job_name: str, puts: list[Put]) -> list[PutResult | BufferError]:
+        """Stores checked groups under their slots in one transaction, each accepted or refused
+        on its own; a retry of a put that already succeeded changes nothing. A put with a
+        `next_worker` also asks the gate for that worker's next slot, in the same round trip."""
         job = self.job(job_name)
-        if len(group_bytes) > job.max_group_bytes:
-            raise ResourceExhausted(
-                f"group is {len(group_bytes)} bytes, over the {job.max_group_bytes}-byte limit; "
-                "lower rollout.maxNewTokens or algorithm.groupSize"
-            )
-        reply = await self._run("PUT", job, _required(slot_id, "slot_id"), group_bytes,
-                                oldest_version, group_id)
-        if reply[0] == 0:
-            raise FailedPrecondition(
-                f"slot {slot_id!r} is {_text(reply[1])}: its lease expired or it was never "
-                "granted; acquire a new slot (heartbeat more often than buffer.leaseSeconds)"
-            )
-        return (reply[0] == 1, int(reply[2]) if reply[0] == 1 else 0)
+        outcomes: list[PutResult | BufferError | None] = [None] * len(puts)
+        todo = []
+        for index, put in enumerate(puts):
+            try:
+                _required(put.slot_id, "slot_id")
+                if len(put.group_bytes) > job.max_group_bytes:
+                    raise ResourceExhausted(
+                        f"group is {len(put.group_bytes)} bytes, over the "
+                        f"{job.max_group_bytes}-byte limit; lower rollout.maxNewTokens or "
+                        "algorithm.groupSize"
+                    )
+                next_slot = _new_slot_id(put.next_worker) if put.next_worker is not None else ""
+            except BufferError as exc:
+                outcomes[index] = exc
+                continue
+            todo.append((index, put, next_slot))
+        replies = await self._put(job, todo) if todo else []
+        for (index, put, next_slot), reply in zip(todo, replies):
+            if reply[0] == 0:
+                outcomes[index] = FailedPrecondition(
+                    f"slot {put.slot_id!r} is {_text(reply[1])}: its lease expired or it was "
+                    "never granted; acquire a new slot (heartbeat more often than "
+                    "buffer.leaseSeconds)"
+                )
+            else:
+                outcomes[index] = PutResult(reply[0] == 1, int(reply[2]),
+                                            _grant(job, next_slot, reply[3]) if next_slot else None)
+        return outcomes
+
+    async def _put(self, job: JobConfig, todo: list[tuple[int, Put, str]]) -> list:
+        """For each put its group's bytes (SET, kept only if PUT accepts them) and the PUT
+        script, all in one transaction: one round trip, and the bytes never pass through Lua
+        (scripts.py). The PUT scripts' replies."""
+        script = self._scripts["PUT"]
+        size = sum(len(put.group_bytes) for _, put, _ in todo)
+        for attempt in range(2):
+            async with self._writing.taking(size), \
+                    self._client.pipeline(transaction=True) as pipe:
+                for _, put, next_slot in todo:
+                    pipe.set(key(job.name, f"group:{put.slot_id}"), put.group_bytes, nx=True,
+                             ex=ORPHAN_SECONDS)
+                    pipe.evalsha(script.sha, 1, key(job.name, "state"), prefix(job.name),
+                                 put.slot_id, put.oldest_version, put.group_id, next_slot)
+                try:
+                    return (await pipe.execute())[1::2]
+                except NoScriptError:  # a Redis restarted without its scripts
+                    if attempt:
+                        raise
+                    await self._client.script_load(script.script)
 
     # ------------------------------------------------------------------ trainer side
 
@@ -204,13 +274,59 @@ class BufferStore:
             reply = await self._run("GET_BATCH", job, consumer, num_groups, uuid.uuid4().hex)
             kind = _text(reply[0])
             if kind == "redelivered":
-                return Batch(_text(reply[1]), _entries(reply[2]), dropped, redelivered=True)
+                return Batch(_text(reply[1]), await self._entries(job, reply[2]), dropped,
+                             redelivered=True)
             if kind == "new":
-                return Batch(_text(reply[1]), _entries(reply[2]), dropped + int(reply[3]))
+                batch = Batch(_text(reply[1]), await self._entries(job, reply[2]),
+                              dropped + int(reply[3]))
+                ahead = asyncio.create_task(self._read_ahead(job, num_groups))
+                # A read ahead that fails (Redis going away) is just not used.
+                ahead.add_done_callback(lambda task: task.cancelled() or task.exception())
+                self._ahead[job.name] = ahead
+                return batch
             dropped += int(reply[1])
             if time.monotonic() >= deadline:
                 return Batch(dropped_stale=dropped)
             await asyncio.sleep(0.02)
+
+    async def _entries(self, job: JobConfig, raw) -> list[BatchEntry]:
+        """A batch's stream entries with their groups' bytes."""
+        fields = [{_text(f[i]): f[i + 1] for i in range(0, len(f), 2)} for _, f in raw]
+        ahead = self._ahead.pop(job.name, None)
+        try:
+            read = await ahead if ahead is not None else {}
+        except Exception:  # noqa: BLE001 - only a guess: read them now
+            read = {}
+        groups = await asyncio.gather(*(
+            self._group(job, _text(f["slot"]), read) if "slot" in f else _held(f["g"])
+            for f in fields))
+        if any(group is None for group in groups):
+            # Only an acknowledgement deletes a delivered group's bytes: this batch was taken
+            # over past its ack timeout and acknowledged meanwhile.
+            raise FailedPrecondition("the batch was acknowledged while it was read; ask again")
+        return [BatchEntry(_text(stream_id), _text(f["id"]), int(f["v"]), group)
+                for (stream_id, _), f, group in zip(raw, fields, groups)]
+
+    async def _group(self, job: JobConfig, slot: str, read: dict[str, bytes]) -> bytes | None:
+        if slot in read:
+            return read[slot]
+        # One GET per group, side by side on the pool's connections: Redis writes at most
+        # 64 KB of a reply per client per turn of its event loop, so a whole batch in one
+        # MGET would take a turn (and, with appendfsync always, an fsync) per 64 KB.
+        return await self._client.get(key(job.name, f"group:{slot}"))
+
+    async def _read_ahead(self, job: JobConfig, num_groups: int) -> dict[str, bytes]:
+        """The bytes of the groups the trainer's next batch will most likely hold (the next
+        `num_groups` the consumer group has not read), read while the trainer trains on this
+        one, by slot. A group's bytes never change, so a guess read is right or unused."""
+        stream = key(job.name, "groups")
+        groups = await self._client.xinfo_groups(stream)
+        last = next(_text(g["last-delivered-id"]) for g in groups
+                    if _text(g["name"]) == CONSUMER_GROUP)
+        entries = await self._client.xrange(stream, min=f"({last}", count=num_groups)
+        slots = [_text(fields[b"slot"]) for _, fields in entries]
+        read = await asyncio.gather(*(self._group(job, slot, {}) for slot in slots))
+        return {slot: data for slot, data in zip(slots, read) if data is not None}
 
     async def ack_batch(self, job_name: str, batch_id: str) -> bool:
         reply = await self._run("ACK", self.job(job_name), _required(batch_id, "batch_id"))
@@ -266,13 +382,45 @@ class BufferStore:
         )
 
 
-def _entries(raw) -> list[BatchEntry]:
-    entries = []
-    for stream_id, fields in raw:
-        values = {_text(fields[i]): fields[i + 1] for i in range(0, len(fields), 2)}
-        entries.append(BatchEntry(_text(stream_id), _text(values["id"]), int(values["v"]),
-                                  bytes(values["g"])))
-    return entries
+class _ByteBudget:
+    """At most `limit` bytes taken at once (one taking of any size when none is)."""
+
+    def __init__(self, limit: int):
+        self._limit, self._taken = limit, 0
+        self._changed = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def taking(self, size: int):
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._taken
+                                         or self._taken + size <= self._limit)
+            self._taken += size
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._taken -= size
+                self._changed.notify_all()
+
+
+async def _held(group: bytes) -> bytes:
+    """The bytes of a group put before groups had keys of their own (in its entry, field g)."""
+    return group
+
+
+def _new_slot_id(worker: str) -> str:
+    if not worker:
+        raise InvalidArgument("worker is empty; name the rollout worker (e.g. its pod name)")
+    return f"{worker}:{uuid.uuid4().hex[:12]}"
+
+
+def _grant(job: JobConfig, slot_id: str, reply) -> SlotGrant:
+    """A SlotGrant from the gate's answer (scripts._GRANT) for `slot_id`."""
+    if reply[0] == -1:
+        raise NotFound(f"job {job.name!r} is not registered in Redis; restart the buffer")
+    if reply[0] == 0:
+        return SlotGrant(False, reason=_text(reply[1]))
+    return SlotGrant(True, slot_id, int(reply[1]))
 
 
 def _text(value) -> str:
