@@ -41,7 +41,8 @@ class SlotGate(Protocol):
     async def acquire(self) -> Slot:
         """Waits until the staleness gate grants a slot."""
 
-    async def put(self, slot: Slot, group: Group) -> None: ...
+    async def put(self, slot: Slot, group: Group) -> Slot | None:
+        """Stores the group and releases its slot (a next slot only when one is asked for)."""
 
     async def release(self, slot: Slot, reason: str) -> None: ...
 
