@@ -332,15 +332,18 @@ class Trainer:
         when the transfer group is up, else as a snapshot on disk; then announced. Returns
         how (distributed or disk) and the seconds it took."""
         if self.broadcaster is not None and self.broadcaster.ready():
-            # Announced first: each engine starts receiving when it reads the announcement.
-            await client.set_version(version, announcement_uri(self.broadcaster.address.group_name),
-                                     step)
+            # Announced first, each engine starts receiving when it reads the announcement;
+            # the step is announced only once the broadcast is done (the job's completion is
+            # judged by it), as a snapshot's step is once the snapshot is written.
+            uri = announcement_uri(self.broadcaster.address.group_name)
+            await client.set_version(version, uri, max(step - 1, 0))
             try:
                 seconds = await self._on_compute(self.broadcaster.send, state)
             except Exception as exc:
                 log.warning("broadcasting version %d failed (%s): it and every later version "
                             "go to disk", version, exc)
             else:
+                await client.set_version(version, uri, step)
                 self.status.version = version
                 self.metrics.observe_publish(seconds, "distributed")
                 return "distributed", seconds
