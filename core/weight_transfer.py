@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.models import tied_aliases
+from asyncrl.rollout.sglang_launch import tensor_parallel_size
 
 T = TypeVar("T")
 
@@ -78,7 +79,7 @@ def is_distributed_uri(uri: str) -> bool:
 
 def engine_ranks(engine: str, gpus: int) -> int:
     """Ranks one rollout replica takes: SGLang one per tensor-parallel GPU, the torch engine one."""
-    return max(gpus, 1) if engine == "sglang" else 1
+    return tensor_parallel_size(gpus) if engine == "sglang" else 1
 
 
 def world_size(spec) -> int:

@@ -46,6 +46,11 @@ SGLANG_PYTHON_ENV = "ASYNCRL_SGLANG_PYTHON"
 SGLANG_STARTUP_SECONDS = 900.0
 
 
+def tensor_parallel_size(gpus: int) -> int:
+    """An SGLang replica's tensor-parallel ranks: one per GPU of its pod."""
+    return max(gpus, 1)
+
+
 def max_running_requests(spec: RLJobSpec) -> int:
     """Requests one replica runs at once: its share of the job-wide prompt limit, times the
     responses per prompt."""
@@ -78,7 +83,7 @@ def sglang_launch_command(
         "--model-path", model_path,
         "--host", host,
         "--port", str(port),
-        "--tp-size", str(max(spec.rollout.placement.gpus, 1)),
+        "--tp-size", str(tensor_parallel_size(spec.rollout.placement.gpus)),
         "--dtype", spec.model.dtype,
         "--max-running-requests", str(max_running_requests(spec)),
         "--skip-tokenizer-init",
