@@ -260,8 +260,28 @@ def expected(job: str) -> dict[str, list[str]]:
 def start_running_job(kube, operator, namespace, name="tiny", **changes) -> dict:
     provide_run_volume(kube, namespace, name)
     create_job(kube, manifest(name, namespace, **changes))
-    return wait_for(phase_is(kube, namespace, name, "Running"), 120, f"{name} to be Running",
-                    operator)
+    try:
+        # Generous: on a loaded machine the volume binding and kwok's pod stages can lag.
+        return wait_for(phase_is(kube, namespace, name, "Running"), 240,
+                        f"{name} to be Running", operator)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\nnamespace:\n{namespace_state(kube, namespace)}") from None
+
+
+def namespace_state(kube, namespace: str) -> str:
+    """Why pods are not ready, as `kubectl describe` would tell: claims, pods, warnings."""
+    lines = [f"claim {c.metadata.name}: {c.status.phase}"
+             for c in kube.core.list_namespaced_persistent_volume_claim(namespace).items]
+    for pod in kube.core.list_namespaced_pod(namespace).items:
+        conditions = ", ".join(f"{c.type}={c.status}" + (f" ({c.reason})" if c.reason else "")
+                               for c in pod.status.conditions or [])
+        lines.append(f"pod {pod.metadata.name} on {pod.spec.node_name}: {pod.status.phase}; "
+                     f"{conditions}")
+    events = sorted(kube.core.list_namespaced_event(namespace).items,
+                    key=lambda e: e.last_timestamp or e.event_time or e.metadata.creation_timestamp)
+    lines += [f"event {e.type} {e.involved_object.kind}/{e.involved_object.name}: {e.reason}: "
+              f"{e.message}" for e in events[-15:]]
+    return "\n".join(lines) or "(empty)"
 
 
 # --------------------------------------------------------------------------- tests
