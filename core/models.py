@@ -251,9 +251,14 @@ def packed_token_logprobs(
     wanted[cu_seqlens[:-1].long()] = False
     targets = wanted.nonzero().squeeze(-1)
     # use_cache=False: transformers only builds the packed (block-diagonal) mask without a cache.
-    # logits_to_keep: the lm_head sees only the positions that predict a wanted token.
+    # The boundaries let a model with packed SDPA (asyncrl.packed_attention) attend within each
+    # sequence alone; others ignore them. logits_to_keep: the lm_head sees only the positions
+    # that predict a wanted token.
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    bounds = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
     output = model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
-                   logits_to_keep=targets - 1)
+                   logits_to_keep=targets - 1, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds,
+                   max_length_q=longest, max_length_k=longest)
     logits = output.logits[0].float()
     if temperature != 1.0:
         # In place: [tokens x vocab] is the largest tensor of the step, and lm_head's backward
