@@ -12,7 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from asyncrl.buffer.store import Batch, Stats
+from asyncrl.buffer.store import Stats
 
 _TOTALS = (
     ("accepted_groups", "accepted_total", "Groups accepted into the buffer."),
@@ -31,12 +31,6 @@ class BufferMetrics:
 
     def observe_stats(self, job: str, stats: Stats) -> None:
         self._stats[job] = stats
-
-    def observe_put(self, group) -> None:
-        """Nothing to count in-process: Redis holds the totals (see module doc)."""
-
-    def observe_batch(self, batch: Batch) -> None:
-        """Likewise; batches show up in the totals at the next refresh."""
 
     def collect(self):
         depth = GaugeMetricFamily("asyncrl_buffer_depth_groups", "Accepted groups not yet batched.",

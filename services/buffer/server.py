@@ -86,7 +86,6 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
             request.job, request.slot_id, group_id, oldest, request.group,
             next_worker=request.worker if request.acquire_next else None,
         )
-        self._metrics.observe_put(request.group)
         return _put_pb(put)
 
     @_mapped
@@ -108,8 +107,6 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         stored = await self._store.put_groups(job.name, [put for _, put in puts])
         for (index, _), outcome in zip(puts, stored):
             outcomes[index] = outcome
-        for put in request.puts:
-            self._metrics.observe_put(put.group)
         return buffer_pb2.PutGroupsResponse(results=[_put_result_pb(o) for o in outcomes])
 
     @_mapped
@@ -117,7 +114,6 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         batch = await self._store.get_batch(
             request.job, request.consumer, request.num_groups, request.wait_ms
         )
-        self._metrics.observe_batch(batch)
         return _batch_bytes(batch)
 
     @_mapped
