@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -133,11 +134,12 @@ class PolicyUpdater:
                              f"got {config.compute_dtype!r}")
         if config.proximal not in PROXIMAL_MODES:
             raise ValueError(f"proximal must be one of {PROXIMAL_MODES}, got {config.proximal!r}")
-        # Packed micro-batches attend within each sequence only (same results as the
-        # block-diagonal mask, a fraction of its work).
-        self.model = use_packed_attention(model)
-        if reference_model is not None:
-            use_packed_attention(reference_model)
+        for policy in filter(None, (model, reference_model)):
+            if not hasattr(policy, "packed_token_logprobs"):
+                # A transformers model: packed micro-batches attend within each sequence only
+                # (same results as the block-diagonal mask, a fraction of its work).
+                use_packed_attention(policy)
+        self.model = model
         self.device = next(model.parameters()).device
         self.sharded = isinstance(model, FSDPModule)
         self._gradient_scale = dist.get_world_size() if self.sharded else 1
@@ -283,10 +285,13 @@ class PolicyUpdater:
         return torch.autocast(self.device.type, dtype=dtype)
 
     def _logprobs(self, model: torch.nn.Module, mb: PackedBatch) -> Tensor:
-        return packed_token_logprobs(
-            model, mb.input_ids, mb.position_ids, mb.cu_seqlens, self.config.temperature,
-            needed=mb.fields["loss_mask"],
-        )
+        """Per-token log-probs of a micro-batch: a transformers model's through
+        asyncrl.models, another backend's model (the Megatron-Core one) through its own
+        `packed_token_logprobs`, which computes the same thing."""
+        compute = getattr(model, "packed_token_logprobs", None) or functools.partial(
+            packed_token_logprobs, model)
+        return compute(mb.input_ids, mb.position_ids, mb.cu_seqlens, self.config.temperature,
+                       needed=mb.fields["loss_mask"])
 
 
 def _pack(samples: Sequence[TrainSample]) -> PackedBatch:

@@ -1,0 +1,190 @@
+"""The job's Llama-family policy as a Megatron-Core GPTModel, trained behind the interface the
+pytorch backend's model offers the trainer (asyncrl.trainer.step): per-token log-probs of a
+packed micro-batch, parameters for the optimizer, and whole Hugging Face state dicts in and
+out, so checkpoints and published snapshots are the same files either backend writes.
+
+Built with Megatron-Core's local layer spec (pure torch: runs on a CPU), or its
+TransformerEngine spec on a GPU where TransformerEngine is installed. GPTModel is used, not
+the HybridModel 0.19 moves to: megatron-core 0.16.1 is the last release that installs on the
+project's Python 3.11, and its GPTModel is not deprecated.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from asyncrl.trainer.megatron import weights
+from asyncrl.trainer.megatron.compat import import_megatron
+from asyncrl.trainer.megatron.weights import LlamaShape
+
+
+def _rope_theta(config) -> float:
+    parameters = getattr(config, "rope_parameters", None) or {}
+    kind = parameters.get("rope_type", "default")
+    if kind != "default":
+        raise ValueError(f"trainer.backend megatron: the model's RoPE scaling {kind!r} is not "
+                         "supported (plain RoPE only); use backend: pytorch for this model")
+    return float(parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def _layer_spec(device: torch.device):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if device.type == "cuda" and importlib.util.find_spec("transformer_engine") is not None:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+class MegatronPolicy(torch.nn.Module):
+    """A GPTModel with a Llama's shape and weights; `gpt` is the Megatron-Core module.
+
+    Megatron's process groups must be up (compat.initialize_parallel). Under tensor parallel
+    each rank holds its share of the weights (weights.shard).
+    """
+
+    def __init__(self, hf_config, device: torch.device):
+        super().__init__()
+        import_megatron()
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.transformer import TransformerConfig
+
+        self.shape = LlamaShape.of(hf_config)
+        if getattr(hf_config, "mlp_bias", False) or getattr(hf_config, "hidden_act", "silu") != "silu":
+            raise ValueError("trainer.backend megatron: only SwiGLU MLPs without bias are "
+                             "supported; use backend: pytorch for this model")
+        if getattr(hf_config, "attention_bias", False):
+            raise ValueError("trainer.backend megatron: attention output biases are not "
+                             "supported; use backend: pytorch for this model")
+        with warnings.catch_warnings():
+            # Megatron-Core's own defaults warn (cuda_graph_scope "full" is deprecated; Apex
+            # absent, torch's norm used): nothing a user of this backend can act on.
+            warnings.filterwarnings("ignore", message=".*(full scope is deprecated|Apex is not)")
+            config = TransformerConfig(
+                num_layers=self.shape.layers, hidden_size=self.shape.hidden_size,
+                num_attention_heads=self.shape.heads, num_query_groups=self.shape.kv_heads,
+                kv_channels=self.shape.head_dim, ffn_hidden_size=self.shape.ffn_hidden_size,
+                normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps,
+                gated_linear_unit=True, activation_func=F.silu,
+                add_bias_linear=False, add_qkv_bias=self.shape.qkv_bias,
+                hidden_dropout=0.0, attention_dropout=0.0,
+                # The fused kernels are CUDA (or Apex) kernels; the unfused paths are exact.
+                bias_activation_fusion=False, masked_softmax_fusion=False,
+                persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+                gradient_accumulation_fusion=False,
+                use_cpu_initialization=device.type == "cpu", params_dtype=torch.float32,
+                tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+                pipeline_model_parallel_size=(
+                    parallel_state.get_pipeline_model_parallel_world_size()),
+            )
+            self.gpt = GPTModel(
+                config, _layer_spec(device), vocab_size=self.shape.vocab_size,
+                max_sequence_length=hf_config.max_position_embeddings,
+                # Gathered at run time (runtime_gather_output): gathering in the
+                # constructor's way fails in backward on an in-place view of the logits.
+                parallel_output=True,
+                share_embeddings_and_output_weights=self.shape.tied_embeddings,
+                position_embedding_type="rope", rotary_base=_rope_theta(hf_config),
+            ).to(device)
+        self.device = device
+        self._tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self._tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self._tp_group = parallel_state.get_tensor_model_parallel_group()
+        self._keep: tuple[Tensor, Tensor] | None = None
+        self.gpt.decoder.register_forward_hook(self._keep_wanted_positions)
+
+    @classmethod
+    def from_hf(cls, hf_model: torch.nn.Module, device: torch.device) -> MegatronPolicy:
+        """A GPTModel holding `hf_model`'s weights (this rank's share of them)."""
+        policy = cls(hf_model.config, device)
+        policy.load_hf_state_dict(hf_model.state_dict())
+        return policy
+
+    # ------------------------------------------------------------------ weights
+
+    def load_hf_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Loads a whole HF state dict (this rank takes its share)."""
+        whole = weights.hf_to_megatron(state, self.shape)
+        mine = {name: weights.shard(name, tensor, self._tp_rank, self._tp_size)
+                for name, tensor in whole.items()}
+        missing, unexpected = self.gpt.load_state_dict(mine, strict=False)
+        missing = [name for name in missing if not name.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ValueError(f"Megatron weights do not match the model: missing {missing}, "
+                             f"unexpected {unexpected}")
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """The whole model as an HF state dict on the CPU (a collective under tensor
+        parallel: every rank of the group calls it)."""
+        mine = {name: tensor.detach() for name, tensor in self.gpt.state_dict().items()
+                if not name.endswith("_extra_state")}
+        whole = {}
+        for name, tensor in mine.items():
+            if self._tp_size > 1 and weights.split_dim(name) is not None:
+                parts = [torch.empty_like(tensor) for _ in range(self._tp_size)]
+                dist.all_gather(parts, tensor.contiguous(), group=self._tp_group)
+                tensor = weights.unshard(name, parts)
+            whole[name] = tensor.to("cpu", copy=True)
+        return weights.megatron_to_hf(whole, self.shape)
+
+    # ------------------------------------------------------------------ log-probs
+
+    def packed_token_logprobs(self, input_ids: Tensor, position_ids: Tensor,
+                              cu_seqlens: Tensor, temperature: float = 1.0,
+                              needed: Tensor | None = None) -> Tensor:
+        """What asyncrl.models.packed_token_logprobs computes for a transformers model: the
+        log-probability of every token of a packed row given its prefix in its own sequence
+        (0 for a sequence's first token and for tokens not `needed`).
+
+        The row is laid out as a right-padded batch of its sequences, so Megatron's rotary
+        embedding (positions 0..S-1 of each row) and a causal mask are all it needs; padding
+        sits after each sequence, where no real token attends."""
+        del position_ids  # the padded layout has each sequence start at position 0
+        if input_ids.numel() == 0:
+            return torch.zeros(0, device=input_ids.device)
+        bounds = cu_seqlens.to(input_ids.device).long()
+        lengths = bounds[1:] - bounds[:-1]
+        rows = torch.repeat_interleave(torch.arange(len(lengths), device=input_ids.device),
+                                       lengths)
+        columns = torch.arange(input_ids.numel(), device=input_ids.device) - bounds[rows]
+        longest = int(lengths.max())
+        padded = input_ids.new_zeros(len(lengths), longest)
+        padded[rows, columns] = input_ids
+        wanted = (torch.ones_like(input_ids, dtype=torch.bool) if needed is None
+                  else needed.bool().clone())
+        wanted[bounds[:-1]] = False
+        targets = wanted.nonzero().squeeze(-1)
+        causal = torch.triu(torch.ones(longest, longest, dtype=torch.bool,
+                                       device=input_ids.device), diagonal=1)
+        positions = torch.arange(longest, device=input_ids.device)[None].expand_as(padded)
+        # Only the positions that predict a wanted token reach the output layer (the largest
+        # matrix of a small model), as logits_to_keep does for transformers.
+        self._keep = (columns[targets] - 1, rows[targets])
+        try:
+            logits = self.gpt(padded, positions, causal[None, None],
+                              runtime_gather_output=True)[0].float()
+        finally:
+            self._keep = None
+        if temperature != 1.0:
+            # Not in place: the logits are a view of the output layer's custom autograd output.
+            logits = logits / temperature
+        picked = logits.gather(-1, input_ids[targets][:, None]).squeeze(-1)
+        logprobs = torch.zeros(input_ids.shape[0], device=logits.device, dtype=logits.dtype)
+        return logprobs.index_put((targets,), picked - torch.logsumexp(logits, dim=-1))
+
+    def _keep_wanted_positions(self, module, inputs, hidden: Tensor) -> Tensor | None:
+        """Forward hook on the decoder: its [sequence, batch, hidden] output, reduced to the
+        positions packed_token_logprobs needs, as a [positions, 1, hidden] batch of one."""
+        if self._keep is None:
+            return None
+        columns, rows = self._keep
+        return hidden[columns, rows][:, None]
+
+    def forward(self, *args, **kwargs):
+        return self.gpt(*args, **kwargs)
