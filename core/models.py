@@ -208,6 +208,13 @@ def _smollm2_converted_dir() -> Path:
     return target
 
 
+def model_skeleton(model: torch.nn.Module) -> torch.nn.Module:
+    """`model`'s architecture without its weights (on the meta device): its config, parameter
+    names and tied weights, for writing and reading its state dicts."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model.config)
+
+
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     """{alias: name} for parameters that are the same tensor under two names (tied weights),
     the first name in the model's order being the one stored."""

@@ -444,12 +444,59 @@ class BufferSpec(SpecModel):
     resources: Resources = Field(default_factory=Resources, description="Per-pod resources.")
 
 
+class MegatronSpec(SpecModel):
+    """Megatron-Core's model parallelism (trainer.backend: megatron). Data parallel is the rest
+    of the trainer's processes: replicas x processesPerReplica / (tensorParallel x
+    pipelineParallel)."""
+
+    tensor_parallel: int = Field(
+        default=1, ge=1, description="Processes each layer's matrices are split across; must "
+        "divide the model's attention heads and key/value heads.")
+    pipeline_parallel: int = Field(
+        default=1, ge=1, description="Stages the layers are split into; must divide the "
+        "model's layer count.")
+
+
+#: (attention heads, key/value heads, layers) of the builtin models whose shape is fixed.
+_BUILTIN_SHAPES = {"smollm2-135m-instruct": (9, 3, 30)}
+
+#: The parallel sizes the Megatron backend runs so far.
+MEGATRON_RUNS = {"tensorParallel": 1, "pipelineParallel": 1}
+
+
+def megatron_shape_problem(heads: int, kv_heads: int, layers: int, tensor_parallel: int,
+                           pipeline_parallel: int) -> tuple[str, str, str] | None:
+    """(field, problem, fix) when the parallel sizes cannot split a model of this shape; None
+    when they can. The one owner of this rule: the spec checks it for models whose shape it
+    knows, the trainer for the others when it loads the model."""
+    def divisors(*numbers: int) -> str:
+        return ", ".join(str(d) for d in range(1, min(numbers) + 1)
+                         if all(n % d == 0 for n in numbers))
+
+    if heads % tensor_parallel or kv_heads % tensor_parallel:
+        return ("tensorParallel",
+                f"tensorParallel {tensor_parallel} does not divide the model's {heads} attention "
+                f"heads and {kv_heads} key/value heads", f"use one of {divisors(heads, kv_heads)}")
+    if layers % pipeline_parallel:
+        return ("pipelineParallel",
+                f"pipelineParallel {pipeline_parallel} does not divide the model's {layers} "
+                "layers", f"use one of {divisors(layers)}")
+    return None
+
+
 class TrainerSpec(SpecModel):
     """The trainer: backend, parallelism, packing and checkpoints."""
 
-    backend: Literal["pytorch"] = Field(
+    backend: Literal["pytorch", "megatron"] = Field(
         default="pytorch",
-        description="pytorch: torch.distributed (CPU or GPU), the only backend so far.",
+        description="pytorch: the transformers model under torch.distributed (CPU or GPU); "
+        "megatron: the same model built and trained by Megatron-Core (local layer spec on a "
+        "CPU, TransformerEngine's on a GPU where it is installed; needs the optional "
+        "dependency group asyncrl[megatron]).",
+    )
+    megatron: MegatronSpec = Field(
+        default_factory=MegatronSpec,
+        description="Megatron-Core's parallel sizes; read only with backend: megatron.",
     )
     replicas: int = Field(default=1, ge=1, description="Trainer nodes (pods).")
     processes_per_replica: int = Field(
@@ -479,11 +526,19 @@ class TrainerSpec(SpecModel):
     resources: Resources = Field(default_factory=Resources, description="Per-pod resources.")
     placement: Placement = Field(default_factory=Placement, description="Per-pod placement.")
 
-    @field_validator("backend", mode="before")
-    @classmethod
-    def _backend_runs(cls, value: Any) -> Any:
-        return _refuse_unimplemented(value, "megatron", "the Megatron-Core backend",
-                                     fix="use backend: pytorch")
+    @model_validator(mode="after")
+    def _backend_settings(self) -> TrainerSpec:
+        if self.backend != "megatron":
+            if "megatron" in self.model_fields_set:
+                raise rule_error("trainer.megatron is read only with backend: megatron",
+                                 field="megatron", fix="remove it, or set backend: megatron")
+            return self
+        if self.sharding != "none":
+            raise rule_error(
+                f"sharding {self.sharding} is the pytorch backend's (FSDP); Megatron-Core "
+                "splits a model with megatron.tensorParallel and pipelineParallel",
+                field="sharding", fix="set sharding: none")
+        return self
 
     @model_validator(mode="after")
     def _placement(self) -> TrainerSpec:
@@ -530,6 +585,8 @@ class RLJobSpec(SpecModel):
                 field="reward.kind",
                 fix=f"set reward.kind: {expected}",
             )
+        if self.trainer.backend == "megatron":
+            _check_megatron(self.model, self.trainer)
         if self.trainer.micro_batch_max_tokens < self.rollout.max_new_tokens:
             raise rule_error(
                 f"a micro-batch of {self.trainer.micro_batch_max_tokens} tokens cannot hold one "
@@ -539,3 +596,30 @@ class RLJobSpec(SpecModel):
                 "(prompt plus response)",
             )
         return self
+
+
+def _check_megatron(model: ModelSpec, trainer: TrainerSpec) -> None:
+    """Megatron's parallel sizes against the model's shape (where the spec knows it: builtin
+    models; the trainer checks a local model when it loads it), then against the trainer's
+    process count, then against what runs so far."""
+    megatron = trainer.megatron
+    shape = (_BUILTIN_SHAPES.get(model.source) if model.source != "tiny-random" else
+             (model.tiny.num_heads, model.tiny.num_kv_heads, model.tiny.num_layers))
+    problem = shape and megatron_shape_problem(*shape, megatron.tensor_parallel,
+                                               megatron.pipeline_parallel)
+    if problem:
+        field, message, fix = problem
+        raise rule_error(message, field=f"trainer.megatron.{field}", fix=fix)
+    processes = trainer.replicas * trainer.processes_per_replica
+    model_parallel = megatron.tensor_parallel * megatron.pipeline_parallel
+    if processes % model_parallel:
+        raise rule_error(
+            f"{processes} trainer processes (replicas x processesPerReplica) cannot be split "
+            f"into groups of tensorParallel x pipelineParallel = {model_parallel}",
+            field="trainer.megatron", fix=f"use a process count that {model_parallel} divides")
+    for name, value in (("tensorParallel", megatron.tensor_parallel),
+                        ("pipelineParallel", megatron.pipeline_parallel)):
+        if value != MEGATRON_RUNS[name]:
+            raise rule_error(
+                f"{name} {value} is not implemented yet", field=f"trainer.megatron.{name}",
+                fix=f"set {name}: {MEGATRON_RUNS[name]} (data parallel uses every process)")

@@ -160,8 +160,11 @@ _FULL_ON_RANK_0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's state dict, on the CPU, on rank 0 (an empty dict elsewhere). A
-    collective under FSDP: every rank calls it."""
+    """The whole model's Hugging Face state dict, on the CPU, on rank 0 (an empty dict
+    elsewhere under FSDP). A collective when the model is split: every rank calls it. A model
+    of another backend (the Megatron-Core one) gives it through its `hf_state_dict`."""
+    if hasattr(model, "hf_state_dict"):
+        return model.hf_state_dict()
     return get_model_state_dict(model, options=_FULL_ON_RANK_0)
 
 
@@ -174,7 +177,10 @@ def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     model_state: dict, optimizer_state: dict) -> None:
     """Loads whole state dicts (as full_model_state/full_optimizer_state give them, or
     read from a checkpoint) into a model that may be sharded; every rank calls it."""
-    set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
+    if hasattr(model, "load_hf_state_dict"):
+        model.load_hf_state_dict(model_state)
+    else:
+        set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
     if optimizer_state["state"] and isinstance(next(iter(optimizer_state["state"])), int):
         # Written by optimizer.state_dict() (parameter indices), before checkpoints used names.
         optimizer.load_state_dict(optimizer_state)

@@ -34,7 +34,7 @@ from asyncrl.algorithms.staleness import staleness
 from asyncrl.buffer.client import BufferClient
 from asyncrl.devices import local_rank, select_device
 from asyncrl.grpc_service import start_server
-from asyncrl.models import load_policy
+from asyncrl.models import load_policy, model_skeleton
 from asyncrl.heap import trim_heap
 from asyncrl.openmp import release_idle_thread_pools
 from asyncrl.outage import OutageTooLong
@@ -131,13 +131,22 @@ class Trainer:
         self.device = device or select_device(spec.trainer.placement.gpus, self.group.local_rank)
         # float32 master weights whatever model.dtype says; bf16 is autocast (see step.py).
         self.model, self.tokenizer = load_policy(spec.model, dtype="float32", device=self.device)
+        # The Hugging Face model whose config and parameter names every snapshot and
+        # checkpoint is written with, whichever backend trains (both read and write its
+        # state dicts).
+        self.hf_model = self.model
+        if spec.trainer.backend == "megatron":
+            from asyncrl.trainer.megatron.policy import megatron_policy
+
+            self.model = megatron_policy(spec, self.hf_model, self.device)
+            self.hf_model = model_skeleton(self.hf_model)  # the weights are Megatron's now
         reference = reference_policy(spec, self.device)
         self.broadcaster = None
         if spec.trainer.weight_transfer == "distributed" and self.group.leader:
             # The manifest from the whole model, before any sharding.
             self.broadcaster = WeightBroadcaster(
                 settings.weights_port, transfer_world_size(spec), transfer_backend(spec),
-                model_manifest(self.model, getattr(torch, spec.model.dtype)))
+                model_manifest(self.hf_model, getattr(torch, spec.model.dtype)))
         self.sharded = spec.trainer.sharding == "fsdp" and self.group.distributed
         if self.sharded:
             for model in filter(None, (self.model, reference)):
@@ -178,7 +187,7 @@ class Trainer:
         if command.kind == "restore":
             if command.path is None:
                 return None
-            checkpoint = read_checkpoint(Path(command.path), self.model)
+            checkpoint = read_checkpoint(Path(command.path), self.hf_model)
             load_full_state(self.model, self.optimizer, checkpoint.model, checkpoint.optimizer)
             return checkpoint.state
         if command.kind == "step":
@@ -311,7 +320,7 @@ class Trainer:
                 if step % spec.trainer.checkpoint_every == 0 or step == spec.algorithm.max_steps:
                     optimizer_state = await self._command(Command("checkpoint"))
                     async with self._alone():
-                        await self._on_compute(save_checkpoint, self.model, state,
+                        await self._on_compute(save_checkpoint, self.hf_model, state,
                                                 optimizer_state, settings.run_dir,
                                                 TrainerState(step, version))
             await self._command(STOP)
@@ -349,7 +358,7 @@ class Trainer:
                 return "distributed", seconds
         started = time.perf_counter()
         dtype = getattr(torch, self.spec.model.dtype)
-        path = await self._on_compute(publish_weights, self.model, state, self.settings.run_dir,
+        path = await self._on_compute(publish_weights, self.hf_model, state, self.settings.run_dir,
                                       version, dtype)
         await client.set_version(version, str(path.resolve()), step)
         self.status.version = version

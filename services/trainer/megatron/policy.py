@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from asyncrl.trainer.megatron import weights
-from asyncrl.trainer.megatron.compat import import_megatron
+from asyncrl.trainer.megatron.compat import import_megatron, initialize_parallel
 from asyncrl.trainer.megatron.weights import LlamaShape
 
 
@@ -188,3 +188,20 @@ class MegatronPolicy(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.gpt(*args, **kwargs)
+
+
+def megatron_policy(spec, hf_model: torch.nn.Module, device: torch.device) -> MegatronPolicy:
+    """The RLJob's trainer model under `trainer.backend: megatron`: Megatron's process groups
+    over this process's world, then a GPTModel with `hf_model`'s weights. A model whose shape
+    the spec could not check (a local directory) is checked here, by the same rule."""
+    from asyncrl.spec.job import megatron_shape_problem
+
+    sizes = spec.trainer.megatron
+    shape = LlamaShape.of(hf_model.config)
+    problem = megatron_shape_problem(shape.heads, shape.kv_heads, shape.layers,
+                                     sizes.tensor_parallel, sizes.pipeline_parallel)
+    if problem is not None:
+        field, message, fix = problem
+        raise ValueError(f"spec.trainer.megatron.{field}: {message}; fix: {fix}")
+    initialize_parallel(sizes.tensor_parallel, sizes.pipeline_parallel, device)
+    return MegatronPolicy.from_hf(hf_model, device)
