@@ -7,5 +7,7 @@ setup:
 run: setup
 	.venv/bin/asyncrl run examples/arith.yaml --steps 10
 
-test: setup
+# The tests also cover the optional Megatron-Core trainer backend.
+test:
+	bash scripts/setup.sh megatron
 	bash scripts/test.sh

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # One-shot set-up on a fresh machine; a second run only re-checks and is fast.
+#   bash scripts/setup.sh [GROUP...]   GROUP: an optional dependency group (megatron)
 #   - Debian's redis-server (the embedded default Redis and the tests' Redis) and prometheus
 #     (the dashboard test scrapes a local run with it)
 #   - a virtual environment in .venv with torch, asyncrl and its dev tools
@@ -59,6 +60,25 @@ print("\n".join(project["dependencies"] + project["optional-dependencies"]["dev"
     rm -f .venv/.deps-* .venv/.links-*
     touch "$deps_stamp"
 fi
+
+# Optional dependency groups named on the command line (`make test`: megatron, for the
+# Megatron-Core trainer backend's tests); the default set-up installs none.
+for group in "$@"; do
+    group_stamp=.venv/.group-$group-$(sha256sum pyproject.toml | cut -c1-16)
+    if [ ! -f "$group_stamp" ]; then
+        step "installing the optional dependency group $group"
+        group_deps=$(.venv/bin/python -c '
+import sys, tomllib
+groups = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]
+if sys.argv[1] not in groups:
+    sys.exit(f"setup.sh: no optional dependency group {sys.argv[1]!r} in pyproject.toml")
+print("\n".join(groups[sys.argv[1]]))' "$group")
+        mapfile -t deps <<<"$group_deps"
+        "${PIP[@]}" install "${deps[@]}"
+        rm -f .venv/.group-"$group"-*
+        touch "$group_stamp"
+    fi
+done
 
 step "generating gRPC stubs"
 bash scripts/gen_protos.sh

@@ -185,7 +185,8 @@ def test_dumped_manifest_with_status_validates(validator):
         {"rollout": {"resources": {"requests": {"cpu": "-1"}}}},
         {"reward": {"math": {"extract": []}}},
         {"buffer": {"redis": {"url": "http://r"}}},
-        {"trainer": {"backend": "megatron"}},  # not implemented: refused, never run as pytorch
+        {"trainer": {"backend": "deepspeed"}},  # no such backend: refused, never run as pytorch
+        {"trainer": {"megatron": {"tensorParallel": 0}}},
         {"algorithm": {"groupSize": 1}},  # every advantage would be 0
         {"rollout": {"temperature": 0}},  # greedy: a group's responses are identical
         {"rollout": {"topK": 1}},

@@ -303,9 +303,9 @@ def test_crd_is_served_with_scale_and_status(kube, crd):
     ({"rollout__engine": "vllm"}, "spec.rollout.engine", "Unsupported value"),
     ({"trainer__placement": {"gpus": 2}}, "spec.trainer.placement.nodeSelector",
      "no GPU node pool is selected"),
-    # Accepted before, and then silently trained with pytorch.
-    ({"trainer__backend": "megatron"}, "spec.trainer.backend",
-     'Unsupported value: \\"megatron\\"'),  # (quotes as the JSON body escapes them)
+    # Would be silently trained with pytorch.
+    ({"trainer__backend": "deepspeed"}, "spec.trainer.backend",
+     'Unsupported value: \\"deepspeed\\"'),  # (quotes as the JSON body escapes them)
     # Settings that leave every advantage 0: the job could never learn.
     ({"algorithm__groupSize": 1}, "spec.algorithm.groupSize", "greater than or equal to 2"),
     ({"rollout__temperature": 0}, "spec.rollout.temperature", "greater than 0"),

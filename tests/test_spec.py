@@ -209,14 +209,50 @@ def test_jsonl_datasets_are_refused_until_they_can_be_read():
         'here: kind, numPrompts, evalFraction, seed, difficulty)'], lines
 
 
-def test_megatron_is_refused_until_it_runs():
-    # Accepting it would silently run the pytorch trainer.
-    line = only_error(manifest(trainer={"backend": "megatron", "placement": {
-        "gpus": 8, "nodeSelector": {"pool": "gpu"}}}))
-    problem, fix = line.split("; fix: ", 1)
-    assert problem == 'spec.trainer.backend: the Megatron-Core backend is not implemented yet ' \
-                      '(got "megatron")', line
-    assert fix == "use backend: pytorch"
+def test_megatron_backend_is_accepted_with_its_parallel_sizes():
+    job = parse_manifest(manifest(trainer={"backend": "megatron"}))
+    assert job.spec.trainer.backend == "megatron"
+    assert (job.spec.trainer.megatron.tensor_parallel,
+            job.spec.trainer.megatron.pipeline_parallel) == (1, 1)
+
+
+@pytest.mark.parametrize(("model", "trainer", "expected"), [
+    # SmolLM2-135M: 9 heads, 3 key/value heads, 30 layers.
+    ({}, {"megatron": {"tensorParallel": 2}, "processesPerReplica": 2},
+     "spec.trainer.megatron.tensorParallel: tensorParallel 2 does not divide the model's 9 "
+     "attention heads and 3 key/value heads (got 2); fix: use one of 1, 3"),
+    ({}, {"megatron": {"pipelineParallel": 4}, "processesPerReplica": 4},
+     "spec.trainer.megatron.pipelineParallel: pipelineParallel 4 does not divide the model's 30 "
+     "layers (got 4); fix: use one of 1, 2, 3, 5, 6, 10, 15, 30"),
+    # The tiny model's shape comes from its own fields.
+    ({"source": "tiny-random", "tiny": {"numHeads": 4, "numKvHeads": 2}},
+     {"megatron": {"tensorParallel": 4}, "processesPerReplica": 4},
+     "spec.trainer.megatron.tensorParallel: tensorParallel 4 does not divide the model's 4 "
+     "attention heads and 2 key/value heads (got 4); fix: use one of 1, 2"),
+    ({}, {"megatron": {"tensorParallel": 3}, "processesPerReplica": 2},
+     'spec.trainer.megatron: 2 trainer processes (replicas x processesPerReplica) cannot be '
+     'split into groups of tensorParallel x pipelineParallel = 3 (got {"tensorParallel": 3}); '
+     'fix: use a process count that 3 divides'),
+    ({}, {"megatron": {"pipelineParallel": 2}, "processesPerReplica": 2},
+     "spec.trainer.megatron.pipelineParallel: pipelineParallel 2 is not implemented yet (got 2); "
+     "fix: set pipelineParallel: 1 (data parallel uses every process)"),
+    ({}, {"sharding": "fsdp"},
+     "spec.trainer.sharding: sharding fsdp is the pytorch backend's (FSDP); Megatron-Core splits "
+     'a model with megatron.tensorParallel and pipelineParallel (got "fsdp"); fix: set '
+     "sharding: none"),
+])
+def test_megatron_parallel_sizes_are_checked_against_the_model_naming_the_field(
+        model, trainer, expected):
+    line = only_error(manifest(model=model, trainer={"backend": "megatron", **trainer}))
+    assert line == expected
+
+
+def test_megatron_settings_without_the_megatron_backend_are_refused():
+    # They would be ignored by the pytorch trainer.
+    line = only_error(manifest(trainer={"megatron": {"tensorParallel": 3}}))
+    assert line == ('spec.trainer.megatron: trainer.megatron is read only with backend: '
+                    'megatron (got {"tensorParallel": 3}); fix: remove it, or set backend: '
+                    'megatron')
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])

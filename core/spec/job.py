@@ -529,7 +529,7 @@ class TrainerSpec(SpecModel):
     @model_validator(mode="after")
     def _backend_settings(self) -> TrainerSpec:
         if self.backend != "megatron":
-            if "megatron" in self.model_fields_set:
+            if self.megatron != MegatronSpec():  # would be ignored
                 raise rule_error("trainer.megatron is read only with backend: megatron",
                                  field="megatron", fix="remove it, or set backend: megatron")
             return self

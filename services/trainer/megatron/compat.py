@@ -9,6 +9,7 @@ Everything else (layers, attention, the optimizer's math) is Megatron-Core's own
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import warnings
 from pathlib import Path
 
@@ -31,13 +32,20 @@ def import_megatron():
     if installed != MEGATRON_CORE_VERSION:
         raise RuntimeError(f"megatron-core {installed} is installed; asyncrl's CPU shims are "
                            f"pinned to {MEGATRON_CORE_VERSION}. {INSTALL_HINT}")
+    chatter = logging.getLogger("megatron.core")
+    level = chatter.level
     with warnings.catch_warnings():
-        # Importing it warns once per module that Apex / TransformerEngine are absent; the
-        # local (pure torch) implementations it falls back to are the ones we use on a CPU.
+        # Importing it warns once per module that Apex / TransformerEngine are absent (the
+        # local, pure torch implementations it falls back to are the ones we use on a CPU)
+        # and logs which FSDP flavour it would use (we use none of its FSDP).
         warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed")
-        import megatron.core
-        import megatron.core.models.gpt  # noqa: F401  (the modules that warn)
-        import megatron.core.optimizer  # noqa: F401
+        chatter.setLevel(logging.WARNING)
+        try:
+            import megatron.core
+            import megatron.core.models.gpt  # noqa: F401  (the modules that warn)
+            import megatron.core.optimizer  # noqa: F401
+        finally:
+            chatter.setLevel(level)
     _answer_cpu_for_current_device()
     return megatron.core
 

@@ -12,6 +12,7 @@ project's Python 3.11, and its GPTModel is not deprecated.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import warnings
 
 import torch
@@ -20,8 +21,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from asyncrl.trainer.megatron import weights
-from asyncrl.trainer.megatron.compat import import_megatron, initialize_parallel
+from asyncrl.trainer.megatron.compat import (
+    MEGATRON_CORE_VERSION,
+    import_megatron,
+    initialize_parallel,
+)
 from asyncrl.trainer.megatron.weights import LlamaShape
+
+log = logging.getLogger(__name__)
 
 
 def _rope_theta(config) -> float:
@@ -34,11 +41,13 @@ def _rope_theta(config) -> float:
 
 
 def _layer_spec(device: torch.device):
+    """("transformer-engine" or "local", the spec): TransformerEngine's fused layers on a GPU
+    where it is installed, else Megatron-Core's pure torch ones."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if device.type == "cuda" and importlib.util.find_spec("transformer_engine") is not None:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return "transformer-engine", gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return "local", gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
 
 
 class MegatronPolicy(torch.nn.Module):
@@ -83,8 +92,9 @@ class MegatronPolicy(torch.nn.Module):
                 pipeline_model_parallel_size=(
                     parallel_state.get_pipeline_model_parallel_world_size()),
             )
+            self.layer_spec, spec = _layer_spec(device)
             self.gpt = GPTModel(
-                config, _layer_spec(device), vocab_size=self.shape.vocab_size,
+                config, spec, vocab_size=self.shape.vocab_size,
                 max_sequence_length=hf_config.max_position_embeddings,
                 # Gathered at run time (runtime_gather_output): gathering in the
                 # constructor's way fails in backward on an in-place view of the logits.
@@ -204,4 +214,8 @@ def megatron_policy(spec, hf_model: torch.nn.Module, device: torch.device) -> Me
         field, message, fix = problem
         raise ValueError(f"spec.trainer.megatron.{field}: {message}; fix: {fix}")
     initialize_parallel(sizes.tensor_parallel, sizes.pipeline_parallel, device)
-    return MegatronPolicy.from_hf(hf_model, device)
+    policy = MegatronPolicy.from_hf(hf_model, device)
+    log.info("trainer backend: Megatron-Core %s GPTModel, %s layer spec, tensor parallel %d, "
+             "pipeline parallel %d", MEGATRON_CORE_VERSION, policy.layer_spec,
+             sizes.tensor_parallel, sizes.pipeline_parallel)
+    return policy
