@@ -236,6 +236,10 @@ def test_megatron_backend_is_accepted_with_its_parallel_sizes():
     ({}, {"megatron": {"pipelineParallel": 2}, "processesPerReplica": 2},
      "spec.trainer.megatron.pipelineParallel: pipelineParallel 2 is not implemented yet (got 2); "
      "fix: set pipelineParallel: 1 (data parallel uses every process)"),
+    ({"dtype": "bfloat16"}, {},
+     "spec.model.dtype: bf16 autocast trains Megatron-Core's layers on CUDA only, and this "
+     "trainer runs on CPUs (trainer.placement.gpus is 0) (got \"bfloat16\"); fix: use dtype: "
+     "float32, or give the trainer GPUs"),
     ({}, {"sharding": "fsdp"},
      "spec.trainer.sharding: sharding fsdp is the pytorch backend's (FSDP); Megatron-Core splits "
      'a model with megatron.tensorParallel and pipelineParallel (got "fsdp"); fix: set '

@@ -610,6 +610,13 @@ def _check_megatron(model: ModelSpec, trainer: TrainerSpec) -> None:
     if problem:
         field, message, fix = problem
         raise rule_error(message, field=f"trainer.megatron.{field}", fix=fix)
+    if model.dtype == "bfloat16" and not trainer.placement.gpus:
+        # megatron/core/tensor_parallel/layers.py wraps its matmuls in autocast's custom_fwd/
+        # custom_bwd for device "cuda": under CPU autocast their backward mixes bf16 and fp32.
+        raise rule_error(
+            "bf16 autocast trains Megatron-Core's layers on CUDA only, and this trainer runs "
+            "on CPUs (trainer.placement.gpus is 0)", field="model.dtype",
+            fix="use dtype: float32, or give the trainer GPUs")
     processes = trainer.replicas * trainer.processes_per_replica
     model_parallel = megatron.tensor_parallel * megatron.pipeline_parallel
     if processes % model_parallel:
