@@ -208,11 +208,11 @@ def _smollm2_converted_dir() -> Path:
     return target
 
 
-def model_skeleton(model: torch.nn.Module) -> torch.nn.Module:
-    """`model`'s architecture without its weights (on the meta device): its config, parameter
-    names and tied weights, for writing and reading its state dicts."""
+def model_skeleton(config) -> torch.nn.Module:
+    """The architecture of a model `config` describes, without weights (on the meta device):
+    its config, parameter names and tied weights, for writing and reading its state dicts."""
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(model.config)
+        return AutoModelForCausalLM.from_config(config)
 
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:

@@ -20,6 +20,7 @@ from asyncrl.models import SMOLLM2, load_model, packed_token_logprobs
 from asyncrl.packed_attention import use_packed_attention
 from asyncrl.trainer.megatron import compat, weights
 from asyncrl.trainer.megatron.weights import LlamaShape
+from asyncrl.trainer.distributed import full_optimizer_state, load_full_state
 from asyncrl.trainer.step import PolicyUpdater, TrainSample, UpdateConfig
 from trainer_helpers import make_samples, tiny_model
 
@@ -185,7 +186,41 @@ def test_one_decoupled_ppo_update_matches_the_pytorch_backend(megatron_world):
         torch.testing.assert_close(after[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_checkpointed_optimizer_state_is_the_pytorch_backends_and_loads_back(megatron_world):
+    # One checkpoint format for both backends: AdamW's state keyed by the HF names.
+    hf = tiny_model()
+    policy = _policy(copy.deepcopy(hf))
+    samples = make_samples(4, behaviour_noise=1.0)
+    optimizers = []
+    for model in (hf, policy):
+        optimizers.append(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        PolicyUpdater(model, optimizers[-1], UpdateConfig()).step(samples)
+    expected = full_optimizer_state(hf, optimizers[0])
+    got = full_optimizer_state(policy, optimizers[1])
+    assert got["param_groups"] == expected["param_groups"]
+    assert got["state"].keys() == expected["state"].keys()
+    for name, entry in expected["state"].items():
+        assert got["state"][name]["step"] == entry["step"]
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(got["state"][name][key], entry[key], atol=1e-7,
+                                       rtol=1e-3, msg=f"{name} {key}")
+    # Restored into a fresh Megatron model, the next step is the one the first would take.
+    restored = _policy(tiny_model())
+    optimizer = torch.optim.AdamW(restored.parameters(), lr=5e-2)
+    load_full_state(restored, optimizer, policy.hf_state_dict(), got)
+    assert optimizer.param_groups[0]["lr"] == 1e-3
+    for model, opt in ((policy, optimizers[1]), (restored, optimizer)):
+        PolicyUpdater(model, opt, UpdateConfig()).step(samples)
+    for name, tensor in policy.hf_state_dict().items():
+        assert torch.equal(restored.hf_state_dict()[name], tensor), name
+
+
 # --------------------------------------------------------------------------- tensor parallel
+
+
+def _tensor_parallel_samples() -> list[TrainSample]:
+    return [TrainSample(s.input_ids % 96, s.loss_mask, s.behaviour_logprobs, s.advantage, 2)
+            for s in make_samples(6, seed=5, behaviour_noise=1.0)]
 
 
 def _tensor_parallel_rank(rank: int, world: int, rendezvous: str, out: str) -> None:
@@ -194,14 +229,18 @@ def _tensor_parallel_rank(rank: int, world: int, rendezvous: str, out: str) -> N
     compat.initialize_parallel(world, 1, torch.device("cpu"))
     from asyncrl.trainer.megatron.policy import MegatronPolicy
 
-    hf = _untied_gqa_model()
-    policy = MegatronPolicy.from_hf(hf, torch.device("cpu"))
+    policy = MegatronPolicy.from_hf(_untied_gqa_model(), torch.device("cpu"))
     ids, positions, bounds, needed = _packed_row(96, [11, 30, 6])
     with torch.no_grad():
-        got = policy.packed_token_logprobs(ids, positions, bounds, 1.0, needed)
-    state = policy.hf_state_dict()
+        logprobs = policy.packed_token_logprobs(ids, positions, bounds, 1.0, needed)
+    # Both ranks compute on the same samples (they are tensor-parallel peers).
+    optimizer = torch.optim.SGD(policy.parameters(), lr=OPTIMIZER_LR, momentum=0.9)
+    stats = PolicyUpdater(policy, optimizer, UpdateConfig(max_grad_norm=0.5)).step(
+        _tensor_parallel_samples(), version=3)
+    state, optimizer_state = policy.hf_state_dict(), policy.hf_optimizer_state(optimizer)
     if rank == 0:
-        torch.save({"logprobs": got, "state": state,
+        torch.save({"logprobs": logprobs, "stats": stats, "state": state,
+                    "optimizer": optimizer_state,
                     "shard": policy.gpt.decoder.layers[0].mlp.linear_fc1.weight.shape}, out)
     compat.destroy_parallel()
     dist.destroy_process_group()
@@ -212,14 +251,30 @@ def test_tensor_parallel_two_over_gloo_matches_the_pytorch_backend(tmp_path):
     out = tmp_path / "rank0.pt"
     mp.spawn(_tensor_parallel_rank, args=(2, str(tmp_path / "rendezvous"), str(out)), nprocs=2)
     result = torch.load(out)
+    assert result["shard"] == (80, 48)  # half of gate and half of up: 2 x 40 rows
     hf = use_packed_attention(_untied_gqa_model())
     ids, positions, bounds, needed = _packed_row(96, [11, 30, 6])
     with torch.no_grad():
         expected = packed_token_logprobs(hf, ids, positions, bounds, 1.0, needed)
-    assert result["shard"] == (80, 48)  # half of gate and half of up: 2 x 40 rows
     torch.testing.assert_close(result["logprobs"], expected, atol=LOGPROB_TOLERANCE, rtol=0)
-    for name, tensor in hf.state_dict().items():  # gathered back whole, exactly
-        assert torch.equal(result["state"][name], tensor), name
+
+    # The same update in one process with the pytorch backend; the gradient norm is over
+    # the whole model (clipped at 0.5, so a wrong norm would scale every step differently).
+    optimizer = torch.optim.SGD(hf.parameters(), lr=OPTIMIZER_LR, momentum=0.9)
+    stats = PolicyUpdater(hf, optimizer, UpdateConfig(max_grad_norm=0.5)).step(
+        _tensor_parallel_samples(), version=3)
+    assert stats["grad_norm"] > 0.5
+    assert result["stats"]["grad_norm"] == pytest.approx(stats["grad_norm"], rel=1e-4)
+    assert result["stats"]["loss"] == pytest.approx(stats["loss"], abs=1e-6)
+    for name, tensor in hf.state_dict().items():
+        torch.testing.assert_close(result["state"][name], tensor, atol=1e-5, rtol=1e-4,
+                                   msg=name)
+    # The momentum, gathered from both ranks under the HF names, is the pytorch backend's.
+    expected_optimizer = full_optimizer_state(hf, optimizer)
+    assert result["optimizer"]["state"].keys() == expected_optimizer["state"].keys()
+    for name, entry in expected_optimizer["state"].items():
+        torch.testing.assert_close(result["optimizer"]["state"][name]["momentum_buffer"],
+                                   entry["momentum_buffer"], atol=1e-6, rtol=1e-4, msg=name)
 
 
 # --------------------------------------------------------------------------- a whole job

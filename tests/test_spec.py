@@ -214,6 +214,11 @@ def test_megatron_backend_is_accepted_with_its_parallel_sizes():
     assert job.spec.trainer.backend == "megatron"
     assert (job.spec.trainer.megatron.tensor_parallel,
             job.spec.trainer.megatron.pipeline_parallel) == (1, 1)
+    # SmolLM2's 9 heads and 3 key/value heads split three ways; 6 processes: data parallel 2.
+    job = parse_manifest(manifest(trainer={"backend": "megatron", "replicas": 2,
+                                           "processesPerReplica": 3,
+                                           "megatron": {"tensorParallel": 3}}))
+    assert job.spec.trainer.megatron.tensor_parallel == 3
 
 
 @pytest.mark.parametrize(("model", "trainer", "expected"), [
@@ -235,7 +240,7 @@ def test_megatron_backend_is_accepted_with_its_parallel_sizes():
      'fix: use a process count that 3 divides'),
     ({}, {"megatron": {"pipelineParallel": 2}, "processesPerReplica": 2},
      "spec.trainer.megatron.pipelineParallel: pipelineParallel 2 is not implemented yet (got 2); "
-     "fix: set pipelineParallel: 1 (data parallel uses every process)"),
+     "fix: set pipelineParallel: 1 (tensorParallel and data parallel split the work)"),
     ({"dtype": "bfloat16"}, {},
      "spec.model.dtype: bf16 autocast trains Megatron-Core's layers on CUDA only, and this "
      "trainer runs on CPUs (trainer.placement.gpus is 0) (got \"bfloat16\"); fix: use dtype: "

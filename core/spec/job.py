@@ -460,8 +460,6 @@ class MegatronSpec(SpecModel):
 #: (attention heads, key/value heads, layers) of the builtin models whose shape is fixed.
 _BUILTIN_SHAPES = {"smollm2-135m-instruct": (9, 3, 30)}
 
-#: The parallel sizes the Megatron backend runs so far.
-MEGATRON_RUNS = {"tensorParallel": 1, "pipelineParallel": 1}
 
 
 def megatron_shape_problem(heads: int, kv_heads: int, layers: int, tensor_parallel: int,
@@ -624,9 +622,8 @@ def _check_megatron(model: ModelSpec, trainer: TrainerSpec) -> None:
             f"{processes} trainer processes (replicas x processesPerReplica) cannot be split "
             f"into groups of tensorParallel x pipelineParallel = {model_parallel}",
             field="trainer.megatron", fix=f"use a process count that {model_parallel} divides")
-    for name, value in (("tensorParallel", megatron.tensor_parallel),
-                        ("pipelineParallel", megatron.pipeline_parallel)):
-        if value != MEGATRON_RUNS[name]:
-            raise rule_error(
-                f"{name} {value} is not implemented yet", field=f"trainer.megatron.{name}",
-                fix=f"set {name}: {MEGATRON_RUNS[name]} (data parallel uses every process)")
+    if megatron.pipeline_parallel > 1:
+        raise rule_error(
+            f"pipelineParallel {megatron.pipeline_parallel} is not implemented yet",
+            field="trainer.megatron.pipelineParallel",
+            fix="set pipelineParallel: 1 (tensorParallel and data parallel split the work)")

@@ -140,6 +140,15 @@ def split_by_tokens(samples: Sequence[TrainSample], ranks: int) -> list[list[Tra
     return [[samples[i] for i in sorted(share)] for share in shares]
 
 
+def shares_per_rank(samples: Sequence[TrainSample], world_size: int,
+                    tensor_parallel: int = 1) -> list[list[TrainSample]]:
+    """Each rank's share of a batch: split by tokens over the data-parallel ranks, each share
+    given to all the tensor-parallel peers of one (consecutive ranks, as Megatron-Core orders
+    them), which compute on the same samples."""
+    shares = split_by_tokens(samples, world_size // tensor_parallel)
+    return [shares[rank // tensor_parallel] for rank in range(world_size)]
+
+
 # --------------------------------------------------------------------------- sharding
 
 
@@ -169,7 +178,10 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer state keyed by parameter name, whole, on rank 0 (see full_model_state)."""
+    """The optimizer state keyed by the HF parameter name, whole, on rank 0 (see
+    full_model_state; the Megatron-Core model gives the same form)."""
+    if hasattr(model, "hf_optimizer_state"):
+        return model.hf_optimizer_state(optimizer)
     return get_optimizer_state_dict(model, optimizer, options=_FULL_ON_RANK_0)
 
 
@@ -177,10 +189,11 @@ def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     model_state: dict, optimizer_state: dict) -> None:
     """Loads whole state dicts (as full_model_state/full_optimizer_state give them, or
     read from a checkpoint) into a model that may be sharded; every rank calls it."""
-    if hasattr(model, "load_hf_state_dict"):
+    if hasattr(model, "load_hf_state_dict"):  # the Megatron-Core model
         model.load_hf_state_dict(model_state)
-    else:
-        set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
+        model.load_hf_optimizer_state(optimizer, optimizer_state)
+        return
+    set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
     if optimizer_state["state"] and isinstance(next(iter(optimizer_state["state"])), int):
         # Written by optimizer.state_dict() (parameter indices), before checkpoints used names.
         optimizer.load_state_dict(optimizer_state)

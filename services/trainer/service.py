@@ -59,7 +59,7 @@ from asyncrl.trainer.distributed import (
     heartbeat_seconds,
     load_full_state,
     shard_model,
-    split_by_tokens,
+    shares_per_rank,
     under_torchrun,
 )
 from asyncrl.trainer.metrics import TrainerMetrics
@@ -135,11 +135,13 @@ class Trainer:
         # checkpoint is written with, whichever backend trains (both read and write its
         # state dicts).
         self.hf_model = self.model
+        self.tensor_parallel = 1  # ranks that compute on the same samples
         if spec.trainer.backend == "megatron":
+            self.tensor_parallel = spec.trainer.megatron.tensor_parallel
             from asyncrl.trainer.megatron.policy import megatron_policy
 
             self.model = megatron_policy(spec, self.hf_model, self.device)
-            self.hf_model = model_skeleton(self.hf_model)  # the weights are Megatron's now
+            self.hf_model = model_skeleton(self.hf_model.config)  # the weights are Megatron's now
         reference = reference_policy(spec, self.device)
         self.broadcaster = None
         if spec.trainer.weight_transfer == "distributed" and self.group.leader:
@@ -290,7 +292,7 @@ class Trainer:
                 self.status.phase = "training"
                 samples, rewards = samples_from_groups(batch.groups, spec.algorithm)
                 stale = [staleness(version, _versions(g)) for g in batch.groups]
-                shares = split_by_tokens(samples, self.group.world_size)
+                shares = shares_per_rank(samples, self.group.world_size, self.tensor_parallel)
                 stats = await self._command([Command("step", samples=s, version=version)
                                              for s in shares])
                 state = await self._command(STATE)

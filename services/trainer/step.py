@@ -141,6 +141,9 @@ class PolicyUpdater:
                 use_packed_attention(policy)
         self.model = model
         self.device = next(model.parameters()).device
+        # The ranks whose samples make up the global batch (None: all of them); a backend
+        # that splits layers across ranks (Megatron's tensor parallel) names its own.
+        self.data_group = getattr(model, "data_parallel_group", None)
         self.sharded = isinstance(model, FSDPModule)
         self._gradient_scale = dist.get_world_size() if self.sharded else 1
         self.optimizer = optimizer
@@ -181,16 +184,16 @@ class PolicyUpdater:
             # Every forward is a collective under FSDP: pad to the most micro-batches any
             # rank has with empty ones (one token, no loss).
             most = _all_reduce(torch.tensor(len(micro_batches), device=self.device),
-                               dist.ReduceOp.MAX)
+                               dist.ReduceOp.MAX, self.data_group)
             micro_batches += [_empty_micro_batch(self.device)] * (int(most) - len(micro_batches))
             current += [True] * (int(most) - len(current))
             # ... and a skipped forward must be skipped on every rank, or the collectives of
             # the others would wait for it.
             flags = torch.tensor(current, dtype=torch.float32, device=self.device)
-            current = [bool(f) for f in _all_reduce(flags, dist.ReduceOp.MIN)]
+            current = [bool(f) for f in _all_reduce(flags, dist.ReduceOp.MIN, self.data_group)]
         local_tokens = sum(int(s.loss_mask.sum()) for s in samples)
         global_tokens = _all_reduce_sum(
-            torch.tensor(float(local_tokens), device=self.device))
+            torch.tensor(float(local_tokens), device=self.device), self.data_group)
 
         # The proximal policy is the current weights before this update (AReaL's
         # decoupled objective); standard PPO needs no extra forward pass, and loglinear
@@ -252,10 +255,11 @@ class PolicyUpdater:
                 sums[name] += float(stats[name]) * float(stats["num_tokens"])
 
         if not self.sharded:  # FSDP reduced them (summed, see distributed.shard_model)
-            _all_reduce_gradients(self.model)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), self.config.max_grad_norm
-        )
+            _all_reduce_gradients(self.model, self.data_group)
+        # A model split across ranks knows how to take its whole norm.
+        clip = getattr(self.model, "clip_grad_norm_", None) or functools.partial(
+            torch.nn.utils.clip_grad_norm_, self.model.parameters())
+        grad_norm = clip(self.config.max_grad_norm)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
@@ -263,7 +267,8 @@ class PolicyUpdater:
         # Sum across ranks so every rank reports the figures of the global batch.
         names = sorted(sums)
         summed = _all_reduce_sum(
-            torch.tensor([sums[n] for n in names], dtype=torch.float64, device=self.device))
+            torch.tensor([sums[n] for n in names], dtype=torch.float64, device=self.device),
+            self.data_group)
         tokens = float(global_tokens)
         result = {
             name: float(value) if name == "loss" else float(value) / max(tokens, 1.0)
@@ -328,27 +333,29 @@ def _empty_micro_batch(device: torch.device) -> PackedBatch:
                       device)
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+def _distributed(group=None) -> bool:
+    return (dist.is_available() and dist.is_initialized()
+            and dist.get_world_size(group) > 1)
 
 
-def _all_reduce(tensor: Tensor, op) -> Tensor:
-    if _distributed():
-        dist.all_reduce(tensor, op=op)
+def _all_reduce(tensor: Tensor, op, group=None) -> Tensor:
+    """All-reduce over `group` (None: every rank)."""
+    if _distributed(group):
+        dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 
-def _all_reduce_sum(tensor: Tensor) -> Tensor:
-    return _all_reduce(tensor, dist.ReduceOp.SUM)
+def _all_reduce_sum(tensor: Tensor, group=None) -> Tensor:
+    return _all_reduce(tensor, dist.ReduceOp.SUM, group)
 
 
-def _all_reduce_gradients(model: torch.nn.Module) -> None:
-    if not _distributed():
+def _all_reduce_gradients(model: torch.nn.Module, group=None) -> None:
+    if not _distributed(group):
         return
     for param in model.parameters():
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
 
 
 def reference_policy(spec, device: torch.device | str = "cpu") -> torch.nn.Module | None:

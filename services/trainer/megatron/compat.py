@@ -46,6 +46,9 @@ def import_megatron():
             import megatron.core.optimizer  # noqa: F401
         finally:
             chatter.setLevel(level)
+    # Said on every tensor-parallel forward (tensor_parallel/layers.py): a CUDA stream
+    # setting, which means nothing on a CPU and is the launcher's to set on a GPU.
+    warnings.filterwarnings("ignore", message="When using async grad allreduce")
     _answer_cpu_for_current_device()
     return megatron.core
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from asyncrl.models import model_skeleton
 from asyncrl.trainer.megatron import weights
 from asyncrl.trainer.megatron.compat import (
     MEGATRON_CORE_VERSION,
@@ -103,6 +104,9 @@ class MegatronPolicy(torch.nn.Module):
                 position_embedding_type="rope", rotary_base=_rope_theta(hf_config),
             ).to(device)
         self.device = device
+        # The HF model's parameter names in its order, a tied weight once (as torch's full
+        # optimizer state dict names them).
+        self.hf_parameter_names = [name for name, _ in model_skeleton(hf_config).named_parameters()]
         self._tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self._tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self._tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -132,16 +136,100 @@ class MegatronPolicy(torch.nn.Module):
     def hf_state_dict(self) -> dict[str, Tensor]:
         """The whole model as an HF state dict on the CPU (a collective under tensor
         parallel: every rank of the group calls it)."""
-        mine = {name: tensor.detach() for name, tensor in self.gpt.state_dict().items()
-                if not name.endswith("_extra_state")}
+        return weights.megatron_to_hf(
+            {name: self._whole(name, tensor.detach())
+             for name, tensor in self.gpt.state_dict().items()
+             if not name.endswith("_extra_state")}, self.shape)
+
+    def _whole(self, name: str, tensor: Tensor) -> Tensor:
+        """A copy on the CPU of the whole tensor `name`, of which this rank holds `tensor`."""
+        if self._tp_size > 1 and weights.split_dim(name) is not None:
+            parts = [torch.empty_like(tensor) for _ in range(self._tp_size)]
+            dist.all_gather(parts, tensor.contiguous(), group=self._tp_group)
+            tensor = weights.unshard(name, parts)
+        return tensor.to("cpu", copy=True)
+
+    # ------------------------------------------------------------------ optimizer
+
+    def hf_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer's state in the form the pytorch backend checkpoints (torch's full
+        optimizer state dict of the HF model: per-parameter state keyed by HF name, and the
+        param groups), so a checkpoint is the same whichever backend wrote it. Each state
+        tensor shaped like its parameter (Adam's moments) is gathered and mapped as the
+        weights are; a scalar (Adam's step) is the same for every parameter here, since every
+        step updates them all. A collective under tensor parallel."""
+        names = {id(p): name for name, p in self.gpt.named_parameters()}
+        (group,) = optimizer.param_groups  # PolicyUpdater.from_spec: one AdamW group
+        per_name = {names[id(p)]: optimizer.state[p] for p in group["params"]
+                    if optimizer.state.get(p)}
+        hf_names = self.hf_parameter_names
+        hyper = {key: value for key, value in group.items() if key != "params"}
+        if not per_name:
+            return {"state": {}, "param_groups": [{**hyper, "params": hf_names}]}
+        first = next(iter(per_name.values()))
+        moments = [key for key, value in first.items() if torch.is_tensor(value) and value.dim()]
+        scalars = {key: value for key, value in first.items() if key not in moments}
+        mapped = {key: weights.megatron_to_hf(
+                      {name: self._whole(name, state[key]) for name, state in per_name.items()},
+                      self.shape)
+                  for key in moments}
+        return {
+            "state": {name: {**scalars, **{key: mapped[key][name] for key in moments}}
+                      for name in hf_names},
+            "param_groups": [{**hyper, "params": hf_names}],
+        }
+
+    def load_hf_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """hf_optimizer_state's inverse: this rank takes its share of every moment."""
+        (group,) = optimizer.param_groups
+        group.update({key: value for key, value in state["param_groups"][0].items()
+                      if key != "params"})
+        if not state["state"]:
+            return
+        per_hf = state["state"]
+        first = next(iter(per_hf.values()))
+        moments = [key for key, value in first.items() if torch.is_tensor(value) and value.dim()]
+        scalars = {key: value for key, value in first.items() if key not in moments}
         whole = {}
-        for name, tensor in mine.items():
-            if self._tp_size > 1 and weights.split_dim(name) is not None:
-                parts = [torch.empty_like(tensor) for _ in range(self._tp_size)]
-                dist.all_gather(parts, tensor.contiguous(), group=self._tp_group)
-                tensor = weights.unshard(name, parts)
-            whole[name] = tensor.to("cpu", copy=True)
-        return weights.megatron_to_hf(whole, self.shape)
+        for key in moments:
+            tensors = {name: entry[key] for name, entry in per_hf.items()}
+            if self.shape.tied_embeddings:
+                tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+            whole[key] = weights.hf_to_megatron(tensors, self.shape)
+        for name, parameter in self.gpt.named_parameters():
+            optimizer.state[parameter] = {
+                **{key: torch.as_tensor(value).clone() for key, value in scalars.items()},
+                **{key: weights.shard(name, whole[key][name], self._tp_rank, self._tp_size)
+                   .to(parameter.device, copy=True) for key in moments},
+            }
+
+    # ------------------------------------------------------------------ tensor parallel
+
+    @property
+    def data_parallel_group(self):
+        """The ranks that hold the same weights and train on different samples: gradients
+        and token counts are summed over them (not over the tensor-parallel peers, which see
+        the same samples)."""
+        from megatron.core import parallel_state
+        return parallel_state.get_data_parallel_group()
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the whole model: the squared norms summed over
+        the tensor-parallel ranks, each split parameter's part on its rank and each whole
+        (replicated) parameter on the first rank only (Megatron-Core's own rule)."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        grads = [p.grad for p in self.gpt.parameters() if p.grad is not None]
+        squared = sum((p.grad.float().pow(2).sum() for p in self.gpt.parameters()
+                       if p.grad is not None and param_is_not_tensor_parallel_duplicate(p)),
+                      torch.zeros((), device=self.device))
+        if self._tp_size > 1:
+            dist.all_reduce(squared, group=self._tp_group)
+        total = squared.sqrt()
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for grad in grads:
+            grad.mul_(scale)
+        return total
 
     # ------------------------------------------------------------------ log-probs
 
@@ -214,6 +302,12 @@ def megatron_policy(spec, hf_model: torch.nn.Module, device: torch.device) -> Me
         field, message, fix = problem
         raise ValueError(f"spec.trainer.megatron.{field}: {message}; fix: {fix}")
     initialize_parallel(sizes.tensor_parallel, sizes.pipeline_parallel, device)
+    from megatron.core import parallel_state
+
+    if parallel_state.get_data_parallel_rank() != dist.get_rank() // sizes.tensor_parallel:
+        # The trainer's leader gives consecutive ranks the same samples (shares_per_rank).
+        raise RuntimeError("Megatron-Core's rank order is not tensor parallel first; "
+                           f"megatron-core {MEGATRON_CORE_VERSION} orders them so")
     policy = MegatronPolicy.from_hf(hf_model, device)
     log.info("trainer backend: Megatron-Core %s GPTModel, %s layer spec, tensor parallel %d, "
              "pipeline parallel %d", MEGATRON_CORE_VERSION, policy.layer_spec,
