@@ -227,7 +227,7 @@ text = "\n".join(l for l in open(sys.argv[1]).read().splitlines() if not l.lstri
 print("\n".join(sorted(set(re.findall(r"(?<![\w.=-])([A-Za-z][\w.-]*==[\w.+!-]+)", text)))))
 PY
 WHEEL_KEY=$( (cat "$pins"; echo "$BASE_PYTHON"; printf '%s\n' "${CPU_DROPS[@]}"; "$PYTHON" -c \
-    'import sys, tomllib; print(sys.version_info[:2], tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"])' \
+    'import sys, tomllib; p = tomllib.load(open(sys.argv[1], "rb"))["project"]; print(sys.version_info[:2], p["dependencies"], p["optional-dependencies"]["megatron"])' \
     "$root/pyproject.toml") | sha256sum | cut -c1-16)
 WHEELHOUSE=$CACHE/wheelhouse/$WHEEL_KEY
 WHEELS_REF=asyncrl.local/wheelhouse:$WHEEL_KEY
@@ -250,8 +250,9 @@ markers.default_environment = lambda: dict(env)
 from pip._internal.cli.main import main
 sys.argv[0] = "pip"
 sys.exit(main())' "$BASE_PYTHON" --disable-pip-version-check)
+    # The service image carries the optional megatron group (trainer.backend: megatron).
     mapfile -t deps < <("$PYTHON" -c \
-        'import sys, tomllib; print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]))' \
+        'import sys, tomllib; p = tomllib.load(open(sys.argv[1], "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["megatron"]))' \
         "$root/pyproject.toml")
     pin() { grep -i "^$1==" "$pins"; }
     nice -n 19 "${PIP[@]}" install --quiet --dry-run --ignore-installed --only-binary=:all: \
