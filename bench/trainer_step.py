@@ -9,7 +9,10 @@ or a fully on-policy batch, gives): its proximal log-probs are its behaviour one
 step is also timed with transformers' SDPA over the whole packed row (a block-diagonal mask)
 instead of the trainer's per-sequence attention (asyncrl.packed_attention).
 
+With --megatron, the fp32 step is also timed with the Megatron-Core backend, same batch.
+
     .venv/bin/python bench/trainer_step.py [--sequences 8] [--prompt 64] [--response 128]
+        [--megatron]
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=128, help="response tokens per sequence")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--micro-batch-max-tokens", type=int, default=2048)
+    parser.add_argument("--megatron", action="store_true",
+                        help="also time the step with the Megatron-Core backend")
     args = parser.parse_args()
 
     model = load_model(SMOLLM2)
@@ -79,6 +84,7 @@ def main() -> None:
     fp32_block_mask = timed_steps("float32", None, attention="sdpa")
     bf16 = timed_steps("bfloat16", None)
     bf16_skipped = timed_steps("bfloat16", 0)
+    megatron = megatron_step(model, samples, args) if args.megatron else None
 
     total_tokens, trained_tokens = args.sequences * length, args.sequences * args.response
     print(f"SmolLM2-135M, {torch.get_num_threads()} threads, batch {args.sequences} x "
@@ -90,12 +96,36 @@ def main() -> None:
         print(f"trainer step, {name}: {seconds:.2f} s ({trained_tokens / seconds:.0f} trained "
               f"tokens/s, {total_tokens / seconds:.0f} through the model; "
               f"{seconds / fwd:.1f} forwards)")
+    if megatron is not None:
+        print(f"trainer step, fp32, Megatron-Core backend (local layer spec): {megatron:.2f} s "
+              f"({trained_tokens / megatron:.0f} trained tokens/s); pytorch / Megatron-Core "
+              f"step speed: {megatron / fp32:.2f}x")
     print(f"bf16 / fp32 step speed: {fp32 / bf16:.2f}x; with the skip: {fp32 / bf16_skipped:.2f}x")
     print(f"per-sequence / block-diagonal attention step speed (fp32): "
           f"{fp32_block_mask / fp32:.2f}x")
     weights_grads_adam = parameters * 4 * 4 / 2**30
     print(f"peak resident memory: {peak_rss_gb():.2f} GB (fp32 weights + gradients + AdamW's two "
           f"moments: {weights_grads_adam:.2f} GB)")
+
+
+def megatron_step(model, samples, args) -> float:
+    """The median fp32 step of the same batch with the Megatron-Core backend (needs the
+    `megatron` dependency group)."""
+    from asyncrl.trainer.megatron.compat import initialize_parallel
+    from asyncrl.trainer.megatron.policy import MegatronPolicy
+
+    initialize_parallel(1, 1, torch.device("cpu"))
+    policy = MegatronPolicy.from_hf(model, torch.device("cpu"))
+    updater = PolicyUpdater(
+        policy, torch.optim.AdamW(policy.parameters(), lr=1e-6),
+        UpdateConfig(micro_batch_max_tokens=args.micro_batch_max_tokens))
+    updater.step(samples)  # warm-up
+    times = []
+    for _ in range(args.repeats):
+        started = time.perf_counter()
+        updater.step(samples)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 if __name__ == "__main__":

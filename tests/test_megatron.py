@@ -281,11 +281,13 @@ def test_tensor_parallel_two_over_gloo_matches_the_pytorch_backend(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("processes", [1, 2], ids=["one-process", "tensor-parallel-2"])
-def test_asyncrl_run_trains_a_tiny_job_with_megatron_and_resumes(tmp_path, processes):
+@pytest.mark.parametrize(("processes", "transfer"), [(1, "distributed"), (2, "disk")],
+                         ids=["one-process", "tensor-parallel-2"])
+def test_asyncrl_run_trains_a_tiny_job_with_megatron_and_resumes(tmp_path, processes, transfer):
     job = yaml.safe_load((ROOT / "examples/tiny.yaml").read_text())
     job["spec"]["trainer"].update(backend="megatron", processesPerReplica=processes,
-                                  megatron={"tensorParallel": processes})
+                                  megatron={"tensorParallel": processes},
+                                  weightTransfer=transfer)
     job_file = tmp_path / "tiny-megatron.yaml"
     job_file.write_text(yaml.safe_dump(job))
     run_dir = tmp_path / "run"
@@ -298,9 +300,13 @@ def test_asyncrl_run_trains_a_tiny_job_with_megatron_and_resumes(tmp_path, proce
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
     assert all(r["trained_tokens"] > 0 for r in train)
+    # Weights reach the rollout engine the way the spec says, broadcast or as snapshots (after
+    # the restart, a version the engine is not yet in the group for goes to disk, as a
+    # distributed transfer does when an engine is missing).
+    assert [r["weight_transfer"] for r in train[:2]] == [transfer] * 2
     log = "".join(path.read_text() for path in (run_dir / "logs").glob("trainer*.log"))
     assert f"Megatron-Core {compat.MEGATRON_CORE_VERSION} GPTModel, local layer spec, " \
            f"tensor parallel {processes}" in log
-    # The snapshots are Hugging Face directories the torch engine loads unchanged.
-    snapshot = sorted((run_dir / "weights").glob("v*"))[-1]
-    assert load_model(str(snapshot)).config.num_hidden_layers == 2
+    # Checkpoints (and disk snapshots) are Hugging Face directories the torch engine loads.
+    checkpoint = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    assert load_model(str(checkpoint)).config.num_hidden_layers == 2
