@@ -212,18 +212,25 @@ def installed(real_node):
                     "--wait"], capture_output=True, text=True)
 
 
-@pytest.fixture(scope="module")
-def job(installed, tmp_path_factory):
+def start_job(cluster, volumes: Path, change=lambda data: None) -> Job:
+    """manifest() in a namespace of its own with its volumes, after `change(manifest)`."""
     namespace = f"e2e-{uuid.uuid4().hex[:6]}"
-    installed.kubectl("create", "namespace", namespace)
-    volumes = tmp_path_factory.mktemp("volumes")
+    cluster.kubectl("create", "namespace", namespace)
     for claim, folder, mode in ((f"{JOB}-run", "run", "ReadWriteMany"),
                                 (f"data-{JOB}-redis-0", "redis", "ReadWriteOnce")):
         pv = host_volume(f"{namespace}-{folder}", volumes / folder, claim, namespace, mode)
-        installed.kubectl("apply", "-f", "-", input=yaml.safe_dump(pv))
-    installed.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest(namespace)))
-    yield Job(installed, namespace, volumes)
-    installed.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(pv))
+    data = manifest(namespace)
+    change(data)
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(data))
+    return Job(cluster, namespace, volumes)
+
+
+@pytest.fixture(scope="module")
+def job(installed, tmp_path_factory):
+    started = start_job(installed, tmp_path_factory.mktemp("volumes"))
+    yield started
+    installed.kubectl("delete", "namespace", started.namespace, "--wait=false", check=False)
 
 
 def pod_targets(job: Job) -> list[dict]:
@@ -442,3 +449,21 @@ def test_kubectl_delete_removes_every_child_and_redis_kept_every_accepted_sample
     assert len(set(fates.accepted)) == len(fates.accepted)
     assert sorted(fates.trained + fates.dropped + fates.waiting) == sorted(fates.accepted)
     assert len(fates.trained) >= job.max_steps * 2  # batchSize 2 groups per step
+
+
+def test_a_megatron_core_job_trains_in_pods_to_the_end(installed, tmp_path_factory):
+    # trainer.backend: megatron, in the service image, under the operator's torchrun command.
+    def megatron(data: dict) -> None:
+        data["spec"]["algorithm"]["maxSteps"] = 3
+        data["spec"]["trainer"]["backend"] = "megatron"
+
+    megatron_job = start_job(installed, tmp_path_factory.mktemp("megatron"), megatron)
+    megatron_job.max_steps = 3
+    try:
+        wait_for(lambda: megatron_job.status().get("phase") == "Succeeded", 600, "Succeeded",
+                 megatron_job.describe)
+        assert megatron_job.steps_recorded() == [1, 2, 3]
+        assert {r["backend"] for r in megatron_job.train_records()} == {"megatron"}
+    finally:
+        installed.kubectl("delete", "namespace", megatron_job.namespace, "--wait=false",
+                          check=False)

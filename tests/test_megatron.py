@@ -299,7 +299,7 @@ def test_asyncrl_run_trains_a_tiny_job_with_megatron_and_resumes(tmp_path, proce
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
-    assert all(r["trained_tokens"] > 0 for r in train)
+    assert all(r["trained_tokens"] > 0 and r["backend"] == "megatron" for r in train)
     # Weights reach the rollout engine the way the spec says, broadcast or as snapshots (after
     # the restart, a version the engine is not yet in the group for goes to disk, as a
     # distributed transfer does when an engine is missing).

@@ -305,6 +305,7 @@ class Trainer:
                                                                     state)
                     record = {
                         "kind": "train", "step": step, "version": version, "time": time.time(),
+                        "backend": spec.trainer.backend,
                         "elapsed": time.perf_counter() - started,
                         "reward_mean": float(rewards.mean()), "staleness": stale,
                         "staleness_mean": sum(stale) / len(stale),
