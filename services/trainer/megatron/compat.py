@@ -4,6 +4,12 @@ Megatron-Core is written for GPUs. On a CPU, megatron-core MEGATRON_CORE_VERSION
 shims below; each names the upstream code it works around. They are pinned to that version:
 tests/test_megatron.py counts the call sites they cover and fails when an upgrade changes them.
 Everything else (layers, attention, the optimizer's math) is Megatron-Core's own.
+
+Two more CPU needs are met by how asyncrl.trainer.megatron.policy calls GPTModel, not by
+patching it: an explicit boolean causal mask (GPTModel's default mask is built on "cuda"), and
+logits gathered across tensor-parallel ranks at run time (`parallel_output=True` with
+`runtime_gather_output=True`; gathering in the constructor's way fails in backward on an
+in-place view). Its fused kernels are off in the model's config: they are CUDA or Apex kernels.
 """
 
 from __future__ import annotations
