@@ -123,6 +123,17 @@ def test_qwen2_query_key_value_biases_round_trip():
     assert all(torch.equal(back[name], state[name]) for name in state)
 
 
+def test_transformer_engine_spec_names_fuse_each_norm_into_the_next_linear_layer():
+    whole = weights.hf_to_megatron(tiny_model().state_dict(), LlamaShape.of(tiny_model().config))
+    fused = weights.to_transformer_engine_names(whole)
+    assert "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight" in fused
+    assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in fused
+    assert not any(name.endswith(("input_layernorm.weight", "pre_mlp_layernorm.weight"))
+                   for name in fused)
+    assert "decoder.final_layernorm.weight" in fused  # a module of its own in both specs
+    assert weights.from_transformer_engine_names(fused).keys() == whole.keys()
+
+
 @pytest.mark.parametrize("size", [2, 3])
 def test_tensor_parallel_shards_put_back_together_exactly(size):
     hf = _untied_gqa_model()  # 6 heads, 2 kv heads: tensor parallel 2 divides both

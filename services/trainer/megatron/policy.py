@@ -124,7 +124,7 @@ class MegatronPolicy(torch.nn.Module):
 
     def load_hf_state_dict(self, state: dict[str, Tensor]) -> None:
         """Loads a whole HF state dict (this rank takes its share)."""
-        whole = weights.hf_to_megatron(state, self.shape)
+        whole = self._spec_names(weights.hf_to_megatron(state, self.shape))
         mine = {name: weights.shard(name, tensor, self._tp_rank, self._tp_size)
                 for name, tensor in whole.items()}
         missing, unexpected = self.gpt.load_state_dict(mine, strict=False)
@@ -136,10 +136,22 @@ class MegatronPolicy(torch.nn.Module):
     def hf_state_dict(self) -> dict[str, Tensor]:
         """The whole model as an HF state dict on the CPU (a collective under tensor
         parallel: every rank of the group calls it)."""
-        return weights.megatron_to_hf(
+        return weights.megatron_to_hf(self._local_names(
             {name: self._whole(name, tensor.detach())
              for name, tensor in self.gpt.state_dict().items()
-             if not name.endswith("_extra_state")}, self.shape)
+             if not name.endswith("_extra_state")}), self.shape)
+
+    def _spec_names(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Local-spec names (the mapper's) -> this model's layer spec's names."""
+        if self.layer_spec == "transformer-engine":
+            return weights.to_transformer_engine_names(state)
+        return state
+
+    def _local_names(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """_spec_names' inverse."""
+        if self.layer_spec == "transformer-engine":
+            return weights.from_transformer_engine_names(state)
+        return state
 
     def _whole(self, name: str, tensor: Tensor) -> Tensor:
         """A copy on the CPU of the whole tensor `name`, of which this rank holds `tensor`."""
@@ -169,8 +181,8 @@ class MegatronPolicy(torch.nn.Module):
         first = next(iter(per_name.values()))
         moments = [key for key, value in first.items() if torch.is_tensor(value) and value.dim()]
         scalars = {key: value for key, value in first.items() if key not in moments}
-        mapped = {key: weights.megatron_to_hf(
-                      {name: self._whole(name, state[key]) for name, state in per_name.items()},
+        mapped = {key: weights.megatron_to_hf(self._local_names(
+                      {name: self._whole(name, state[key]) for name, state in per_name.items()}),
                       self.shape)
                   for key in moments}
         return {
@@ -195,7 +207,7 @@ class MegatronPolicy(torch.nn.Module):
             tensors = {name: entry[key] for name, entry in per_hf.items()}
             if self.shape.tied_embeddings:
                 tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-            whole[key] = weights.hf_to_megatron(tensors, self.shape)
+            whole[key] = self._spec_names(weights.hf_to_megatron(tensors, self.shape))
         for name, parameter in self.gpt.named_parameters():
             optimizer.state[parameter] = {
                 **{key: torch.as_tensor(value).clone() for key, value in scalars.items()},

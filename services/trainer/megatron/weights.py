@@ -106,6 +106,32 @@ def megatron_to_hf(state: dict[str, Tensor], shape: LlamaShape) -> dict[str, Ten
     return out
 
 
+#: Megatron-Core's TransformerEngine layer spec has no norm modules of its own in a layer: each
+#: norm is fused into the linear layer after it (TELayerNormColumnParallelLinear).
+_TRANSFORMER_ENGINE_NORMS = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def to_transformer_engine_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A local-spec Megatron state dict under the TransformerEngine spec's names."""
+    return {_renamed(name, _TRANSFORMER_ENGINE_NORMS): tensor for name, tensor in state.items()}
+
+
+def from_transformer_engine_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """to_transformer_engine_names' inverse."""
+    back = {fused: local for local, fused in _TRANSFORMER_ENGINE_NORMS.items()}
+    return {_renamed(name, back): tensor for name, tensor in state.items()}
+
+
+def _renamed(name: str, suffixes: dict[str, str]) -> str:
+    for old, new in suffixes.items():
+        if name.startswith("decoder.layers.") and name.endswith("." + old):
+            return name[: -len(old)] + new
+    return name
+
+
 def _group_qkv(qkv: list[Tensor], shape: LlamaShape) -> Tensor:
     """q, k, v projections (weights or biases) -> rows grouped per key/value head."""
     per_group = shape.heads // shape.kv_heads
