@@ -98,8 +98,8 @@ def main() -> None:
               f"{seconds / fwd:.1f} forwards)")
     if megatron is not None:
         print(f"trainer step, fp32, Megatron-Core backend (local layer spec): {megatron:.2f} s "
-              f"({trained_tokens / megatron:.0f} trained tokens/s); pytorch / Megatron-Core "
-              f"step speed: {megatron / fp32:.2f}x")
+              f"({trained_tokens / megatron:.0f} trained tokens/s); its time / the pytorch "
+              f"backend's fp32 step: {megatron / fp32:.2f}")
     print(f"bf16 / fp32 step speed: {fp32 / bf16:.2f}x; with the skip: {fp32 / bf16_skipped:.2f}x")
     print(f"per-sequence / block-diagonal attention step speed (fp32): "
           f"{fp32_block_mask / fp32:.2f}x")
