@@ -253,10 +253,7 @@ def packed_token_logprobs(
         raise ValueError("input_ids and position_ids must be 1-D tensors of the same length")
     if input_ids.numel() == 0:
         return torch.zeros(0, device=input_ids.device)
-    wanted = torch.ones_like(input_ids, dtype=torch.bool) if needed is None else needed.bool().clone()
-    # The first token of each sequence was "predicted" from the previous sequence's end.
-    wanted[cu_seqlens[:-1].long()] = False
-    targets = wanted.nonzero().squeeze(-1)
+    targets = predicted_positions(input_ids, cu_seqlens, needed)
     # use_cache=False: transformers only builds the packed (block-diagonal) mask without a cache.
     # The boundaries let a model with packed SDPA (asyncrl.packed_attention) attend within each
     # sequence alone; others ignore them. logits_to_keep: the lm_head sees only the positions
@@ -271,6 +268,23 @@ def packed_token_logprobs(
         # In place: [tokens x vocab] is the largest tensor of the step, and lm_head's backward
         # needs its input, not this output.
         logits = logits.div_(temperature)
+    return logprobs_at(logits, input_ids, targets)
+
+
+def predicted_positions(input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                        needed: torch.Tensor | None) -> torch.Tensor:
+    """The positions of a packed row whose tokens get a log-probability: the `needed` ones
+    (all when None) except each sequence's first, which has no prefix."""
+    wanted = torch.ones_like(input_ids, dtype=torch.bool) if needed is None else needed.bool().clone()
+    # The first token of each sequence was "predicted" from the previous sequence's end.
+    wanted[cu_seqlens[:-1].long()] = False
+    return wanted.nonzero().squeeze(-1)
+
+
+def logprobs_at(logits: torch.Tensor, input_ids: torch.Tensor,
+                targets: torch.Tensor) -> torch.Tensor:
+    """Token-aligned log-probs of a packed row: out[targets[i]] = log softmax(logits[i]) at
+    input_ids[targets[i]] (logits[i] being the prediction of that token), 0 elsewhere."""
     picked = logits.gather(-1, input_ids[targets][:, None]).squeeze(-1)
     logprobs = torch.zeros(input_ids.shape[0], device=logits.device, dtype=logits.dtype)
     return logprobs.index_put((targets,), picked - torch.logsumexp(logits, dim=-1))

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from asyncrl.models import model_skeleton
+from asyncrl.models import logprobs_at, model_skeleton, predicted_positions
 from asyncrl.trainer.megatron import weights
 from asyncrl.trainer.megatron.compat import (
     MEGATRON_CORE_VERSION,
@@ -266,10 +266,7 @@ class MegatronPolicy(torch.nn.Module):
         longest = int(lengths.max())
         padded = input_ids.new_zeros(len(lengths), longest)
         padded[rows, columns] = input_ids
-        wanted = (torch.ones_like(input_ids, dtype=torch.bool) if needed is None
-                  else needed.bool().clone())
-        wanted[bounds[:-1]] = False
-        targets = wanted.nonzero().squeeze(-1)
+        targets = predicted_positions(input_ids, bounds, needed)
         causal = torch.triu(torch.ones(longest, longest, dtype=torch.bool,
                                        device=input_ids.device), diagonal=1)
         positions = torch.arange(longest, device=input_ids.device)[None].expand_as(padded)
@@ -284,9 +281,7 @@ class MegatronPolicy(torch.nn.Module):
         if temperature != 1.0:
             # Not in place: the logits are a view of the output layer's custom autograd output.
             logits = logits / temperature
-        picked = logits.gather(-1, input_ids[targets][:, None]).squeeze(-1)
-        logprobs = torch.zeros(input_ids.shape[0], device=logits.device, dtype=logits.dtype)
-        return logprobs.index_put((targets,), picked - torch.logsumexp(logits, dim=-1))
+        return logprobs_at(logits, input_ids, targets)
 
     def _keep_wanted_positions(self, module, inputs, hidden: Tensor) -> Tensor | None:
         """Forward hook on the decoder: its [sequence, batch, hidden] output, reduced to the
