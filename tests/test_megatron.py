@@ -152,6 +152,23 @@ def test_tensor_parallel_shards_put_back_together_exactly(size):
     assert torch.equal(mine, torch.cat([gate.chunk(size)[1], up.chunk(size)[1]]))
 
 
+def test_a_local_models_shape_is_checked_when_the_trainer_loads_it():
+    # The spec cannot know a local directory's shape; the trainer applies the same rule.
+    from asyncrl.spec import parse_manifest
+    from asyncrl.trainer.megatron.policy import megatron_policy
+
+    job = parse_manifest({"apiVersion": "asyncrl.io/v1alpha1", "kind": "RLJob",
+                          "metadata": {"name": "job"},
+                          "spec": {"model": {"source": "/models/my-llama"},
+                                   "trainer": {"backend": "megatron", "processesPerReplica": 4,
+                                               "megatron": {"tensorParallel": 4}}}})
+    with pytest.raises(ValueError) as caught:
+        megatron_policy(job.spec, _untied_gqa_model(), torch.device("cpu"))
+    assert str(caught.value) == (
+        "spec.trainer.megatron.tensorParallel: tensorParallel 4 does not divide the model's 6 "
+        "attention heads and 2 key/value heads; fix: use one of 1, 2")
+
+
 # --------------------------------------------------------------------------- log-probs
 
 
