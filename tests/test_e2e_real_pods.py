@@ -419,10 +419,11 @@ def test_the_job_succeeds_with_every_step_recorded_once_and_no_sample_lost(job):
     assert not warnings.stdout.strip(), job.cluster.kubectl(
         "-n", job.namespace, "describe", "rljob", JOB).stdout
     assert job.steps_recorded() == list(range(1, job.max_steps + 1))
-    # Versions went pod to pod over the transfer group (the first steps, before any fault)
-    # and through the run volume once a fault had broken it.
+    # Versions went pod to pod over the transfer group, and through the run volume while a
+    # rollout pod was not in it: before every pod had joined (on a loaded machine the first
+    # steps can come first) and once a fault had broken it.
     transfers = [r["weight_transfer"] for r in job.train_records()]
-    assert transfers[0] == "distributed" and set(transfers) <= {"distributed", "disk"}, transfers
+    assert "distributed" in transfers and set(transfers) <= {"distributed", "disk"}, transfers
     print(f"\nweight transfer per step: {transfers}")
     # What a user sees at the end (the README shows it).
     for command in (("get", "rljobs"), ("describe", "rljob", JOB), ("get", "pods")):
