@@ -15,14 +15,20 @@ layout (tied weights once, under their first name) in the job's dtype, sorted by
 trainer, the torch engine (from its model) and an SGLang worker (from the model directory's
 safetensors header) derive the same list without exchanging it.
 
-If an engine is missing or a broadcast fails, the trainer publishes that version (and the
-ones after) to disk instead: the group cannot lose a member and go on.
+A group cannot lose a member and go on, so it has generations. The trainer names each one
+(`asyncrl-weights-<id>`) in its store, with a rank counter of its own. If an engine is missing
+or a broadcast fails, the trainer publishes that version to disk and forms the next
+generation; every engine checks the store's generation every few seconds and joins a new
+one (`TransferMember`). A restarted trainer hosts a new store, so workers find a new
+generation there; a restarted worker claims a rank in the next generation. Until a
+generation has formed, versions go to disk.
 """
 
 from __future__ import annotations
 
 import datetime
 import threading
+import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +45,12 @@ T = TypeVar("T")
 
 #: The URI scheme of a version announced for the distributed transfer.
 SCHEME = "torch-distributed"
-#: The store key rank claims count on.
-_RANK_COUNTER = "asyncrl/weight-transfer/ranks"
+#: The store key naming the group's current generation, and the prefix of each
+#: generation's rank counter.
+GENERATION_KEY = "asyncrl/weight-transfer/generation"
+_RANK_COUNTER = "asyncrl/weight-transfer/ranks/"
+#: The group name's stem; each generation's name adds its id.
+GROUP_STEM = "asyncrl-weights"
 #: How long a member waits for the others to join the group, and in each broadcast.
 JOIN_TIMEOUT_SECONDS = 600.0
 #: Bytes of weights per /update_weights_from_distributed request to an SGLang server.
@@ -65,7 +75,7 @@ class GroupAddress:
     master_address: str
     master_port: int
     world_size: int
-    group_name: str = "asyncrl-weights"
+    group_name: str = GROUP_STEM
     backend: str = "gloo"
 
 
@@ -75,6 +85,26 @@ def announcement_uri(group_name: str) -> str:
 
 def is_distributed_uri(uri: str) -> bool:
     return urlparse(uri).scheme == SCHEME
+
+
+def announced_group(uri: str) -> str:
+    """The group (generation) a `torch-distributed://` announcement was broadcast to."""
+    return urlparse(uri).netloc
+
+
+def new_generation() -> str:
+    """A group name no earlier generation had, of this trainer or of one before it."""
+    return f"{GROUP_STEM}-{uuid.uuid4().hex[:12]}"
+
+
+def publish_generation(store: dist.Store, group_name: str) -> None:
+    store.set(GENERATION_KEY, group_name)
+
+
+def current_generation(store: dist.Store) -> str:
+    """The generation the trainer is forming or has formed (waits for the trainer to name
+    one, within the store's timeout)."""
+    return store.get(GENERATION_KEY).decode()
 
 
 def engine_ranks(engine: str, gpus: int) -> int:
@@ -145,14 +175,15 @@ def connect_store(address: str, port: int, timeout: float) -> dist.TCPStore:
                          timeout=datetime.timedelta(seconds=timeout))
 
 
-def claim_ranks(store: dist.Store, count: int, world: int) -> int:
-    """The first of `count` consecutive ranks no one else holds (rank 0 is the trainer's)."""
-    last = store.add(_RANK_COUNTER, count)
+def claim_ranks(store: dist.Store, count: int, world: int, group_name: str) -> int:
+    """The first of `count` consecutive ranks of generation `group_name` no one else holds
+    (rank 0 is the trainer's)."""
+    last = store.add(_RANK_COUNTER + group_name, count)
     if last > world - 1:
         raise RuntimeError(
-            f"weight transfer: ranks {last - count + 1}..{last} claimed but the group has "
-            f"{world - 1} engine ranks; every rollout engine joins once (a restarted worker "
-            "cannot rejoin: the trainer then publishes to disk)")
+            f"weight transfer: ranks {last - count + 1}..{last} of {group_name} claimed but "
+            f"the group has {world - 1} engine ranks, all taken (this worker restarted): it "
+            "joins the next generation, which the trainer forms once a broadcast fails")
     return last - count + 1
 
 

@@ -32,6 +32,7 @@ from asyncrl.weight_transfer import (
     buckets,
     claim_ranks,
     connect_store,
+    current_generation,
     directory_manifest,
     host_store,
     model_manifest,
@@ -68,19 +69,24 @@ def test_ranks_are_claimed_once_each_and_never_past_the_world():
     port = free_port()
     store = host_store(port, timeout=10)
     client = connect_store("127.0.0.1", port, timeout=10)
-    assert claim_ranks(client, 1, world=4) == 1
-    assert claim_ranks(client, 2, world=4) == 2  # an SGLang server with two GPUs: ranks 2, 3
-    with pytest.raises(RuntimeError, match="restarted worker cannot rejoin"):
-        claim_ranks(client, 1, world=4)
+    assert claim_ranks(client, 1, world=4, group_name="g1") == 1
+    assert claim_ranks(client, 2, world=4, group_name="g1") == 2  # SGLang on two GPUs: 2, 3
+    with pytest.raises(RuntimeError, match="joins the next generation"):
+        claim_ranks(client, 1, world=4, group_name="g1")
+    assert claim_ranks(client, 1, world=4, group_name="g2") == 1  # each generation its own
     del store
 
 
 def test_a_group_that_never_forms_sends_versions_to_disk():
     broadcaster = WeightBroadcaster(free_port(), world_size=2, backend="gloo",
                                     tensors=model_manifest(tiny(0), torch.float32), timeout=1)
+    first = broadcaster.address.group_name
     assert not broadcaster.ready(wait=0)  # still forming: this version goes to disk
-    assert not broadcaster.ready(wait=30)  # no engine came within the timeout
-    assert broadcaster.broken
+    assert not broadcaster.ready(wait=30)  # no engine came within the timeout ...
+    assert broadcaster.generations == 2   # ... so the next generation forms
+    assert broadcaster.address.group_name != first
+    assert current_generation(connect_store("127.0.0.1", broadcaster.address.master_port, 10)) \
+        == broadcaster.address.group_name
 
 
 async def _join(member: TransferMember, broadcaster: WeightBroadcaster) -> None:
@@ -100,7 +106,8 @@ async def _update_while_generating(engine, torch_engine, member, broadcaster, ne
     await asyncio.to_thread(wait_for, lambda: torch_engine.status().generated_tokens_total >= 20,
                             60, "tokens to be generated")
     update, seconds = await asyncio.gather(
-        member.receive(1), asyncio.to_thread(broadcaster.send, new_model.state_dict()))
+        member.receive(1, broadcaster.address.group_name),
+        asyncio.to_thread(broadcaster.send, new_model.state_dict()))
     return update, seconds, await asyncio.gather(*requests)
 
 
@@ -286,7 +293,7 @@ def test_a_trainer_lost_mid_broadcast_holds_generation_until_the_version_comes_f
             await member.join()
             assert member.joined
             with pytest.raises(VersionSkipped, match="broadcast failed"):
-                await member.receive(1)
+                await member.receive(1, member.group_name)
             assert not member.joined and torch_engine.version == 0
             # Half old, half new weights: nothing is generated with them.
             pending = torch_engine.submit([1, 2], SamplingParams(max_new_tokens=4))
@@ -301,3 +308,117 @@ def test_a_trainer_lost_mid_broadcast_holds_generation_until_the_version_comes_f
         torch_engine.stop()
         trainer.join(30)
     assert torch_engine.version == 1 and result.output_versions == [1] * 4
+
+
+def _trainer_that_sends_one_version(port: int, seed: int) -> None:
+    """Rank 0 of a fresh store on `port` that broadcasts tiny(seed) once its group has formed,
+    then is gone (a trainer that crashed, or the one that replaced it)."""
+    import os
+
+    model = tiny(seed)
+    broadcaster = WeightBroadcaster(port, world_size=2, backend="gloo",
+                                    tensors=model_manifest(model, torch.float32))
+    assert broadcaster.ready(wait=120)
+    broadcaster.send(model.state_dict())
+    os._exit(0)
+
+
+def _assert_weights(torch_engine, seed: int) -> None:
+    received = torch_engine._model.state_dict()
+    for name, tensor in tiny(seed).state_dict().items():
+        assert torch.equal(received[name], tensor), name
+
+
+def test_a_worker_joins_the_group_of_a_restarted_trainer():
+    """The trainer is lost and another takes its place (a new store on the same port): the
+    worker finds the new generation there, joins it and takes its broadcasts."""
+    import multiprocessing
+
+    spawn = multiprocessing.get_context("spawn")
+    torch_engine = tiny_engine(seed=0)
+    tensors = model_manifest(tiny(1), torch.float32)
+    port = free_port()
+    member = TransferMember(TorchInferenceEngine(torch_engine), f"127.0.0.1:{port}",
+                            world_size=2, ranks=1, backend="gloo", tensors=tensors,
+                            check_seconds=0.2)
+    trainers = []
+    try:
+        async def scenario():
+            following = asyncio.create_task(member.run())
+            groups = []
+            for version, seed in ((1, 1), (2, 2)):
+                trainers.append(spawn.Process(target=_trainer_that_sends_one_version,
+                                              args=(port, seed)))
+                trainers[-1].start()
+                await asyncio.to_thread(wait_for, lambda: member.joins == version, 120,
+                                        f"joining trainer {version}'s group")
+                groups.append(member.group_name)
+                update = await member.receive(version, member.group_name)
+                assert update.version == version and torch_engine.version == version
+                _assert_weights(torch_engine, seed)
+                await asyncio.to_thread(trainers[-1].join, 60)
+            following.cancel()
+            return groups
+
+        groups = run(scenario())
+    finally:
+        torch_engine.stop()
+        for trainer in trainers:
+            trainer.kill()
+    assert groups[0] != groups[1]
+
+
+def _worker_that_joins_then_dies(port: int) -> None:
+    import os
+
+    async def join() -> None:
+        member = TransferMember(TorchInferenceEngine(tiny_engine(seed=0)), f"127.0.0.1:{port}",
+                                world_size=2, ranks=1, backend="gloo",
+                                tensors=model_manifest(tiny(0), torch.float32))
+        await member.join()
+        assert member.joined
+
+    asyncio.run(join())
+    os._exit(0)
+
+
+def test_a_lost_worker_breaks_a_generation_and_its_replacement_joins_the_next():
+    """A worker joins, then is gone: the trainer's next broadcast fails, that version goes to
+    disk and the next generation forms, which the restarted worker (refused a rank in the
+    full first generation) joins; the version after that is broadcast to it."""
+    import multiprocessing
+
+    tensors = model_manifest(tiny(1), torch.float32)
+    port = free_port()
+    broadcaster = WeightBroadcaster(port, world_size=2, backend="gloo", tensors=tensors)
+    lost = multiprocessing.get_context("spawn").Process(target=_worker_that_joins_then_dies,
+                                                        args=(port,))
+    lost.start()
+    assert broadcaster.ready(wait=120)
+    first = broadcaster.address.group_name
+    lost.join(60)
+    with pytest.raises(Exception):
+        broadcaster.send(tiny(1).state_dict())
+    torch_engine = tiny_engine(seed=0)
+    member = TransferMember(TorchInferenceEngine(torch_engine), f"127.0.0.1:{port}",
+                            world_size=2, ranks=1, backend="gloo", tensors=tensors,
+                            check_seconds=0.2)
+    try:
+        async def scenario():
+            await member.join()  # the first generation has no rank left
+            assert not member.joined
+            following = asyncio.create_task(member.run())
+            assert not broadcaster.ready()  # this version goes to disk; the next generation forms
+            assert broadcaster.address.group_name != first
+            await asyncio.to_thread(assert_ready, broadcaster)
+            assert member.group_name == broadcaster.address.group_name
+            update, _ = await asyncio.gather(
+                member.receive(1, member.group_name),
+                asyncio.to_thread(broadcaster.send, tiny(1).state_dict()))
+            following.cancel()
+            return update
+
+        assert run(scenario()).version == 1
+        _assert_weights(torch_engine, 1)
+    finally:
+        torch_engine.stop()

@@ -247,8 +247,9 @@ async def _serve_async(settings: RolloutSettings, job: str, engine: InferenceEng
         )
         watcher_task = asyncio.create_task(watcher.run())
     serving = asyncio.create_task(server.serve())
-    # Joining waits for the whole group (the trainer and every engine) while the worker serves.
-    joining = asyncio.create_task(transfer.join()) if transfer else None
+    # Joining waits for the whole group (the trainer and every engine) while the worker serves,
+    # and joins each later generation of it.
+    joining = asyncio.create_task(transfer.run()) if transfer else None
     # A weight update that fails stops the worker too: serving an old version forever while
     # the trainer moves on would silently break the staleness bound.
     tasks = {serving} | ({watcher_task} if watcher_task else set())

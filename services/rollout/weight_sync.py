@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Awaitable, Callable
 from urllib.parse import urlparse
@@ -30,8 +31,10 @@ from asyncrl.weight_transfer import (
     JOIN_TIMEOUT_SECONDS,
     GroupAddress,
     TensorMeta,
+    announced_group,
     claim_ranks,
     connect_store,
+    current_generation,
     in_background,
     is_distributed_uri,
 )
@@ -121,47 +124,88 @@ async def fetch_snapshot(uri: str, cache_dir: Path) -> Path:
 
 
 class TransferMember:
-    """A rollout worker's end of the distributed weight transfer (asyncrl.weight_transfer):
-    `join` claims this engine's ranks from the trainer's store and joins the group (in the
-    background, while the worker serves); then `receive` takes each broadcast version."""
+    """A rollout worker's end of the distributed weight transfer (asyncrl.weight_transfer).
+    `run` keeps this engine in the trainer's current generation of the group: it joins it
+    (claiming this engine's ranks in it), then checks the trainer's store every
+    `check_seconds` and joins the next generation whenever the store names another one (the
+    trainer formed it after a broadcast failed, or restarted with a new store). `receive`
+    takes each version broadcast to the generation this engine is in."""
 
     def __init__(self, engine: InferenceEngine, store_address: str, world_size: int,
-                 ranks: int, backend: str, tensors: list[TensorMeta]):
+                 ranks: int, backend: str, tensors: list[TensorMeta], *,
+                 check_seconds: float = 2.0):
         host, _, port = store_address.rpartition(":")
         self.engine = engine
         self.address = GroupAddress(host, int(port), world_size, backend=backend)
         self.ranks = ranks
         self.tensors = tensors
-        self.joined = False
+        self.check_seconds = check_seconds
+        self.group_name: str | None = None   # the generation this engine is in
+        self.joins = 0
+        self._store = None
+        self._trouble = ""   # the last reason this worker is outside the group, logged once
+
+    @property
+    def joined(self) -> bool:
+        return self.group_name is not None
+
+    async def run(self) -> None:
+        """Joins the current generation, then follows the trainer's store; until cancelled."""
+        while True:
+            await self.join()
+            await asyncio.sleep(self.check_seconds)
 
     async def join(self) -> None:
-        """Joins, or logs why not: without the group, versions come from disk."""
+        """Joins the generation the trainer's store names, unless this engine is in it; logs
+        why not when it cannot (meanwhile versions come from disk)."""
         address = self.address
         try:
-            store = await asyncio.wrap_future(in_background(
+            generation = await self._generation()
+        except Exception as exc:  # the trainer is away, its store (and group) with it
+            self._store, self.group_name = None, None
+            return self._outside(exc)
+        if generation == self.group_name:
+            return
+        self.group_name = None  # a new generation: the one this engine was in is over
+        try:
+            rank = claim_ranks(self._store, self.ranks, address.world_size, generation)
+            await self.engine.join_weight_transfer(replace(address, group_name=generation), rank)
+        except Exception as exc:  # no rank left in it, or it did not form in time
+            return self._outside(exc)
+        self.group_name, self._trouble = generation, ""
+        self.joins += 1
+        log.info("joined the weight transfer group %s at %s:%d as rank %d", generation,
+                 address.master_address, address.master_port, rank)
+
+    async def _generation(self) -> str:
+        """The generation the trainer's store names (connecting to the store first, waiting
+        for a trainer to host it)."""
+        if self._store is None:
+            address = self.address
+            self._store = await asyncio.wrap_future(in_background(
                 connect_store, address.master_address, address.master_port,
                 JOIN_TIMEOUT_SECONDS))
-            rank = claim_ranks(store, self.ranks, address.world_size)
-            await self.engine.join_weight_transfer(address, rank)
-        except Exception as exc:
-            log.warning("not in the weight transfer group (%s): this worker loads every "
-                        "version from disk", exc)
-            return
-        self.joined = True
-        log.info("joined the weight transfer group at %s:%d as rank %d", address.master_address,
-                 address.master_port, rank)
+        return await asyncio.wrap_future(in_background(current_generation, self._store))
 
-    async def receive(self, version: int) -> WeightUpdate:
-        if not self.joined:
-            raise VersionSkipped("broadcast to the transfer group, which this worker is not in; "
-                                 "waiting for the trainer to write it to disk")
+    def _outside(self, exc: Exception) -> None:
+        if str(exc) != self._trouble:  # once per reason, not every check
+            log.warning("not in the weight transfer group (%s): this worker loads versions "
+                        "from disk until it joins", exc)
+            self._trouble = str(exc)
+
+    async def receive(self, version: int, group_name: str) -> WeightUpdate:
+        """Version `version`, broadcast to generation `group_name`."""
+        if group_name != self.group_name:
+            where = f"is in {self.group_name}" if self.group_name else "is in none"
+            raise VersionSkipped(f"broadcast to {group_name}; this worker {where}: waiting for "
+                                 "the trainer to write it to disk")
         try:
             return await self.engine.update_weights_from_distributed(self.tensors, version)
         except Exception as exc:
-            # The trainer (or a peer) went away mid-broadcast: the group is over. The engine
-            # generates nothing until whole weights land, which the trainer's fallback to
-            # disk brings; the worker itself carries on.
-            self.joined = False
+            # The trainer (or a peer) went away mid-broadcast: this generation is over. The
+            # engine generates nothing until whole weights land, which the trainer's fallback
+            # to disk brings; the worker carries on and joins the next generation.
+            self.group_name = None
             raise VersionSkipped(f"the broadcast failed ({exc}); waiting for the trainer "
                                  "to write this version to disk") from exc
 
@@ -177,7 +221,8 @@ def engine_applier(engine: InferenceEngine, cache_dir: Path, metrics=None,
             if is_distributed_uri(announced.uri):
                 if transfer is None:
                     raise VersionSkipped("broadcast, but this worker has no weights address")
-                update = await transfer.receive(announced.version)
+                update = await transfer.receive(announced.version,
+                                                announced_group(announced.uri))
             else:
                 path = await fetch_snapshot(announced.uri, cache_dir)
                 update = await engine.update_weights_from_disk(path, announced.version)

@@ -352,8 +352,9 @@ class Trainer:
             try:
                 seconds = await self._on_compute(self.broadcaster.send, state)
             except Exception as exc:
-                log.warning("broadcasting version %d failed (%s): it and every later version "
-                            "go to disk", version, exc)
+                log.warning("broadcasting version %d failed (%s): it goes to disk, and so do "
+                            "later versions until the next generation of the group has formed",
+                            version, exc)
             else:
                 await client.set_version(version, uri, step)
                 self.status.version = version

@@ -1,7 +1,8 @@
 """The trainer's end of the distributed weight transfer (asyncrl.weight_transfer): rank 0 of
-the group, on the leader. The group forms in the background while the trainer starts and
-trains; a version is broadcast only once every engine has joined, and never again after a
-broadcast failed (a member is gone and cannot come back): those versions go to disk."""
+the group, on the leader. A generation of the group forms in the background while the trainer
+starts and trains; a version is broadcast only once every engine has joined it. When a
+generation does not form in time or a broadcast fails (a member is gone), the next
+generation is named and forms the same way; meanwhile versions go to disk."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from asyncrl.weight_transfer import (
     host_store,
     in_background,
     join,
+    new_generation,
+    publish_generation,
 )
 
 log = logging.getLogger(__name__)
@@ -27,24 +30,37 @@ log = logging.getLogger(__name__)
 class WeightBroadcaster:
     def __init__(self, port: int, world_size: int, backend: str, tensors: list[TensorMeta],
                  *, timeout: float = JOIN_TIMEOUT_SECONDS):
-        self.address = GroupAddress("0.0.0.0", port, world_size, backend=backend)
         self.tensors = tensors
-        self.broken = False
+        self.generations = 0
+        self._port, self._world_size, self._backend = port, world_size, backend
+        self._timeout = timeout
         self._store = host_store(port, timeout)  # now, so engines can claim ranks at once
-        self._forming = in_background(join, self.address, 0, timeout, self._store)
+        self._form()
+
+    def _form(self) -> None:
+        """Names the next generation in the store and joins it as rank 0, in the background."""
+        self.address = GroupAddress("0.0.0.0", self._port, self._world_size,
+                                    group_name=new_generation(), backend=self._backend)
+        publish_generation(self._store, self.address.group_name)
+        self.generations += 1
+        self.broken = False
+        self._forming = in_background(join, self.address, 0, self._timeout, self._store)
 
     def ready(self, wait: float = 0.0) -> bool:
-        """True when every engine has joined (waiting up to `wait` seconds for that) and no
-        broadcast has failed."""
+        """True when every engine has joined the current generation (waiting up to `wait`
+        seconds for that). A generation that failed to form, or broke in a broadcast, is
+        replaced by the next one here, and this version goes to disk."""
         if self.broken:
+            self._form()
             return False
         try:
             self._forming.result(timeout=wait)
         except FutureTimeout:
             return False
         except Exception as exc:
-            log.warning("weight transfer group did not form (%s): versions go to disk", exc)
-            self.broken = True
+            log.warning("weight transfer group %s did not form (%s): versions go to disk "
+                        "while the next generation forms", self.address.group_name, exc)
+            self._form()
             return False
         return True
 
