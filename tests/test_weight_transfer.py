@@ -422,3 +422,33 @@ def test_a_lost_worker_breaks_a_generation_and_its_replacement_joins_the_next():
         _assert_weights(torch_engine, 1)
     finally:
         torch_engine.stop()
+
+
+def test_an_sglang_server_leaves_the_old_generation_when_it_joins_the_next(served_engine):
+    url, torch_engine = served_engine
+    tensors = model_manifest(tiny(1), torch.float32)
+    port = free_port()
+    broadcaster = WeightBroadcaster(port, world_size=2, backend="gloo", tensors=tensors)
+
+    async def scenario():
+        async with SGLangClient(url) as client:
+            engine = SGLangEngine(client, max_running_requests=8, max_sequence_length=256)
+            member = TransferMember(engine, f"127.0.0.1:{port}", world_size=2, ranks=1,
+                                    backend="gloo", tensors=tensors)
+            await _join(member, broadcaster)
+            first = member.group_name
+            broadcaster.broken = True   # as a failed broadcast leaves it
+            assert not broadcaster.ready()  # the next generation forms
+            await _join(member, broadcaster)
+            assert member.group_name != first and member.joins == 2
+            async with httpx.AsyncClient(base_url=url) as http:  # the server left the first
+                answer = await http.post("/destroy_weights_update_group",
+                                         json={"group_name": first})
+                assert answer.status_code == 400 and "no weight transfer group" in answer.text
+            update, _ = await asyncio.gather(
+                member.receive(1, member.group_name),
+                asyncio.to_thread(broadcaster.send, tiny(1).state_dict()))
+            return update
+
+    assert run(scenario()).version == 1 and torch_engine.version == 1
+    _assert_weights(torch_engine, 1)

@@ -418,6 +418,10 @@ class SGLangClient:
         await self._confirmed("/init_weights_update_group",
                               init_weights_group_payload(address, rank_offset), timeout=None)
 
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        """Has the server leave a weight transfer group (one of an earlier generation)."""
+        await self._confirmed("/destroy_weights_update_group", {"group_name": group_name})
+
     async def update_weights_from_distributed(
         self, tensors: list[TensorMeta], group_name: str, version: int | None,
     ) -> None:

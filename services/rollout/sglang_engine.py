@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import uuid
 from pathlib import Path
@@ -27,6 +28,8 @@ from pathlib import Path
 from asyncrl.rollout.sglang_client import SGLangClient
 from asyncrl.rollout.types import EngineStatus, GenerationResult, SamplingParams, WeightUpdate
 from asyncrl.weight_transfer import DEFAULT_BUCKET_BYTES, GroupAddress, TensorMeta, buckets
+
+log = logging.getLogger(__name__)
 
 
 class SGLangEngine:
@@ -135,6 +138,14 @@ class SGLangEngine:
             version, lambda: self._client.update_weights_from_disk(str(path), version))
 
     async def join_weight_transfer(self, address: GroupAddress, rank_offset: int) -> None:
+        """Joins a generation of the group; the server leaves the one it was in first (that
+        generation is over), so its communicators do not pile up."""
+        if self._group_name is not None and self._group_name != address.group_name:
+            left, self._group_name = self._group_name, None
+            try:
+                await self._client.destroy_weights_update_group(left)
+            except Exception as exc:  # noqa: BLE001 - leaving is tidying up, not required
+                log.warning("could not leave weight transfer group %s: %s", left, exc)
         await self._client.init_weights_update_group(address, rank_offset)
         self._group_name = address.group_name
 
