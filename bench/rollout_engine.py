@@ -16,10 +16,13 @@ for), EOS ignored so token counts are fixed. In one run:
   pins its own torch) on the same prompts and lengths in the engine's dtype, through
   bench/vllm_cpu.py run by that python.
 
-The default 64 requests are what one rollout worker of examples/arith.yaml runs at once
-(8 prompts x 8 responses).
+The default 64 requests are what one rollout worker of examples/arith.yaml runs at once:
+8 prompts x 8 responses (`--responses-per-prompt`, a GRPO group per prompt, which the engine
+prefills once). In the same run the engine also generates for 64 distinct prompts, the
+workload without shared prompts.
 
-    .venv/bin/python bench/rollout_engine.py [--requests 64] [--batch 8] [--dtype bfloat16]
+    .venv/bin/python bench/rollout_engine.py [--requests 64] [--responses-per-prompt 8]
+        [--batch 8] [--dtype bfloat16]
         [--vllm-python ~/.cache/asyncrl/vllm-cpu-venv/bin/python]
 """
 
@@ -49,6 +52,12 @@ def long_tail_lengths(count: int, seed: int = 0) -> list[int]:
     rng = random.Random(seed)
     return [rng.randint(128, 192) if rng.random() < 0.25 else rng.randint(16, 48)
             for _ in range(count)]
+
+
+def grouped(tokenizer, count: int, responses: int) -> list[list[int]]:
+    """`count` requests: each prompt `responses` times in a row, as a GRPO group asks."""
+    return [ids for ids in prompts(tokenizer, -(-count // responses))
+            for _ in range(responses)][:count]
 
 
 def prompts(tokenizer, count: int) -> list[list[int]]:
@@ -168,6 +177,8 @@ def default_dtype() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--responses-per-prompt", type=int, default=8,
+                        help="requests that share a prompt (the job's algorithm.groupSize)")
     parser.add_argument("--generate-batch-requests", type=int, default=16)
     parser.add_argument("--batch", type=int, default=8, help="transformers generate batch size")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=default_dtype(),
@@ -179,25 +190,30 @@ def main() -> None:
 
     tokenizer, model = load_tokenizer(SMOLLM2), load_model(SMOLLM2).eval()
     model.generation_config.eos_token_id = None  # both sides generate exactly `lengths`
-    inputs, lengths = prompts(tokenizer, args.requests), long_tail_lengths(args.requests)
+    inputs = grouped(tokenizer, args.requests, args.responses_per_prompt)
+    lengths = long_tail_lengths(args.requests)
     tokens = sum(lengths)
     engine_model = load_model(SMOLLM2, dtype=args.dtype).eval()
     engine = TorchEngine(engine_model, max_running_requests=args.requests,
                          max_sequence_length=512, seed=0).start()
     run_engine(engine, inputs[:2], [4, 4])  # warm-up
     engine_seconds, mean_batch = run_engine(engine, inputs, lengths)
+    distinct_seconds, distinct_batch = run_engine(engine, prompts(tokenizer, args.requests),
+                                                  lengths)
     swap, caught_up = weight_update_latency(engine, engine_model, inputs)
     engine.stop()
     hf_seconds = run_transformers(model, tokenizer, inputs, lengths, args.batch)
     some = args.generate_batch_requests
     batch_seconds, batch_tokens = run_generate_batch(model, inputs[:some], lengths[:some])
-    bound = round(mean_batch) / linear_bound(engine_model, round(mean_batch),
-                                              getattr(torch, args.dtype))
+    bound, distinct_bound = (round(b) / linear_bound(engine_model, round(b),
+                                                     getattr(torch, args.dtype))
+                             for b in (mean_batch, distinct_batch))
     vllm = run_vllm(args.vllm_python, inputs, lengths, args.dtype) if args.vllm_python else None
 
-    engine_rate = tokens / engine_seconds
-    print(f"{args.requests} requests, {tokens} output tokens (lengths {min(lengths)}..{max(lengths)}, "
-          f"long-tailed), {torch.get_num_threads()} threads")
+    engine_rate, distinct_rate = tokens / engine_seconds, tokens / distinct_seconds
+    print(f"{args.requests} requests ({len(set(map(tuple, inputs)))} prompts x "
+          f"{args.responses_per_prompt} responses), {tokens} output tokens (lengths "
+          f"{min(lengths)}..{max(lengths)}, long-tailed), {torch.get_num_threads()} threads")
     print(f"transformers generate (fp32, batch {args.batch}):  {tokens / hf_seconds:7.1f} tokens/s")
     print(f"transformers generate_batch (fp32, continuous): {batch_tokens / batch_seconds:7.1f} "
           f"tokens/s ({min(some, args.requests)} requests, {batch_tokens} tokens: one "
@@ -207,6 +223,9 @@ def main() -> None:
     print(f"linear layers' bound at batch {round(mean_batch)} ({args.dtype}): {bound:7.1f} tokens/s")
     print(f"engine / generate: {hf_seconds / engine_seconds:.2f}x; "
           f"engine / bound: {engine_rate / bound:.0%}")
+    print(f"the engine on {args.requests} distinct prompts: {distinct_rate:7.1f} tokens/s, mean "
+          f"decode batch {distinct_batch:.1f}; bound {distinct_bound:.1f}: "
+          f"{distinct_rate / distinct_bound:.0%}")
     print(f"weight update: swap {swap * 1000:.0f} ms; announcement -> all 8 running requests "
           f"generating with the new version: {caught_up * 1000:.0f} ms")
     if vllm is not None and "error" in vllm:
