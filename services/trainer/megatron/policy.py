@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from asyncrl.models import logprobs_at, model_skeleton, predicted_positions
+from asyncrl.models import logprobs_at, predicted_positions
 from asyncrl.trainer.megatron import weights
 from asyncrl.trainer.megatron.compat import (
     MEGATRON_CORE_VERSION,
@@ -58,7 +58,7 @@ class MegatronPolicy(torch.nn.Module):
     each rank holds its share of the weights (weights.shard).
     """
 
-    def __init__(self, hf_config, device: torch.device):
+    def __init__(self, hf_config, hf_parameter_names: list[str], device: torch.device):
         super().__init__()
         import_megatron()
         from megatron.core import parallel_state
@@ -106,7 +106,7 @@ class MegatronPolicy(torch.nn.Module):
         self.device = device
         # The HF model's parameter names in its order, a tied weight once (as torch's full
         # optimizer state dict names them).
-        self.hf_parameter_names = [name for name, _ in model_skeleton(hf_config).named_parameters()]
+        self.hf_parameter_names = hf_parameter_names
         self._tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self._tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self._tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -116,7 +116,7 @@ class MegatronPolicy(torch.nn.Module):
     @classmethod
     def from_hf(cls, hf_model: torch.nn.Module, device: torch.device) -> MegatronPolicy:
         """A GPTModel holding `hf_model`'s weights (this rank's share of them)."""
-        policy = cls(hf_model.config, device)
+        policy = cls(hf_model.config, [name for name, _ in hf_model.named_parameters()], device)
         policy.load_hf_state_dict(hf_model.state_dict())
         return policy
 
@@ -290,9 +290,6 @@ class MegatronPolicy(torch.nn.Module):
             return None
         columns, rows = self._keep
         return hidden[columns, rows][:, None]
-
-    def forward(self, *args, **kwargs):
-        return self.gpt(*args, **kwargs)
 
 
 def megatron_policy(spec, hf_model: torch.nn.Module, device: torch.device) -> MegatronPolicy:
