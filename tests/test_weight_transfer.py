@@ -452,3 +452,37 @@ def test_an_sglang_server_leaves_the_old_generation_when_it_joins_the_next(serve
 
     assert run(scenario()).version == 1 and torch_engine.version == 1
     _assert_weights(torch_engine, 1)
+
+
+def test_a_version_broadcast_as_the_group_forms_waits_for_the_join_to_return():
+    """The trainer may announce the first version of a generation before the engine's join
+    has returned: receiving it waits for the join instead of skipping the version."""
+    torch_engine = tiny_engine(seed=0)
+    engine = TorchInferenceEngine(torch_engine)
+    tensors = model_manifest(tiny(1), torch.float32)
+    port = free_port()
+    broadcaster = WeightBroadcaster(port, world_size=2, backend="gloo", tensors=tensors)
+    joined = engine.join_weight_transfer
+
+    async def slow_join(address, rank):  # the group forms, then the join returns late
+        await joined(address, rank)
+        await asyncio.sleep(1.0)
+
+    engine.join_weight_transfer = slow_join
+    member = TransferMember(engine, f"127.0.0.1:{port}", world_size=2, ranks=1,
+                            backend="gloo", tensors=tensors)
+    try:
+        async def scenario():
+            joining = asyncio.create_task(member.join())
+            await asyncio.to_thread(assert_ready, broadcaster)
+            assert not member.joined  # formed, but the join has not returned yet
+            update, _ = await asyncio.gather(
+                member.receive(1, broadcaster.address.group_name),
+                asyncio.to_thread(broadcaster.send, tiny(1).state_dict()))
+            await joining
+            return update
+
+        assert run(scenario()).version == 1
+        _assert_weights(torch_engine, 1)
+    finally:
+        torch_engine.stop()

@@ -142,6 +142,7 @@ class TransferMember:
         self.check_seconds = check_seconds
         self.group_name: str | None = None   # the generation this engine is in
         self.joins = 0
+        self._joining: tuple[str, asyncio.Event] | None = None  # a generation being joined
         self._store = None
         self._trouble = ""   # the last reason this worker is outside the group, logged once
 
@@ -167,15 +168,20 @@ class TransferMember:
         if generation == self.group_name:
             return
         self.group_name = None  # a new generation: the one this engine was in is over
+        self._joining = (generation, asyncio.Event())
         try:
             rank = claim_ranks(self._store, self.ranks, address.world_size, generation)
             await self.engine.join_weight_transfer(replace(address, group_name=generation), rank)
         except Exception as exc:  # no rank left in it, or it did not form in time
-            return self._outside(exc)
-        self.group_name, self._trouble = generation, ""
-        self.joins += 1
-        log.info("joined the weight transfer group %s at %s:%d as rank %d", generation,
-                 address.master_address, address.master_port, rank)
+            self._outside(exc)
+        else:
+            self.group_name, self._trouble = generation, ""
+            self.joins += 1
+            log.info("joined the weight transfer group %s at %s:%d as rank %d", generation,
+                     address.master_address, address.master_port, rank)
+        finally:
+            self._joining[1].set()
+            self._joining = None
 
     async def _generation(self) -> str:
         """The generation the trainer's store names (connecting to the store first, waiting
@@ -195,6 +201,9 @@ class TransferMember:
 
     async def receive(self, version: int, group_name: str) -> WeightUpdate:
         """Version `version`, broadcast to generation `group_name`."""
+        if self._joining is not None and self._joining[0] == group_name:
+            # The group formed and its first version came before our join returned.
+            await self._joining[1].wait()
         if group_name != self.group_name:
             where = f"is in {self.group_name}" if self.group_name else "is in none"
             raise VersionSkipped(f"broadcast to {group_name}; this worker {where}: waiting for "
