@@ -15,13 +15,14 @@ layout (tied weights once, under their first name) in the job's dtype, sorted by
 trainer, the torch engine (from its model) and an SGLang worker (from the model directory's
 safetensors header) derive the same list without exchanging it.
 
-A group cannot lose a member and go on, so it has generations. The trainer names each one
-(`asyncrl-weights-<id>`) in its store, with a rank counter of its own. If an engine is missing
-or a broadcast fails, the trainer publishes that version to disk and forms the next
-generation; every engine checks the store's generation every few seconds and joins a new
-one (`TransferMember`). A restarted trainer hosts a new store, so workers find a new
-generation there; a restarted worker claims a rank in the next generation. Until a
-generation has formed, versions go to disk.
+A group can neither lose nor gain a member, so it has generations. The trainer names each
+one (`asyncrl-weights-<id>`) and its world size in its store, with a rank counter of its
+own; every engine checks the store's generation every few seconds and joins a new one
+(`TransferMember`). The trainer forms the next generation when a broadcast fails (an engine
+is gone), when one does not form in time, and when an engine asked for a rank the current
+one does not have (a restarted worker, or one added by scaling the rollout up: the world
+size is read again from the job). A restarted trainer hosts a new store, whose generation
+the engines find. Until a generation has formed, versions go to disk.
 """
 
 from __future__ import annotations
@@ -97,14 +98,20 @@ def new_generation() -> str:
     return f"{GROUP_STEM}-{uuid.uuid4().hex[:12]}"
 
 
-def publish_generation(store: dist.Store, group_name: str) -> None:
-    store.set(GENERATION_KEY, group_name)
+def publish_generation(store: dist.Store, group_name: str, world_size: int) -> None:
+    store.set(GENERATION_KEY, f"{group_name} {world_size}")
 
 
-def current_generation(store: dist.Store) -> str:
-    """The generation the trainer is forming or has formed (waits for the trainer to name
-    one, within the store's timeout)."""
-    return store.get(GENERATION_KEY).decode()
+def current_generation(store: dist.Store) -> tuple[str, int]:
+    """The generation the trainer is forming or has formed, and its world size (waits for
+    the trainer to name one, within the store's timeout)."""
+    name, world = store.get(GENERATION_KEY).decode().split()
+    return name, int(world)
+
+
+def ranks_asked(store: dist.Store, group_name: str) -> int:
+    """Engine ranks claimed in generation `group_name`, those refused included."""
+    return store.add(_RANK_COUNTER + group_name, 0)
 
 
 def engine_ranks(engine: str, gpus: int) -> int:
@@ -182,8 +189,9 @@ def claim_ranks(store: dist.Store, count: int, world: int, group_name: str) -> i
     if last > world - 1:
         raise RuntimeError(
             f"weight transfer: ranks {last - count + 1}..{last} of {group_name} claimed but "
-            f"the group has {world - 1} engine ranks, all taken (this worker restarted): it "
-            "joins the next generation, which the trainer forms once a broadcast fails")
+            f"it has {world - 1} engine ranks, all taken (this worker restarted, or the "
+            "rollout was scaled up): it joins the next generation, which the trainer forms "
+            "for it")
     return last - count + 1
 
 

@@ -86,7 +86,7 @@ def test_a_group_that_never_forms_sends_versions_to_disk():
     assert broadcaster.generations == 2   # ... so the next generation forms
     assert broadcaster.address.group_name != first
     assert current_generation(connect_store("127.0.0.1", broadcaster.address.master_port, 10)) \
-        == broadcaster.address.group_name
+        == (broadcaster.address.group_name, 2)
 
 
 async def _join(member: TransferMember, broadcaster: WeightBroadcaster) -> None:
@@ -135,7 +135,7 @@ def test_the_torch_engine_receives_a_version_in_place_mid_generation():
     tensors = model_manifest(new_model, torch.float32)
     port = free_port()
     broadcaster = WeightBroadcaster(port, world_size=2, backend="gloo", tensors=tensors)
-    member = TransferMember(engine, f"127.0.0.1:{port}", world_size=2, ranks=1,
+    member = TransferMember(engine, f"127.0.0.1:{port}", ranks=1,
                             backend="gloo", tensors=tensors)
     storage = {n: t.data_ptr() for n, t in torch_engine._model.state_dict().items()}
     try:
@@ -175,7 +175,7 @@ def test_an_sglang_api_server_receives_a_version_in_buckets_mid_generation(serve
             # Small buckets: the version spans several /update_weights_from_distributed calls.
             engine = SGLangEngine(client, max_running_requests=8, max_sequence_length=256,
                                   transfer_bucket_bytes=4 * tensors[0].bytes)
-            member = TransferMember(engine, f"127.0.0.1:{port}", world_size=2, ranks=1,
+            member = TransferMember(engine, f"127.0.0.1:{port}", ranks=1,
                                     backend="gloo", tensors=tensors)
             await _join(member, broadcaster)
             return await _update_while_generating(engine, torch_engine, member, broadcaster,
@@ -286,7 +286,7 @@ def test_a_trainer_lost_mid_broadcast_holds_generation_until_the_version_comes_f
     trainer = multiprocessing.get_context("spawn").Process(
         target=_trainer_that_dies_mid_broadcast, args=(port, 3))
     trainer.start()
-    member = TransferMember(engine, f"127.0.0.1:{port}", world_size=2, ranks=1,
+    member = TransferMember(engine, f"127.0.0.1:{port}", ranks=1,
                             backend="gloo", tensors=tensors)
     try:
         async def scenario():
@@ -339,7 +339,7 @@ def test_a_worker_joins_the_group_of_a_restarted_trainer():
     tensors = model_manifest(tiny(1), torch.float32)
     port = free_port()
     member = TransferMember(TorchInferenceEngine(torch_engine), f"127.0.0.1:{port}",
-                            world_size=2, ranks=1, backend="gloo", tensors=tensors,
+                            ranks=1, backend="gloo", tensors=tensors,
                             check_seconds=0.2)
     trainers = []
     try:
@@ -373,7 +373,7 @@ def _worker_that_joins_then_dies(port: int) -> None:
 
     async def join() -> None:
         member = TransferMember(TorchInferenceEngine(tiny_engine(seed=0)), f"127.0.0.1:{port}",
-                                world_size=2, ranks=1, backend="gloo",
+                                ranks=1, backend="gloo",
                                 tensors=model_manifest(tiny(0), torch.float32))
         await member.join()
         assert member.joined
@@ -401,7 +401,7 @@ def test_a_lost_worker_breaks_a_generation_and_its_replacement_joins_the_next():
         broadcaster.send(tiny(1).state_dict())
     torch_engine = tiny_engine(seed=0)
     member = TransferMember(TorchInferenceEngine(torch_engine), f"127.0.0.1:{port}",
-                            world_size=2, ranks=1, backend="gloo", tensors=tensors,
+                            ranks=1, backend="gloo", tensors=tensors,
                             check_seconds=0.2)
     try:
         async def scenario():
@@ -433,7 +433,7 @@ def test_an_sglang_server_leaves_the_old_generation_when_it_joins_the_next(serve
     async def scenario():
         async with SGLangClient(url) as client:
             engine = SGLangEngine(client, max_running_requests=8, max_sequence_length=256)
-            member = TransferMember(engine, f"127.0.0.1:{port}", world_size=2, ranks=1,
+            member = TransferMember(engine, f"127.0.0.1:{port}", ranks=1,
                                     backend="gloo", tensors=tensors)
             await _join(member, broadcaster)
             first = member.group_name
@@ -469,7 +469,7 @@ def test_a_version_broadcast_as_the_group_forms_waits_for_the_join_to_return():
         await asyncio.sleep(1.0)
 
     engine.join_weight_transfer = slow_join
-    member = TransferMember(engine, f"127.0.0.1:{port}", world_size=2, ranks=1,
+    member = TransferMember(engine, f"127.0.0.1:{port}", ranks=1,
                             backend="gloo", tensors=tensors)
     try:
         async def scenario():
@@ -486,3 +486,42 @@ def test_a_version_broadcast_as_the_group_forms_waits_for_the_join_to_return():
         _assert_weights(torch_engine, 1)
     finally:
         torch_engine.stop()
+
+
+def test_scaling_the_rollout_up_forms_a_larger_generation_that_every_engine_joins():
+    """An engine added to a running job (kubectl scale) finds the formed group full: the
+    trainer forms the next generation, its world size read again from the job, and the old
+    engine and the new one both join it and take the next broadcast."""
+    tensors = model_manifest(tiny(1), torch.float32)
+    port = free_port()
+    replicas = [1]
+    broadcaster = WeightBroadcaster(port, world_size=lambda: 1 + replicas[0], backend="gloo",
+                                    tensors=tensors)
+    engines = [tiny_engine(seed=0), tiny_engine(seed=0)]
+    members = [TransferMember(TorchInferenceEngine(e), f"127.0.0.1:{port}", ranks=1,
+                              backend="gloo", tensors=tensors, check_seconds=0.2)
+               for e in engines]
+    try:
+        async def scenario():
+            await _join(members[0], broadcaster)
+            first = members[0].group_name
+            replicas[0] = 2  # the job now says two rollout replicas
+            following = [asyncio.create_task(m.run()) for m in members]
+            await asyncio.to_thread(wait_for, lambda: not broadcaster.ready(), 30,
+                                    "the trainer to see an engine outside the group")
+            assert broadcaster.address.world_size == 3 and broadcaster.address.group_name != first
+            await asyncio.to_thread(assert_ready, broadcaster)
+            group = broadcaster.address.group_name
+            updates = await asyncio.gather(
+                *(m.receive(1, group) for m in members),
+                asyncio.to_thread(broadcaster.send, tiny(1).state_dict()))
+            for task in following:
+                task.cancel()
+            return updates[:2]
+
+        assert [u.version for u in run(scenario())] == [1, 1]
+        for engine in engines:
+            _assert_weights(engine, 1)
+    finally:
+        for engine in engines:
+            engine.stop()

@@ -45,7 +45,6 @@ from asyncrl.rollout.types import SamplingParams
 from asyncrl.rollout.weight_sync import TransferMember, WeightWatcher, engine_applier
 from asyncrl.weight_transfer import backend as transfer_backend
 from asyncrl.weight_transfer import directory_manifest, engine_ranks, model_manifest
-from asyncrl.weight_transfer import world_size as transfer_world_size
 from asyncrl.rollout.workflow import EngineGenerator, RolloutWorkflow
 from asyncrl.settings import RolloutSettings
 from asyncrl.spec import load_manifest
@@ -176,7 +175,7 @@ def transfer_member(settings: RolloutSettings, spec, engine: InferenceEngine,
                     "--weights-address: it loads every version from disk")
         return None
     rollout = spec.rollout
-    return TransferMember(engine, settings.weights_address, transfer_world_size(spec),
+    return TransferMember(engine, settings.weights_address,
                           engine_ranks(rollout.engine, rollout.placement.gpus),
                           transfer_backend(spec), manifest(getattr(torch, spec.model.dtype)))
 

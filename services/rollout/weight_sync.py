@@ -131,12 +131,12 @@ class TransferMember:
     trainer formed it after a broadcast failed, or restarted with a new store). `receive`
     takes each version broadcast to the generation this engine is in."""
 
-    def __init__(self, engine: InferenceEngine, store_address: str, world_size: int,
-                 ranks: int, backend: str, tensors: list[TensorMeta], *,
-                 check_seconds: float = 2.0):
+    def __init__(self, engine: InferenceEngine, store_address: str, ranks: int, backend: str,
+                 tensors: list[TensorMeta], *, check_seconds: float = 2.0):
         host, _, port = store_address.rpartition(":")
         self.engine = engine
-        self.address = GroupAddress(host, int(port), world_size, backend=backend)
+        # The world size is each generation's, as the trainer's store names it.
+        self.address = GroupAddress(host, int(port), 0, backend=backend)
         self.ranks = ranks
         self.tensors = tensors
         self.check_seconds = check_seconds
@@ -161,7 +161,7 @@ class TransferMember:
         why not when it cannot (meanwhile versions come from disk)."""
         address = self.address
         try:
-            generation = await self._generation()
+            generation, world = await self._generation()
         except Exception as exc:  # the trainer is away, its store (and group) with it
             self._store, self.group_name = None, None
             return self._outside(exc)
@@ -170,8 +170,9 @@ class TransferMember:
         self.group_name = None  # a new generation: the one this engine was in is over
         self._joining = (generation, asyncio.Event())
         try:
-            rank = claim_ranks(self._store, self.ranks, address.world_size, generation)
-            await self.engine.join_weight_transfer(replace(address, group_name=generation), rank)
+            rank = claim_ranks(self._store, self.ranks, world, generation)
+            await self.engine.join_weight_transfer(
+                replace(address, group_name=generation, world_size=world), rank)
         except Exception as exc:  # no rank left in it, or it did not form in time
             self._outside(exc)
         else:
@@ -183,9 +184,9 @@ class TransferMember:
             self._joining[1].set()
             self._joining = None
 
-    async def _generation(self) -> str:
-        """The generation the trainer's store names (connecting to the store first, waiting
-        for a trainer to host it)."""
+    async def _generation(self) -> tuple[str, int]:
+        """The generation the trainer's store names and its world size (connecting to the
+        store first, waiting for a trainer to host it)."""
         if self._store is None:
             address = self.address
             self._store = await asyncio.wrap_future(in_background(

@@ -147,7 +147,8 @@ class Trainer:
         if spec.trainer.weight_transfer == "distributed" and self.group.leader:
             # The manifest from the whole model, before any sharding.
             self.broadcaster = WeightBroadcaster(
-                settings.weights_port, transfer_world_size(spec), transfer_backend(spec),
+                settings.weights_port, self._transfer_world_size,
+                transfer_backend(spec),
                 model_manifest(self.hf_model, getattr(torch, spec.model.dtype)))
         self.sharded = spec.trainer.sharding == "fsdp" and self.group.distributed
         if self.sharded:
@@ -337,6 +338,17 @@ class Trainer:
                 self._evaluator.stop()
             if self.reward:
                 await self.reward.close()
+
+    def _transfer_world_size(self) -> int:
+        """The weight transfer group's size as the job says now: scaling the rollout changes
+        the job file (the operator's ConfigMap) without restarting the trainer."""
+        try:
+            spec = load_manifest(self.settings.job_file).spec
+        except Exception as exc:  # noqa: BLE001 - mid-update, say: the spec it started with
+            log.warning("could not read %s again (%s): the weight transfer group keeps the "
+                        "started job's size", self.settings.job_file, exc)
+            spec = self.spec
+        return transfer_world_size(spec)
 
     async def _publish(self, client: BufferClient, version: int, step: int,
                        state: dict) -> tuple[str, float]:

@@ -1,14 +1,16 @@
 """The trainer's end of the distributed weight transfer (asyncrl.weight_transfer): rank 0 of
 the group, on the leader. A generation of the group forms in the background while the trainer
 starts and trains; a version is broadcast only once every engine has joined it. When a
-generation does not form in time or a broadcast fails (a member is gone), the next
-generation is named and forms the same way; meanwhile versions go to disk."""
+generation does not form in time, a broadcast fails (a member is gone) or an engine asks for
+a rank it does not have (restarted, or added), the next generation is named, with the world
+size as the job says now, and forms the same way; meanwhile versions go to disk."""
 
 from __future__ import annotations
 
 import logging
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable
 
 import torch
 
@@ -22,34 +24,39 @@ from asyncrl.weight_transfer import (
     join,
     new_generation,
     publish_generation,
+    ranks_asked,
 )
 
 log = logging.getLogger(__name__)
 
 
 class WeightBroadcaster:
-    def __init__(self, port: int, world_size: int, backend: str, tensors: list[TensorMeta],
-                 *, timeout: float = JOIN_TIMEOUT_SECONDS):
+    """`world_size`: the group's size, or a function that tells it as the job says now (read
+    again for each generation)."""
+
+    def __init__(self, port: int, world_size: int | Callable[[], int], backend: str,
+                 tensors: list[TensorMeta], *, timeout: float = JOIN_TIMEOUT_SECONDS):
         self.tensors = tensors
         self.generations = 0
-        self._port, self._world_size, self._backend = port, world_size, backend
+        self._world_size = world_size if callable(world_size) else lambda: world_size
+        self._port, self._backend = port, backend
         self._timeout = timeout
         self._store = host_store(port, timeout)  # now, so engines can claim ranks at once
         self._form()
 
     def _form(self) -> None:
         """Names the next generation in the store and joins it as rank 0, in the background."""
-        self.address = GroupAddress("0.0.0.0", self._port, self._world_size,
+        self.address = GroupAddress("0.0.0.0", self._port, self._world_size(),
                                     group_name=new_generation(), backend=self._backend)
-        publish_generation(self._store, self.address.group_name)
+        publish_generation(self._store, self.address.group_name, self.address.world_size)
         self.generations += 1
         self.broken = False
         self._forming = in_background(join, self.address, 0, self._timeout, self._store)
 
     def ready(self, wait: float = 0.0) -> bool:
         """True when every engine has joined the current generation (waiting up to `wait`
-        seconds for that). A generation that failed to form, or broke in a broadcast, is
-        replaced by the next one here, and this version goes to disk."""
+        seconds for that). A generation that failed to form, broke in a broadcast or left an
+        engine outside is replaced by the next one here, and this version goes to disk."""
         if self.broken:
             self._form()
             return False
@@ -60,6 +67,13 @@ class WeightBroadcaster:
         except Exception as exc:
             log.warning("weight transfer group %s did not form (%s): versions go to disk "
                         "while the next generation forms", self.address.group_name, exc)
+            self._form()
+            return False
+        # Only a formed generation is left for an engine outside it: the members of one
+        # still forming are waiting in it for the others.
+        if ranks_asked(self._store, self.address.group_name) > self.address.world_size - 1:
+            log.info("an engine asked for a rank %s does not have (restarted, or the rollout "
+                     "was scaled): forming the next generation", self.address.group_name)
             self._form()
             return False
         return True
