@@ -349,6 +349,12 @@ def test_a_deleted_trainer_pod_comes_back_and_resumes_from_its_checkpoint(job):
                        "the new trainer to start", job.describe)
     assert int(started.group(1)) >= 2, job.logs("trainer")
     job.wait_step(int(started.group(1)) + 2)
+    # The rollout pod finds the new trainer's transfer group and joins it: versions are
+    # broadcast again, not left on disk for the rest of the job.
+    wait_for(lambda: any(r["step"] > int(started.group(1)) and r["weight_transfer"] ==
+                         "distributed" for r in job.train_records()), 300,
+             "a version the new trainer broadcast",
+             lambda: f"{job.logs('rollout', tail=40)}\n{job.describe()}")
 
 
 def test_a_deleted_redis_pod_comes_back_on_its_volume_and_the_job_rides_through(job):
