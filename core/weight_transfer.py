@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -52,8 +53,14 @@ GENERATION_KEY = "asyncrl/weight-transfer/generation"
 _RANK_COUNTER = "asyncrl/weight-transfer/ranks/"
 #: The group name's stem; each generation's name adds its id.
 GROUP_STEM = "asyncrl-weights"
-#: How long a member waits for the others to join the group, and in each broadcast.
+#: How long a member waits for the others to join the group.
 JOIN_TIMEOUT_SECONDS = 600.0
+#: How long one broadcast waits for a member: a member gone without closing its connections
+#: (a pod deleted with --force) fails the broadcast after this, not after the join timeout.
+BROADCAST_TIMEOUT_SECONDS = 120.0
+#: How long an engine's check of the trainer's store may take before the trainer counts as
+#: gone (its connection is then opened again, to whichever trainer answers).
+CHECK_TIMEOUT_SECONDS = 10.0
 #: Bytes of weights per /update_weights_from_distributed request to an SGLang server.
 DEFAULT_BUCKET_BYTES = 512 << 20
 
@@ -112,6 +119,23 @@ def current_generation(store: dist.Store) -> tuple[str, int]:
 def ranks_asked(store: dist.Store, group_name: str) -> int:
     """Engine ranks claimed in generation `group_name`, those refused included."""
     return store.add(_RANK_COUNTER + group_name, 0)
+
+
+def wait_for_claims(store: dist.Store, group_name: str, world: int, timeout: float,
+                    still_wanted: Callable[[], bool] = lambda: True) -> None:
+    """Blocks until every engine rank of generation `group_name` is claimed: then every
+    member is there, and the group forms within the broadcast timeout. Raises RuntimeError
+    after `timeout` seconds, or once `still_wanted()` says no (the trainer moved on to
+    another generation); not TimeoutError, which a caller waiting on the future this runs
+    in would read as its own wait running out."""
+    deadline = time.monotonic() + timeout
+    while (asked := ranks_asked(store, group_name)) < world - 1:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{group_name}: {asked} of {world - 1} engine ranks claimed "
+                               f"within {timeout:.0f} s")
+        if not still_wanted():
+            raise RuntimeError(f"{group_name} is over: the trainer formed another generation")
+        time.sleep(0.2)
 
 
 def engine_ranks(engine: str, gpus: int) -> int:
@@ -199,7 +223,7 @@ def join(address: GroupAddress, rank: int, timeout: float,
          store: dist.Store | None = None) -> dist.ProcessGroup:
     """This process's member of the transfer group, apart from any default process group
     (a trainer under torchrun keeps its own). Blocks until every rank has joined."""
-    if store is None:
+    if store is None:  # its timeout bounds the wait for the other members
         store = connect_store(address.master_address, address.master_port, timeout)
     # The key layout an SGLang server's ranks use (its init_custom_process_group prefixes the
     # group name, then torch's _new_process_group_helper "<group>/" and "<device>/"), so
@@ -207,7 +231,7 @@ def join(address: GroupAddress, rank: int, timeout: float,
     device = "cuda" if address.backend == "nccl" else "cpu"
     for prefix in (address.group_name, f"{address.group_name}/", f"{device}/"):
         store = dist.PrefixStore(prefix, store)
-    delta = datetime.timedelta(seconds=timeout)
+    delta = datetime.timedelta(seconds=min(timeout, BROADCAST_TIMEOUT_SECONDS))
     if address.backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, address.world_size, delta)
     if address.backend == "nccl":

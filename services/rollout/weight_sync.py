@@ -28,6 +28,7 @@ from asyncrl.outage import Outage, redis_down
 from asyncrl.rollout.engine_api import InferenceEngine
 from asyncrl.rollout.types import WeightUpdate
 from asyncrl.weight_transfer import (
+    CHECK_TIMEOUT_SECONDS,
     JOIN_TIMEOUT_SECONDS,
     GroupAddress,
     TensorMeta,
@@ -37,6 +38,7 @@ from asyncrl.weight_transfer import (
     current_generation,
     in_background,
     is_distributed_uri,
+    wait_for_claims,
 )
 from asyncrl.weights import WeightVersion, weights_channel, weights_key
 
@@ -171,6 +173,9 @@ class TransferMember:
         self._joining = (generation, asyncio.Event())
         try:
             rank = claim_ranks(self._store, self.ranks, world, generation)
+            await asyncio.wrap_future(in_background(
+                wait_for_claims, self._store, generation, world, JOIN_TIMEOUT_SECONDS,
+                lambda: current_generation(self._store)[0] == generation))
             await self.engine.join_weight_transfer(
                 replace(address, group_name=generation, world_size=world), rank)
         except Exception as exc:  # no rank left in it, or it did not form in time
@@ -191,7 +196,7 @@ class TransferMember:
             address = self.address
             self._store = await asyncio.wrap_future(in_background(
                 connect_store, address.master_address, address.master_port,
-                JOIN_TIMEOUT_SECONDS))
+                CHECK_TIMEOUT_SECONDS))
         return await asyncio.wrap_future(in_background(current_generation, self._store))
 
     def _outside(self, exc: Exception) -> None:

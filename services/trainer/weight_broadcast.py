@@ -25,6 +25,7 @@ from asyncrl.weight_transfer import (
     new_generation,
     publish_generation,
     ranks_asked,
+    wait_for_claims,
 )
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,12 @@ class WeightBroadcaster:
         publish_generation(self._store, self.address.group_name, self.address.world_size)
         self.generations += 1
         self.broken = False
-        self._forming = in_background(join, self.address, 0, self._timeout, self._store)
+        self._forming = in_background(self._join, self.address)
+
+    def _join(self, address: GroupAddress):
+        """Rank 0 of generation `address`, once every engine rank is claimed."""
+        wait_for_claims(self._store, address.group_name, address.world_size, self._timeout)
+        return join(address, 0, self._timeout, self._store)
 
     def ready(self, wait: float = 0.0) -> bool:
         """True when every engine has joined the current generation (waiting up to `wait`
