@@ -15,7 +15,7 @@ fresh, like-configured redis-server just before and just after the buffer (their
 baseline: the machine is shared); the ratio is the buffer's samples/s to it. Every cell ends
 by checking that each group a worker put was trained, dropped as stale or is still waiting.
 
-    .venv/bin/python bench/buffer_throughput.py [--seconds 4] [--workers 32 128]
+    .venv/bin/python bench/buffer_throughput.py [--seconds 10] [--workers 32 128]
         [--tokens 1024 8192] [--in-flight 1] [--replicas 1] [--profile DIR]
 """
 
@@ -298,7 +298,8 @@ def redis_set_rate(workers: int, value_bytes: int, seconds: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per cell")
+    # A trained batch is hundreds of groups: the window must hold several for a steady rate.
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per cell")
     parser.add_argument("--workers", type=int, nargs="+", default=[32, 128])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192],
                         help="tokens per sample (prompt + response)")
