@@ -17,6 +17,7 @@ the process a second OpenMP pool, and slow every small kernel (see asyncrl.openm
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import threading
@@ -112,6 +113,10 @@ class TorchEngine:
             dtype=parameter.dtype,
             device=self._device,
         )
+        # transformers 5.24 renamed the decoder's `past_key_values` to `cache` (the old name
+        # warns, and goes in 5.40); the project allows 5.x, so the model's own name is used.
+        forward = inspect.signature(type(model.model).forward).parameters
+        self._cache_keyword = "cache" if "cache" in forward else "past_key_values"
         self._eos = frozenset(eos_token_ids)
         self._version = version
         self._generator = torch.Generator(device=self._device)
@@ -618,8 +623,8 @@ class TorchEngine:
             input_ids=ids,
             position_ids=positions,
             attention_mask=mask,
-            past_key_values=self._cache,
             use_cache=True,
+            **{self._cache_keyword: self._cache},
         ).last_hidden_state
         if last is None:
             return self._model.lm_head(hidden[:, -1])
