@@ -72,6 +72,9 @@ from asyncrl.weight_transfer import world_size as transfer_world_size
 
 log = logging.getLogger(__name__)
 
+#: How long the first version waits for the rollout engines to form the weight transfer group.
+FIRST_VERSION_WAIT_SECONDS = 30.0
+
 STATE, STOP, WAIT = Command("state"), Command("stop"), Command("wait")
 
 
@@ -144,6 +147,7 @@ class Trainer:
             self.hf_model = model_skeleton(self.hf_model.config)  # the weights are Megatron's now
         reference = reference_policy(spec, self.device)
         self.broadcaster = None
+        self._waited_for_group = False
         if spec.trainer.weight_transfer == "distributed" and self.group.leader:
             # The manifest from the whole model, before any sharding.
             self.broadcaster = WeightBroadcaster(
@@ -355,7 +359,12 @@ class Trainer:
         """Makes policy `version` (the whole model's `state`) the rollout engines': broadcast
         when the transfer group is up, else as a snapshot on disk; then announced. Returns
         how (distributed or disk) and the seconds it took."""
-        if self.broadcaster is not None and self.broadcaster.ready():
+        # The engines join while the trainer loads and takes its first step: its first
+        # version waits a little for them rather than go to disk seconds before they are in.
+        wait = 0.0 if self._waited_for_group else FIRST_VERSION_WAIT_SECONDS
+        self._waited_for_group = True
+        if self.broadcaster is not None and await asyncio.to_thread(self.broadcaster.ready,
+                                                                    wait):
             # Announced first, each engine starts receiving when it reads the announcement;
             # the step is announced only once the broadcast is done (the job's completion is
             # judged by it), as a snapshot's step is once the snapshot is written.
