@@ -268,16 +268,19 @@ def observe(job: RLJob, body: Any, figures: Figures | None = None) -> Observatio
         read = (_apps().read_namespaced_deployment if kind == "Deployment"
                 else _apps().read_namespaced_stateful_set)
         try:
-            status = read(name, namespace).status
+            workload = read(name, namespace)
         except ApiException as exc:
             if exc.status != 404:
                 raise
             found.append(Workload(component, desired))
             continue
+        status = workload.status
         found.append(Workload(component, desired, exists=True,
                               replicas=status.replicas or 0,
                               ready=status.ready_replicas or 0,
-                              updated=status.updated_replicas or 0))
+                              updated=status.updated_replicas or 0,
+                              current=(status.observed_generation or 0)
+                              >= (workload.metadata.generation or 0)))
 
     selector = ",".join(f"{k}={v}" for k, v in builders.selector_labels(job, "trainer").items())
     pods = _core().list_namespaced_pod(namespace, label_selector=selector).items
@@ -536,8 +539,11 @@ class ChildEvents:
         workload = next((w for w in observed.workloads if w.component == component),
                         None) if observed else None
         counts = (status.get("replicas") or 0, status.get("readyReplicas") or 0,
-                  status.get("updatedReplicas") or 0)
-        return workload is None or (workload.replicas, workload.ready, workload.updated) != counts
+                  status.get("updatedReplicas") or 0,
+                  (status.get("observedGeneration") or 0)
+                  >= (body["metadata"].get("generation") or 0))
+        return workload is None or (workload.replicas, workload.ready, workload.updated,
+                                    workload.current) != counts
 
     def forget(self, job: tuple[str, str]) -> None:
         self.pending.pop(job, None)

@@ -42,6 +42,9 @@ class Workload:
     replicas: int = 0
     ready: int = 0
     updated: int = 0
+    #: Its controller has seen its latest spec (status.observedGeneration); until then its
+    #: counts are from before a scale, a suspend or a resume, and say nothing of the new spec.
+    current: bool = True
 
 
 @dataclass(frozen=True)
@@ -173,12 +176,14 @@ def _phase(observed: Observation, conditions: list) -> str:
 
     missing = [w.component for w in observed.workloads if not w.exists]
     waiting = [w for w in observed.workloads
-               if w.exists and (w.ready < w.desired or w.replicas > w.desired)]
+               if w.exists and (not w.current or w.ready < w.desired or w.replicas > w.desired)]
     if missing:
         conditions.append((READY, False, NOT_CREATED, f"Not created yet: {', '.join(missing)}."))
     elif waiting:
         conditions.append((READY, False, NOT_READY, "; ".join(
-            f"{w.component} {w.ready}/{w.desired} ready" for w in waiting) + "."))
+            f"{w.component} {w.ready}/{w.desired} ready"
+            + ("" if w.current else ", its new spec not yet seen by its controller")
+            for w in waiting) + "."))
     else:
         conditions.append((READY, True, ALL_READY, "Every workload has its replicas ready."))
 

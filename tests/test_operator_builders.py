@@ -556,6 +556,15 @@ def test_not_ready_names_the_workloads():
     assert condition(status, "Ready")["message"] == "rollout 1/2 ready."
 
 
+def test_counts_from_before_the_latest_spec_are_not_ready():
+    # A resume's status read before the controller saw it: the counts are the old ones.
+    stale = (Workload("rollout", 1, exists=True, replicas=1, ready=1, current=False),)
+    status = compute_status(observation(workloads=stale), None)
+    assert status["phase"] == "Starting"
+    assert condition(status, "Ready")["message"] == \
+        "rollout 1/1 ready, its new spec not yet seen by its controller."
+
+
 def test_invalid_spec_is_failed_with_the_message():
     status = compute_status(observation(invalid="spec.rollout.replicas: must be >= 1"), None)
     assert status["phase"] == "Failed"
