@@ -109,6 +109,7 @@ class InProcessGate:
         self.accepted = 0
         self.running = 0
         self.groups: list[Group] = []
+        self.released: list[str] = []  # the reasons given
         self.peak_in_flight = 0
         self._changed = asyncio.Condition()
         self._ids = itertools.count()
@@ -140,6 +141,7 @@ class InProcessGate:
     async def release(self, slot: Slot, reason: str) -> None:
         async with self._changed:
             self.running -= 1
+            self.released.append(reason)
             self._changed.notify_all()
 
     async def set_version(self, version: int) -> None:

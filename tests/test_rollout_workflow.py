@@ -147,3 +147,44 @@ def test_group_ids_are_unique_across_workers_over_the_same_prompts(engine):
     ids = [g.group_id for g in gate.groups]
     assert len(ids) == 6 and len(set(ids)) == 6, ids
     assert all(g.group_id.startswith(f"{g.prompt_id}#") for g in gate.groups)
+
+
+class MixedWhereOdd:
+    """Every response to an even-numbered prompt gets 0; an odd one's first response gets 1."""
+
+    async def score(self, item, responses):
+        odd = int(item.prompt_id[1:]) % 2
+        return [float(odd and i == 0) for i in range(len(responses))]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_uniform_groups_are_skipped_and_their_budget_given_back(engine, skip):
+    """With skip_uniform, a group of equal rewards gives its slot back instead of being put.
+    The gate's budget is whole again: with eta = 0 and batches of 2, the workflow gets through
+    7 prompts (5 of them uniform) without the trainer advancing."""
+    from prometheus_client import generate_latest
+
+    from asyncrl.rollout.metrics import RolloutMetrics
+
+    gate = InProcessGate(max_staleness=0, batch_size=2)
+    metrics = RolloutMetrics("job")
+    prompts = [PromptItem(f"p{i}", [1 + i, 2 + i], reference=7) for i in (0, 2, 1, 4, 6, 8, 3)]
+    workflow = RolloutWorkflow(
+        prompts, generator=EngineGenerator(TorchInferenceEngine(engine)), scorer=MixedWhereOdd(),
+        gate=gate, group_size=3, params=SamplingParams(max_new_tokens=2), skip_uniform=skip,
+        on_skipped=lambda _group: metrics.observe_skipped_group())
+
+    async def scenario():
+        return await asyncio.wait_for(workflow.run(max_groups=None if skip else 2), 60)
+
+    stats = asyncio.run(scenario())
+    text = generate_latest(metrics.registry).decode()
+    if skip:
+        assert sorted(g.prompt_id for g in gate.groups) == ["p1", "p3"]
+        assert stats.groups_put == 2 and stats.groups_skipped == 5 and gate.running == 0
+        assert gate.released == ["every reward equal"] * 5
+        assert 'asyncrl_rollout_groups_skipped_total{rljob="job"} 5.0' in text
+    else:  # both uniform groups are put, and fill the gate
+        assert sorted(g.prompt_id for g in gate.groups) == ["p0", "p2"]
+        assert stats.groups_skipped == 0 and gate.released == []
+        assert 'asyncrl_rollout_groups_skipped_total{rljob="job"} 0.0' in text

@@ -126,6 +126,15 @@ class AlgorithmSpec(SpecModel):
     batch_size: int = Field(
         default=8, ge=1, description="Prompts (groups) consumed per training step."
     )
+    skip_uniform_groups: bool = Field(
+        default=False,
+        description="Drop a group whose responses all got the same reward instead of putting "
+        "it in the buffer: its advantages are all 0, so it teaches nothing and only dilutes "
+        "the step. The rollout worker gives its slot back and generates another, so every "
+        "step trains on batchSize groups that carry a signal (dynamic sampling, as in DAPO). "
+        "A task the model never (or always) solves then makes no steps; the rollout metric "
+        "asyncrl_rollout_groups_skipped_total counts the dropped groups.",
+    )
     max_staleness: int = Field(
         default=4,
         ge=0,

@@ -61,6 +61,12 @@ class RolloutMetrics:
             "Weight updates, by result (success or failure).",
             (*const_names, "result"), registry=registry,
         )
+        self.skipped_groups = Counter(
+            "asyncrl_rollout_groups_skipped_total",
+            "Groups dropped because every response got the same reward "
+            "(algorithm.skipUniformGroups).",
+            const_names, registry=registry,
+        )
         self.policy_version = Gauge(
             "asyncrl_rollout_policy_version", "Policy version the engine generates with.",
             const_names, registry=registry,
@@ -83,7 +89,8 @@ class RolloutMetrics:
             const_names, registry=registry, buckets=REQUEST_BUCKETS,
         )
         # Every series exists from the start (at zero), so rates and dashboards never see gaps.
-        for metric in (self.generated_tokens, self.interrupted_requests, self.policy_version,
+        for metric in (self.generated_tokens, self.interrupted_requests, self.skipped_groups,
+                       self.policy_version,
                        self.running_requests, self.waiting_requests,
                        self.weight_update_seconds, self.request_seconds):
             self._child(metric)
@@ -102,6 +109,9 @@ class RolloutMetrics:
         """Counts one finished (or aborted) request and how long it took."""
         self._child(self.requests, finish_reason=result.finish_reason).inc()
         self._child(self.request_seconds).observe(seconds)
+
+    def observe_skipped_group(self) -> None:
+        self._child(self.skipped_groups).inc()
 
     def observe_weight_update(self, update: WeightUpdate) -> None:
         self._child(self.weight_updates, result="success").inc()

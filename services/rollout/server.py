@@ -214,6 +214,8 @@ def _workflow_factory(settings: RolloutSettings, job, tokenizer, train, metrics)
                 max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
                 top_p=rollout.top_p, top_k=rollout.top_k,
             ),
+            skip_uniform=spec.algorithm.skip_uniform_groups,
+            on_skipped=lambda _group: metrics.observe_skipped_group(),
         )
         try:
             await workflow.run()

@@ -1,4 +1,5 @@
-"""The rollout workflow: prompt -> slot -> n responses -> scores -> a group in the buffer.
+"""The rollout workflow: prompt -> slot -> n responses -> scores -> a group in the buffer
+(or, with skip_uniform, dropped when every reward is equal: it carries no learning signal).
 
 Each group runs as its own asyncio task, so many groups (and the n responses inside each) are
 generated concurrently; the engine batches them. The staleness gate decides how many groups
@@ -67,6 +68,7 @@ class EngineGenerator:
 class WorkflowStats:
     groups_put: int = 0
     groups_failed: int = 0
+    groups_skipped: int = 0  # every reward equal, with skip_uniform
     samples: int = 0
     generated_tokens: int = 0
     rewards: list[float] = field(default_factory=list)
@@ -83,6 +85,8 @@ class RolloutWorkflow:
         group_size: int,
         params: SamplingParams,
         on_group: Callable[[Group], None] = lambda _: None,
+        skip_uniform: bool = False,
+        on_skipped: Callable[[Group], None] = lambda _: None,
     ):
         self._prompts = iter(prompts)
         self._generator = generator
@@ -91,6 +95,8 @@ class RolloutWorkflow:
         self._group_size = group_size
         self._params = params
         self._on_group = on_group
+        self._skip_uniform = skip_uniform
+        self._on_skipped = on_skipped
         # Group ids name this workflow too: every worker, and every restart of one, counts
         # from 0 over the same prompts.
         self._worker = uuid.uuid4().hex[:8]
@@ -129,6 +135,12 @@ class RolloutWorkflow:
             self.stats.groups_failed += 1
             await asyncio.shield(self._gate.release(slot, "generation failed"))
             raise
+        if self._skip_uniform and len({s.reward for s in group.samples}) == 1:
+            # Never accepted, so the staleness gate's budget is whole again for the next one.
+            await self._gate.release(slot, "every reward equal")
+            self.stats.groups_skipped += 1
+            self._on_skipped(group)
+            return
         try:
             await self._gate.put(slot, group)
         except Exception:  # e.g. the slot's lease expired: the group is lost, the worker is not
