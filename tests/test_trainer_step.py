@@ -3,7 +3,9 @@ import copy
 import pytest
 import torch
 
-from asyncrl.trainer.step import PolicyUpdater, TrainSample, UpdateConfig
+from asyncrl.algorithms.packing import balance_micro_batches
+from asyncrl.algorithms.ppo import decoupled_ppo_loss
+from asyncrl.trainer.step import PolicyUpdater, TrainSample, UpdateConfig, _pack
 from trainer_helpers import make_samples, tiny_model
 
 
@@ -86,8 +88,6 @@ def test_kl_penalty_needs_a_reference_and_pulls_towards_it():
 
 
 def _packed(sample):
-    from asyncrl.trainer.step import _pack
-
     return _pack([sample])
 
 
@@ -96,16 +96,15 @@ def _as_version(samples, version, *, except_index=None):
                         None if i == except_index else version) for i, s in enumerate(samples)]
 
 
-def test_engine_behaviour_logprobs_of_current_weights_equal_the_proximal_forward():
-    """What skipping the proximal forward rests on: a trajectory the engine sampled (untruncated,
-    at the job's temperature) from the weights the trainer holds has behaviour log-probs
-    equal to the trainer's proximal log-probs."""
+def test_engine_behaviour_logprobs_of_current_weights_equal_the_trainers():
+    """A trajectory the engine sampled (untruncated, at the job's temperature) from the weights
+    the trainer holds has behaviour log-probs equal to the trainer's log-probs of it."""
     from asyncrl.rollout.engine import TorchEngine
     from asyncrl.rollout.types import SamplingParams
 
     model = tiny_model()
     updater = PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                            UpdateConfig(temperature=0.7, untruncated_sampling=True))
+                            UpdateConfig(temperature=0.7))
     engine = TorchEngine(copy.deepcopy(model), max_running_requests=4, max_sequence_length=64,
                          seed=0).start()
     try:
@@ -124,37 +123,57 @@ def test_engine_behaviour_logprobs_of_current_weights_equal_the_proximal_forward
         torch.testing.assert_close(proximal[mask], behaviour[mask], atol=1e-4, rtol=0)
 
 
-def test_proximal_forward_is_skipped_only_for_samples_of_the_current_weights():
-    samples = make_samples(8, behaviour_noise=0.0)
-    # Behaviour = the current weights' own log-probs, as the engine would report them.
-    model = tiny_model()
-    scorer = PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1), UpdateConfig())
-    samples = [TrainSample(s.input_ids, s.loss_mask,
-                           torch.where(s.loss_mask, scorer._logprobs(model, _packed(s)).detach(),
-                                       torch.zeros(len(s.input_ids))), s.advantage)
-               for s in samples]
+def test_the_proximal_logprobs_are_the_training_forwards_and_match_a_separate_pass():
+    """One optimizer step per batch: the weights before the update are the training forward's,
+    so the step runs no proximal forward and updates exactly as the decoupled loss with a
+    separate proximal pass of those weights would."""
+    samples = make_samples(8)
+    model, manual = tiny_model(), tiny_model()
+    forwards = _forward_counter(model)
+    updater = PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            UpdateConfig(micro_batch_max_tokens=24))
+    stats = updater.step(samples, 3)
+    assert stats["micro_batches"] > 1
+    assert len(forwards) == stats["micro_batches"]  # the training forwards only
+    assert stats["clip_fraction"] == stats["approx_kl"] == 0.0
 
-    def run(batch, version, **config):
-        trained = tiny_model()
-        updater = PolicyUpdater(trained, torch.optim.SGD(trained.parameters(), lr=0.1),
-                                UpdateConfig(micro_batch_max_tokens=24, **config))
-        return updater.step(batch, version), trained
-
-    computed, with_forward = run(_as_version(samples, 3), None, untruncated_sampling=True)
-    skipped, without = run(_as_version(samples, 3), 3, untruncated_sampling=True)
-    assert computed["proximal_forwards_skipped"] == 0
-    assert skipped["proximal_forwards_skipped"] == skipped["micro_batches"] > 1
-    assert skipped["loss"] == pytest.approx(computed["loss"], abs=1e-6)
-    for a, b in zip(with_forward.parameters(), without.parameters()):
+    # The same update by hand: a no-grad proximal pass first, then the loss per micro-batch.
+    config = UpdateConfig(micro_batch_max_tokens=24)
+    reference = PolicyUpdater(manual, torch.optim.SGD(manual.parameters(), lr=0.1), config)
+    groups = balance_micro_batches([s.input_ids.numel() for s in samples], 24)
+    packed = [_pack([samples[i] for i in indices]) for indices in groups]
+    tokens = torch.tensor(float(sum(int(s.loss_mask.sum()) for s in samples)))
+    loss_sum = 0.0
+    for mb in packed:
+        with torch.no_grad():
+            proximal = reference._logprobs(manual, mb)
+        loss, _ = decoupled_ppo_loss(
+            reference._logprobs(manual, mb), proximal, mb.fields["behaviour_logprobs"],
+            mb.fields["advantages"], mb.fields["loss_mask"], clip_eps=0.2,
+            behaviour_weight_cap=5.0, num_global_tokens=tokens)
+        loss.backward()
+        loss_sum += float(loss.detach())
+    torch.nn.utils.clip_grad_norm_(manual.parameters(), 1.0)
+    reference.optimizer.step()
+    assert stats["loss"] == pytest.approx(loss_sum, abs=1e-6)
+    for a, b in zip(model.parameters(), manual.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
-    # One sample of another version keeps its micro-batch's forward; truncated sampling (top-p
-    # or top-k) or an older version keeps them all.
-    mixed, _ = run(_as_version(samples, 3, except_index=0), 3, untruncated_sampling=True)
-    assert mixed["proximal_forwards_skipped"] == mixed["micro_batches"] - 1
-    truncated, _ = run(_as_version(samples, 3), 3, untruncated_sampling=False)
-    older, _ = run(_as_version(samples, 2), 3, untruncated_sampling=True)
-    assert truncated["proximal_forwards_skipped"] == older["proximal_forwards_skipped"] == 0
+
+def test_training_runs_without_dropout():
+    """A model configured with dropout trains without it: the proximal log-probs are the
+    training forward's, which must be the policy's own (a dropped-out forward is not)."""
+    model = tiny_model()
+    model.get_input_embeddings().register_forward_hook(
+        lambda module, _, output: torch.nn.functional.dropout(output, 0.5, module.training))
+    updater = PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1), UpdateConfig())
+    samples = make_samples(4)
+    before = [updater._logprobs(model, _packed(s)).detach() for s in samples]
+    model.train()  # as a caller may leave it
+    again = [updater._logprobs(model, _packed(s)).detach() for s in samples]
+    assert any(not torch.equal(a, b) for a, b in zip(before, again))  # dropout is real here
+    updater.step(samples, 3)
+    assert not model.training
 
 
 def _forward_counter(model):
@@ -176,10 +195,7 @@ def test_loglinear_runs_no_proximal_forward_and_matches_recompute_on_older_token
     recomputed, recompute_forwards, with_forward = run()
     approximated, loglinear_forwards, without = run(proximal="loglinear")
     assert approximated["micro_batches"] > 1
-    assert recompute_forwards == 2 * recomputed["micro_batches"]
-    assert loglinear_forwards == approximated["micro_batches"]  # the training forwards only
-    assert approximated["proximal_forwards_skipped"] == approximated["micro_batches"]
-    assert recomputed["proximal_forwards_skipped"] == 0
+    assert loglinear_forwards == recompute_forwards == approximated["micro_batches"]
     # One optimizer step per batch: the proximal weights are the current ones, so for tokens
     # older than them the approximation is the recomputed value.
     assert torch.isfinite(torch.tensor(approximated["loss"]))

@@ -173,10 +173,11 @@ class AlgorithmSpec(SpecModel):
     )
     proximal: Literal["recompute", "loglinear"] = Field(
         default="recompute",
-        description="How the trainer gets the proximal policy's log-probs: recompute runs a "
-        "forward pass of the current weights before the update; loglinear (AReaL) interpolates "
-        "each token's log-prob between its behaviour and current values by policy version, "
-        "with no extra forward pass.",
+        description="How the trainer gets the proximal policy's log-probs: recompute takes "
+        "the current weights' own (the trainer makes one optimizer step per batch, so they are "
+        "its training forward's, with no extra pass); loglinear (AReaL) interpolates each "
+        "token's log-prob between its behaviour and current values by policy version, which "
+        "keeps the behaviour log-probs of tokens the current weights generated.",
     )
     learning_rate: float = Field(default=1e-6, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
