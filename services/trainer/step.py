@@ -1,6 +1,6 @@
 """One policy update: proximal log-probs (the training forward's own, or approximated with
-`loglinear`), decoupled PPO over token-balanced micro-batches, gradients summed across data-parallel ranks,
-one optimizer step.
+`loglinear`), decoupled PPO over token-balanced micro-batches, gradients summed across
+data-parallel ranks, one optimizer step.
 
 Precision: the model's parameters (the master weights) and the optimizer state stay float32;
 with `model.dtype: bfloat16` the forward passes run under bf16 autocast (on CPU and GPU), so
