@@ -245,6 +245,10 @@ def test_megatron_backend_is_accepted_with_its_parallel_sizes():
      "spec.model.dtype: bf16 autocast trains Megatron-Core's layers on CUDA only, and this "
      "trainer runs on CPUs (trainer.placement.gpus is 0) (got \"bfloat16\"); fix: use dtype: "
      "float32, or give the trainer GPUs"),
+    ({}, {"computeDtype": "bfloat16"},
+     "spec.trainer.computeDtype: bf16 autocast trains Megatron-Core's layers on CUDA only, and "
+     "this trainer runs on CPUs (trainer.placement.gpus is 0) (got \"bfloat16\"); fix: use "
+     "computeDtype: float32, or give the trainer GPUs"),
     ({}, {"sharding": "fsdp"},
      "spec.trainer.sharding: sharding fsdp is the pytorch backend's (FSDP); Megatron-Core splits "
      'a model with megatron.tensorParallel and pipelineParallel (got "fsdp"); fix: set '
@@ -520,3 +524,16 @@ def test_example_settings():
     assert gpu.spec.rollout.engine == "sglang" and gpu.spec.rollout.placement.gpus >= 1
     assert gpu.spec.buffer.redis.url and gpu.spec.buffer.redis.password_secret
     assert gpu.spec.rollout.placement.tolerations and gpu.spec.trainer.placement.node_selector
+
+
+def test_the_trainer_computes_in_its_own_dtype_or_the_models():
+    from asyncrl.trainer.step import UpdateConfig
+
+    def compute(model, trainer):
+        return UpdateConfig.from_spec(parse_manifest(manifest(model=model, trainer=trainer)).spec)
+
+    assert compute({}, {}).compute_dtype == "float32"
+    assert compute({"dtype": "bfloat16"}, {}).compute_dtype == "bfloat16"
+    # bf16 matmuls in the trainer, float32 weights for the rollout engines.
+    assert compute({}, {"computeDtype": "bfloat16"}).compute_dtype == "bfloat16"
+    assert compute({"dtype": "bfloat16"}, {"computeDtype": "float32"}).compute_dtype == "float32"

@@ -529,6 +529,13 @@ class TrainerSpec(SpecModel):
         "/update_weights_from_distributed); a version that cannot go that way (an engine "
         "missing or restarted) is written to disk instead.",
     )
+    compute_dtype: Literal["float32", "bfloat16"] | None = Field(
+        default=None,
+        description="What the trainer's forward and backward passes compute in: bfloat16 is "
+        "autocast over float32 master weights and optimizer state. Unset: model.dtype. "
+        "bfloat16 with model.dtype float32 trains at bf16 speed while the rollout engines "
+        "keep float32 weights, in which each step's small update is not rounded away.",
+    )
     checkpoint_every: int = Field(default=10, ge=1, description="Save a checkpoint every N steps.")
     eval_every: int = Field(default=10, ge=1, description="Evaluate every N steps.")
     resources: Resources = Field(default_factory=Resources, description="Per-pod resources.")
@@ -583,6 +590,11 @@ class RLJobSpec(SpecModel):
         description="Stop all workers while keeping the job's state; set back to false to resume.",
     )
 
+    @property
+    def trainer_compute_dtype(self) -> str:
+        """The dtype the trainer computes in (trainer.computeDtype, else model.dtype)."""
+        return self.trainer.compute_dtype or self.model.dtype
+
     @model_validator(mode="after")
     def _sections_agree(self) -> RLJobSpec:
         expected = _REWARD_FOR_DATASET[self.dataset.kind]
@@ -594,7 +606,7 @@ class RLJobSpec(SpecModel):
                 fix=f"set reward.kind: {expected}",
             )
         if self.trainer.backend == "megatron":
-            _check_megatron(self.model, self.trainer)
+            _check_megatron(self.model, self.trainer, self.trainer_compute_dtype)
         if self.trainer.micro_batch_max_tokens < self.rollout.max_new_tokens:
             raise rule_error(
                 f"a micro-batch of {self.trainer.micro_batch_max_tokens} tokens cannot hold one "
@@ -606,7 +618,7 @@ class RLJobSpec(SpecModel):
         return self
 
 
-def _check_megatron(model: ModelSpec, trainer: TrainerSpec) -> None:
+def _check_megatron(model: ModelSpec, trainer: TrainerSpec, compute_dtype: str) -> None:
     """Megatron's parallel sizes against the model's shape (where the spec knows it: builtin
     models; the trainer checks a local model when it loads it), then against the trainer's
     process count, then against what runs so far."""
@@ -618,13 +630,14 @@ def _check_megatron(model: ModelSpec, trainer: TrainerSpec) -> None:
     if problem:
         field, message, fix = problem
         raise rule_error(message, field=f"trainer.megatron.{field}", fix=fix)
-    if model.dtype == "bfloat16" and not trainer.placement.gpus:
+    if compute_dtype == "bfloat16" and not trainer.placement.gpus:
         # megatron/core/tensor_parallel/layers.py wraps its matmuls in autocast's custom_fwd/
         # custom_bwd for device "cuda": under CPU autocast their backward mixes bf16 and fp32.
+        field = "trainer.computeDtype" if trainer.compute_dtype else "model.dtype"
         raise rule_error(
             "bf16 autocast trains Megatron-Core's layers on CUDA only, and this trainer runs "
-            "on CPUs (trainer.placement.gpus is 0)", field="model.dtype",
-            fix="use dtype: float32, or give the trainer GPUs")
+            "on CPUs (trainer.placement.gpus is 0)", field=field,
+            fix=f"use {field.split('.')[-1]}: float32, or give the trainer GPUs")
     processes = trainer.replicas * trainer.processes_per_replica
     model_parallel = megatron.tensor_parallel * megatron.pipeline_parallel
     if processes % model_parallel:

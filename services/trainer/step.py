@@ -3,9 +3,9 @@
 data-parallel ranks, one optimizer step.
 
 Precision: the model's parameters (the master weights) and the optimizer state stay float32;
-with `model.dtype: bfloat16` the forward passes run under bf16 autocast (on CPU and GPU), so
-matmuls are bf16 while updates are never rounded to bf16 (a 5e-6 learning rate would vanish
-in a bf16 weight). The published snapshot is cast to the model's dtype.
+with bfloat16 (`trainer.computeDtype`, else `model.dtype`) the forward passes run under bf16
+autocast (on CPU and GPU), so matmuls are bf16 while updates are never rounded to bf16 (a 5e-6
+learning rate would vanish in a bf16 weight). The published snapshot is cast to `model.dtype`.
 
 The trainer service wraps this in its GetBatch -> update -> Ack -> publish loop; this module
 knows nothing about the buffer, Redis or gRPC.
@@ -91,7 +91,7 @@ class UpdateConfig:
             max_grad_norm=algorithm.max_grad_norm,
             temperature=spec.rollout.temperature,
             micro_batch_max_tokens=spec.trainer.micro_batch_max_tokens,
-            compute_dtype=spec.model.dtype,
+            compute_dtype=spec.trainer_compute_dtype,
         )
 
 
