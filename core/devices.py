@@ -53,3 +53,14 @@ def select_device(gpus_requested: int, local_rank: int = 0) -> torch.device:
 def distributed_backend(device: torch.device) -> str:
     """torch.distributed backend for tensors on `device`: NCCL on GPU, gloo on CPU."""
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` computes bf16 matmuls natively (a CUDA GPU; a CPU with AVX-512 BF16 or
+    AMX). Elsewhere bf16 autocast is emulated and slower than float32."""
+    if device.type == "cuda":
+        return True
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch without oneDNN (or without this probe)
+        return False

@@ -240,3 +240,19 @@ def test_loglinear_needs_versions():
         updater.step(make_samples(2), 3)
     with pytest.raises(ValueError, match="proximal must be one of"):
         PolicyUpdater(model, updater.optimizer, UpdateConfig(proximal="approx"))
+
+
+def test_bf16_on_a_cpu_that_emulates_it_is_warned_about(monkeypatch, caplog):
+    import asyncrl.trainer.step as step
+
+    model = tiny_model()
+    monkeypatch.setattr(step, "native_bf16", lambda device: False)
+    PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                  UpdateConfig(compute_dtype="bfloat16"))
+    assert "trainer.computeDtype: float32" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(step, "native_bf16", lambda device: True)
+    PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                  UpdateConfig(compute_dtype="bfloat16"))
+    PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1), UpdateConfig())
+    assert caplog.text == ""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -33,8 +34,11 @@ from asyncrl.algorithms.ppo import (
     kl_penalty,
     loglinear_proximal_logprobs,
 )
+from asyncrl.devices import native_bf16
 from asyncrl.models import load_policy, packed_token_logprobs
 from asyncrl.packed_attention import use_packed_attention
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,9 @@ class PolicyUpdater:
                 use_packed_attention(policy)
         self.model = model
         self.device = next(model.parameters()).device
+        if config.compute_dtype == "bfloat16" and not native_bf16(self.device):
+            log.warning("the trainer computes in bfloat16, which this %s emulates: slower than "
+                        "float32 here (set trainer.computeDtype: float32)", self.device.type)
         # The ranks whose samples make up the global batch (None: all of them); a backend
         # that splits layers across ranks (Megatron's tensor parallel) names its own.
         self.data_group = getattr(model, "data_parallel_group", None)
