@@ -183,8 +183,8 @@ def test_uniform_groups_are_skipped_and_their_budget_given_back(engine, skip):
         assert sorted(g.prompt_id for g in gate.groups) == ["p1", "p3"]
         assert stats.groups_put == 2 and stats.groups_skipped == 5 and gate.running == 0
         assert gate.released == ["every reward equal"] * 5
-        assert 'asyncrl_rollout_groups_skipped_total{rljob="job"} 5.0' in text
+        assert 'asyncrl_rollout_skipped_groups_total{rljob="job"} 5.0' in text
     else:  # both uniform groups are put, and fill the gate
         assert sorted(g.prompt_id for g in gate.groups) == ["p0", "p2"]
         assert stats.groups_skipped == 0 and gate.released == []
-        assert 'asyncrl_rollout_groups_skipped_total{rljob="job"} 0.0' in text
+        assert 'asyncrl_rollout_skipped_groups_total{rljob="job"} 0.0' in text

@@ -133,7 +133,7 @@ class AlgorithmSpec(SpecModel):
         "the step. The rollout worker gives its slot back and generates another, so every "
         "step trains on batchSize groups that carry a signal (dynamic sampling, as in DAPO). "
         "A task the model never (or always) solves then makes no steps; the rollout metric "
-        "asyncrl_rollout_groups_skipped_total counts the dropped groups.",
+        "asyncrl_rollout_skipped_groups_total counts the dropped groups.",
     )
     max_staleness: int = Field(
         default=4,

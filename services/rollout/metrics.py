@@ -62,7 +62,7 @@ class RolloutMetrics:
             (*const_names, "result"), registry=registry,
         )
         self.skipped_groups = Counter(
-            "asyncrl_rollout_groups_skipped_total",
+            "asyncrl_rollout_skipped_groups_total",
             "Groups dropped because every response got the same reward "
             "(algorithm.skipUniformGroups).",
             const_names, registry=registry,
