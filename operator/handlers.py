@@ -36,6 +36,7 @@ from asyncrl.operator.status import (
     TrainerStatus,
     Workload,
     compute_status,
+    seen_by_controller,
     status_changes,
     trainer_failure,
 )
@@ -279,8 +280,8 @@ def observe(job: RLJob, body: Any, figures: Figures | None = None) -> Observatio
                               replicas=status.replicas or 0,
                               ready=status.ready_replicas or 0,
                               updated=status.updated_replicas or 0,
-                              current=(status.observed_generation or 0)
-                              >= (workload.metadata.generation or 0)))
+                              current=seen_by_controller(status.observed_generation,
+                                                         workload.metadata.generation)))
 
     selector = ",".join(f"{k}={v}" for k, v in builders.selector_labels(job, "trainer").items())
     pods = _core().list_namespaced_pod(namespace, label_selector=selector).items
@@ -540,8 +541,8 @@ class ChildEvents:
                         None) if observed else None
         counts = (status.get("replicas") or 0, status.get("readyReplicas") or 0,
                   status.get("updatedReplicas") or 0,
-                  (status.get("observedGeneration") or 0)
-                  >= (body["metadata"].get("generation") or 0))
+                  seen_by_controller(status.get("observedGeneration"),
+                                     body["metadata"].get("generation")))
         return workload is None or (workload.replicas, workload.ready, workload.updated,
                                     workload.current) != counts
 

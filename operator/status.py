@@ -47,6 +47,11 @@ class Workload:
     current: bool = True
 
 
+def seen_by_controller(observed_generation: int | None, generation: int | None) -> bool:
+    """Whether a workload's controller has acted on its latest spec (Workload.current)."""
+    return (observed_generation or 0) >= (generation or 0)
+
+
 @dataclass(frozen=True)
 class BufferStats:
     trainer_version: int
