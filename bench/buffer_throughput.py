@@ -14,6 +14,9 @@ redis-benchmark runs SET with N clients and values of one sample's stored size a
 fresh, like-configured redis-server just before and just after the buffer (their mean is the
 baseline: the machine is shared); the ratio is the buffer's samples/s to it. Every cell ends
 by checking that each group a worker put was trained, dropped as stale or is still waiting.
+Between the two, the same workers put into a server with the buffer's gRPC handlers that
+does no work at all ("gRPC only"): the ceiling of any buffer written as a Python gRPC service
+with these clients sharing these cores.
 
     .venv/bin/python bench/buffer_throughput.py [--seconds 10] [--workers 32 128]
         [--tokens 1024 8192] [--in-flight 1] [--replicas 1] [--profile DIR]
@@ -40,7 +43,10 @@ from pathlib import Path
 import redis
 import yaml
 
+from asyncrl import grpc_service
 from asyncrl.buffer.client import BufferClient
+from asyncrl.buffer.server import BufferServicer, add_servicer
+from asyncrl.heap import reuse_large_blocks
 from asyncrl.redis_keys import key
 from asyncrl.redis_server import RedisServer, free_port
 from asyncrl.v1 import buffer_pb2, common_pb2
@@ -198,6 +204,7 @@ class Cell:
     put_per_s: float
     samples_per_s: float
     redis_set_per_s: float
+    grpc_only_per_s: float
     stale: int
     lost: int
 
@@ -208,6 +215,10 @@ class Cell:
     @property
     def ratio(self) -> float:
         return self.samples_per_s / self.redis_set_per_s
+
+    @property
+    def grpc_only_ratio(self) -> float:
+        return self.grpc_only_per_s / self.redis_set_per_s
 
 
 def _totals(client: redis.Redis) -> dict[str, int]:
@@ -220,13 +231,47 @@ def batch_groups(group: buffer_pb2.EncodedGroup) -> int:
     return min(BATCH_GROUPS, BATCH_BYTES // len(group.SerializeToString()))
 
 
+def _drive(addresses: list[str], workers: int, in_flight: int, group: buffer_pb2.EncodedGroup,
+           seconds: float, totals, with_trainer: bool = True) -> tuple[dict[str, float], list]:
+    """Runs `workers` worker processes (spread over `addresses`) and, `with_trainer`, the
+    trainer process; once all are connected and warmed up, the rate per second of each of
+    `totals()`'s counts over `seconds`, and what the processes reported when they ended."""
+    # fork: the children share the built group and import nothing again (128 interpreters
+    # starting from scratch would take longer than the measurement on 2 cores).
+    context = multiprocessing.get_context("fork")
+    run_for = WARMUP_SECONDS + seconds + 0.5
+    start = context.Barrier(workers + 1 + with_trainer)
+    version = context.Value("q", 0, lock=False)
+    results = context.Queue()
+    children = [context.Process(target=_trainer, args=(
+        addresses[0], batch_groups(group), run_for, version, start, results))
+        for _ in range(with_trainer)]
+    children += [context.Process(target=_worker, args=(
+        addresses[i % len(addresses)], f"w{i}", group, in_flight, run_for, version, start,
+        results))
+        for i in range(workers)]
+    try:
+        for child in children:
+            child.start()
+        start.wait(timeout=120)
+        time.sleep(WARMUP_SECONDS)
+        began, before = time.monotonic(), totals()
+        time.sleep(seconds)
+        ended, after = time.monotonic(), totals()
+        reported = [results.get(timeout=60) for _ in children]
+        for child in children:
+            child.join(timeout=30)
+    finally:
+        for child in children:
+            if child.is_alive():
+                child.kill()
+    return {name: (after[name] - before[name]) / (ended - began) for name in after}, reported
+
+
 def run_buffer(workers: int, in_flight: int, tokens: int, seconds: float, replicas: int,
                profile: Path | None) -> tuple[float, float, int, int]:
     """Samples/s put and samples/s acknowledged by the trainer, groups dropped as stale, and
     how many put groups went missing."""
-    # fork: the children share the built group and import nothing again (128 interpreters
-    # starting from scratch would take longer than the measurement on 2 cores).
-    context = multiprocessing.get_context("fork")
     group = make_group(tokens, seed=tokens)
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis") as server:
         job_file = _write_job(Path(tmp) / "job.yaml", workers, in_flight, batch_groups(group))
@@ -235,29 +280,10 @@ def run_buffer(workers: int, in_flight: int, tokens: int, seconds: float, replic
             job_file, server.url, port,
             profile / f"buffer-{workers}w-{tokens}t-{i}.prof" if profile else None))
             for i, port in enumerate(ports)]
-        addresses = [f"127.0.0.1:{port}" for port in ports]
-        run_for = WARMUP_SECONDS + seconds + 0.5
-        start = context.Barrier(workers + 2)
-        version = context.Value("q", 0, lock=False)
-        results = context.Queue()
-        children = [context.Process(target=_trainer, args=(
-            addresses[0], batch_groups(group), run_for, version, start, results))]
-        children += [context.Process(target=_worker, args=(
-            addresses[i % replicas], f"w{i}", group, in_flight, run_for, version, start,
-            results))
-            for i in range(workers)]
         client = redis.Redis(port=server.port)
         try:
-            for child in children:
-                child.start()
-            start.wait(timeout=120)
-            time.sleep(WARMUP_SECONDS)
-            began, before = time.monotonic(), _totals(client)
-            time.sleep(seconds)
-            ended, after = time.monotonic(), _totals(client)
-            reported = [results.get(timeout=60) for _ in children]
-            for child in children:
-                child.join(timeout=30)
+            rates, reported = _drive([f"127.0.0.1:{port}" for port in ports], workers,
+                                     in_flight, group, seconds, lambda: _totals(client))
             final = _totals(client)
             put = sum(count for kind, count in reported if kind == "put")
             waiting = client.xlen(key(JOB, "groups"))
@@ -267,16 +293,76 @@ def run_buffer(workers: int, in_flight: int, tokens: int, seconds: float, replic
                 final["accepted"] - final["consumed"] - final["dropped_stale"] - waiting)
         finally:
             client.close()
-            for child in children:
-                if child.is_alive():
-                    child.kill()
             for buffer in buffers:
                 buffer.send_signal(signal.SIGINT)  # a clean exit writes the profile
             for buffer in buffers:
                 buffer.wait(timeout=30)
-    rates = [(after[name] - before[name]) * GROUP_SIZE / (ended - began)
-             for name in ("accepted", "consumed")]
-    return *rates, final["dropped_stale"], lost
+    return (rates["accepted"] * GROUP_SIZE, rates["consumed"] * GROUP_SIZE,
+            final["dropped_stale"], lost)
+
+
+class _GrpcOnly(BufferServicer):
+    """The buffer's gRPC face without its work: the same handlers (puts read as
+    EncodedPutGroupRequest), every slot granted and every put accepted and counted, nothing
+    checked or stored and no Redis. Its rate is the most a buffer written as a Python gRPC
+    service could reach here, with these clients on the same cores."""
+
+    def __init__(self, puts: multiprocessing.Value):
+        self._puts, self._ids = puts, itertools.count()
+
+    async def AcquireSlot(self, request, context):
+        return buffer_pb2.AcquireSlotResponse(granted=True, slot_id=f"slot-{next(self._ids)}",
+                                              lease_expires_unix_ms=_an_hour_from_now())
+
+    async def Heartbeat(self, request, context):
+        return buffer_pb2.HeartbeatResponse(alive=True, lease_expires_unix_ms=_an_hour_from_now())
+
+    async def ReleaseSlot(self, request, context):
+        return buffer_pb2.ReleaseSlotResponse(released=True)
+
+    async def PutGroup(self, request, context):
+        self._puts.value += 1
+        return buffer_pb2.PutGroupResponse(
+            accepted=True, accepted_total=self._puts.value,
+            next_slot=await self.AcquireSlot(request, context) if request.acquire_next else None)
+
+
+def _an_hour_from_now() -> int:
+    return int(time.time() * 1000) + 3_600_000
+
+
+def _serve_grpc_only(port: int, puts: multiprocessing.Value, stop) -> None:
+    async def run() -> None:
+        reuse_large_blocks()  # as `asyncrl serve buffer` does
+
+        async def can_work() -> bool:
+            return True
+
+        server = await grpc_service.start_server(
+            "gRPC-only buffer", f"127.0.0.1:{port}",
+            lambda server: add_servicer(_GrpcOnly(puts), server), can_work)
+        await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+        await server.stop(grace=None)
+
+    asyncio.run(run())
+
+
+def run_grpc_only(workers: int, in_flight: int, tokens: int, seconds: float) -> float:
+    """Samples/s the workers put into a `_GrpcOnly` server (one process, no trainer)."""
+    context = multiprocessing.get_context("fork")
+    puts, stop, port = context.Value("q", 0, lock=False), context.Event(), free_port()
+    server = context.Process(target=_serve_grpc_only, args=(port, puts, stop))
+    server.start()
+    try:
+        rates, _ = _drive([f"127.0.0.1:{port}"], workers, in_flight,
+                          make_group(tokens, seed=tokens), seconds,
+                          lambda: {"put": puts.value}, with_trainer=False)
+    finally:
+        stop.set()
+        server.join(timeout=30)
+        if server.is_alive():
+            server.kill()
+    return rates["put"] * GROUP_SIZE
 
 
 def redis_set_rate(workers: int, value_bytes: int, seconds: float) -> float:
@@ -318,23 +404,27 @@ def main() -> None:
             before = redis_set_rate(workers, size, args.seconds / 2)
             put, trained, stale, lost = run_buffer(workers, args.in_flight, tokens,
                                                    args.seconds, args.replicas, args.profile)
+            grpc_only = run_grpc_only(workers, args.in_flight, tokens, args.seconds)
             after = redis_set_rate(workers, size, args.seconds / 2)
             cells.append(Cell(workers, tokens, size, batch_groups(group), put, trained,
-                              (before + after) / 2, stale, lost))
+                              (before + after) / 2, grpc_only, stale, lost))
 
     print(f"buffer ({args.replicas} replica(s)) vs redis-benchmark SET, Redis AOF appendfsync "
           f"always; groups of {GROUP_SIZE} samples, {args.in_flight} under way per worker, "
           f"{args.seconds:g} s per cell")
     print("samples/s: put by the workers / trained (acknowledged); tokens/s and the ratio to "
-          "redis-benchmark's SET/s from the trained ones")
+          "redis-benchmark's SET/s from the trained ones; gRPC only: samples/s the same workers "
+          "put into a server with the buffer's gRPC handlers that does no work (no trainer, no "
+          "Redis), and its ratio: the ceiling of a Python gRPC buffer with these clients on "
+          "these cores")
     print(f"{'workers':>7} {'tokens':>6} {'B/sample':>8} {'batch':>5} {'put/s':>7} "
-          f"{'samples/s':>10} {'tokens/s':>11} {'redis SET/s':>11} {'ratio':>6} {'stale':>5} "
-          f"{'lost':>4}")
+          f"{'samples/s':>10} {'tokens/s':>11} {'redis SET/s':>11} {'ratio':>6} "
+          f"{'gRPC only':>9} {'ratio':>6} {'stale':>5} {'lost':>4}")
     for c in cells:
         print(f"{c.workers:>7} {c.tokens:>6} {c.bytes_per_sample:>8,} {c.batch_groups:>5} "
               f"{c.put_per_s:>7,.0f} {c.samples_per_s:>10,.0f} "
               f"{c.tokens_per_s:>11,.0f} {c.redis_set_per_s:>11,.0f} {c.ratio:>6.0%} "
-              f"{c.stale:>5} {c.lost:>4}")
+              f"{c.grpc_only_per_s:>9,.0f} {c.grpc_only_ratio:>6.0%} {c.stale:>5} {c.lost:>4}")
     best = max(cells, key=lambda c: c.tokens_per_s)
     per_replica = best.tokens_per_s / args.replicas
     print(f"one buffer replica sustains {per_replica:,.0f} tokens/s "
