@@ -58,6 +58,8 @@ class RunProgress:
             table.add_row("buffer depth (groups)", str(stats.depth_groups))
             table.add_row("rollouts in flight", str(stats.running_slots))
             table.add_row("dropped stale", str(stats.dropped_stale_total))
+            if stats.skipped_uniform_total:
+                table.add_row("skipped, every reward equal", str(stats.skipped_uniform_total))
         step_rate = _rate(self._steps)
         eta = (self.max_steps - step) / step_rate if step_rate > 0 else None
         table.add_row("ETA", _duration(eta) if eta is not None else "-")

@@ -14,7 +14,7 @@ LAYOUT: dict[str, str] = {
     "config": "hash: max_staleness, batch_size, max_concurrent (0 = unlimited), lease_ms, "
               "ack_timeout_ms",
     "state": "hash: trainer_version, trainer_step, accepted, consumed, dropped_stale, "
-             "redelivered, expired",
+             "redelivered, expired, skipped_uniform",
     "slots": "zset: granted slot id -> lease expiry (ms, Redis clock)",
     "put:<slot>": "string: stream id of the group put with that slot (PutGroup retries are "
                   "idempotent)",

@@ -144,6 +144,9 @@ class InProcessGate:
             self.released.append(reason)
             self._changed.notify_all()
 
+    async def skip(self, slot: Slot) -> None:
+        await self.release(slot, "every reward equal")
+
     async def set_version(self, version: int) -> None:
         async with self._changed:
             self.trainer_version = version

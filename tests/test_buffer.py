@@ -97,6 +97,25 @@ def test_concurrency_limit(stub):
     assert acquire(stub, "capped").granted
 
 
+def test_skipped_groups_give_their_slot_back_and_are_counted_once(stub):
+    """A release for a group dropped with every reward equal frees the slot like any release,
+    and counts it as skipped; a repeated release (a retry) counts nothing more."""
+    slots = [acquire(stub, "capped") for _ in range(3)]
+    assert all(s.granted for s in slots) and not acquire(stub, "capped").granted
+
+    def release(slot, uniform):
+        return stub.ReleaseSlot(buffer_pb2.ReleaseSlotRequest(
+            job="capped", slot_id=slot.slot_id, reason="every reward equal",
+            uniform_rewards=uniform), timeout=10).released
+
+    assert release(slots[0], True) and release(slots[1], False)
+    assert not release(slots[0], True)  # no longer held
+    snapshot = stats(stub, "capped")
+    assert (snapshot.skipped_uniform_total, snapshot.running_slots) == (1, 1)
+    assert snapshot.accepted_total == 0
+    assert acquire(stub, "capped").granted and acquire(stub, "capped").granted
+
+
 def test_batches_are_whole_groups_oldest_first_and_acknowledged(stub):
     job = "eta4"
     for index in range(7):

@@ -188,3 +188,31 @@ def test_uniform_groups_are_skipped_and_their_budget_given_back(engine, skip):
         assert sorted(g.prompt_id for g in gate.groups) == ["p0", "p2"]
         assert stats.groups_skipped == 0 and gate.released == []
         assert 'asyncrl_rollout_skipped_groups_total{rljob="job"} 0.0' in text
+
+
+def test_a_run_of_skipped_groups_warns_that_no_step_may_come(engine, monkeypatch, caplog):
+    """Skipped groups in a row warn, naming the field, at the threshold and at each doubling
+    of it; a put group starts the count again."""
+    from asyncrl.rollout import workflow as workflow_module
+
+    monkeypatch.setattr(workflow_module, "SKIP_STREAK_WARNING", 2)
+    gate = InProcessGate(max_staleness=0, batch_size=8)
+    prompts = [PromptItem(f"p{i}", [1 + i, 2 + i], reference=7) for i in (0, 2, 4, 6, 8, 1)]
+    workflow = RolloutWorkflow(
+        prompts, generator=EngineGenerator(TorchInferenceEngine(engine)), scorer=MixedWhereOdd(),
+        gate=gate, group_size=3, params=SamplingParams(max_new_tokens=2), skip_uniform=True)
+
+    async def scenario():
+        return await asyncio.wait_for(workflow.run(max_groups=5), 60)  # the five uniform ones
+
+    with caplog.at_level("WARNING", logger="asyncrl.rollout.workflow"):
+        stats = asyncio.run(scenario())
+    warnings = [r.getMessage() for r in caplog.records]
+    assert stats.groups_skipped == 5 and stats.skipped_in_a_row == 5
+    assert [w.split(" groups")[0] for w in warnings] == ["the last 2", "the last 4"]
+    assert all("algorithm.skipUniformGroups" in w and "(the last one: 0)" in w for w in warnings)
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="asyncrl.rollout.workflow"):
+        stats = asyncio.run(asyncio.wait_for(workflow.run(), 60))  # p1, which is put
+    assert stats.groups_put == 1 and stats.skipped_in_a_row == 0 and not caplog.records

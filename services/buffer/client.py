@@ -130,11 +130,15 @@ class BufferClient:
                 else:
                     waiter.set_result(result)
 
-    async def release(self, slot: Slot, reason: str) -> None:
+    async def release(self, slot: Slot, reason: str, *, uniform_rewards: bool = False) -> None:
         self._stop_heartbeat(slot)
         await self._with_retries(lambda: self.stub.ReleaseSlot(
-            buffer_pb2.ReleaseSlotRequest(job=self.job, slot_id=slot.slot_id, reason=reason),
+            buffer_pb2.ReleaseSlotRequest(job=self.job, slot_id=slot.slot_id, reason=reason,
+                                          uniform_rewards=uniform_rewards),
             timeout=10))
+
+    async def skip(self, slot: Slot) -> None:
+        await self.release(slot, "every reward equal", uniform_rewards=True)
 
     def _hold(self, slot_id: str) -> Slot:
         """A granted slot, whose lease is kept alive until it is put or released."""

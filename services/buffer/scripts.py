@@ -60,9 +60,14 @@ redis.call('ZADD', p .. 'slots', 'XX', expires, ARGV[2])
 return {1, expires}
 """
 
-# ARGV: prefix, slot id.  -> 1 released | 0 not held
+# ARGV: prefix, slot id, '1' when its group was skipped (every reward equal) else ''.
+# -> 1 released | 0 not held
 RELEASE = """
-return redis.call('ZREM', ARGV[1] .. 'slots', ARGV[2])
+local released = redis.call('ZREM', ARGV[1] .. 'slots', ARGV[2])
+if released == 1 and ARGV[3] == '1' then
+  redis.call('HINCRBY', ARGV[1] .. 'state', 'skipped_uniform', 1)
+end
+return released
 """
 
 # Runs in one transaction right after `SET group:<slot> <bytes> NX EX <seconds>`, which it

@@ -76,7 +76,8 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
 
     @_mapped
     async def ReleaseSlot(self, request, context):
-        released = await self._store.release_slot(request.job, request.slot_id)
+        released = await self._store.release_slot(request.job, request.slot_id,
+                                                  uniform_rewards=request.uniform_rewards)
         return buffer_pb2.ReleaseSlotResponse(released=released)
 
     @_mapped

@@ -129,6 +129,7 @@ class Stats:
     redelivered_total: int
     expired_slots_total: int
     staleness_counts: list[int]
+    skipped_uniform_total: int = 0
 
 
 class BufferStore:
@@ -190,8 +191,12 @@ class BufferStore:
         reply = await self._run("HEARTBEAT", self.job(job_name), _required(slot_id, "slot_id"))
         return (True, int(reply[1])) if reply[0] == 1 else (False, 0)
 
-    async def release_slot(self, job_name: str, slot_id: str) -> bool:
-        return bool(await self._run("RELEASE", self.job(job_name), _required(slot_id, "slot_id")))
+    async def release_slot(self, job_name: str, slot_id: str, *,
+                           uniform_rewards: bool = False) -> bool:
+        """Gives a slot back unused; `uniform_rewards`: its group was generated and dropped by
+        the worker, every reward equal (counted once, by the release that frees the slot)."""
+        return bool(await self._run("RELEASE", self.job(job_name), _required(slot_id, "slot_id"),
+                                    "1" if uniform_rewards else ""))
 
     async def put_group(
         self, job_name: str, slot_id: str, group_id: str, oldest_version: int,
@@ -379,6 +384,7 @@ class BufferStore:
             redelivered_total=state.get("redelivered", 0),
             expired_slots_total=state.get("expired", 0),
             staleness_counts=counts,
+            skipped_uniform_total=state.get("skipped_uniform", 0),
         )
 
 

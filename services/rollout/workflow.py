@@ -27,6 +27,11 @@ from asyncrl.samples import Group, Slot, Trajectory
 
 log = logging.getLogger(__name__)
 
+#: Skipped groups in a row after which the worker warns that the job may make no steps (and
+#: again at twice as many, and so on). A run of 50 is all but impossible while the model
+#: solves a real share of its prompts: it means the task is out of its reach, or fully in it.
+SKIP_STREAK_WARNING = 50
+
 
 class Generator(Protocol):
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult: ...
@@ -46,6 +51,10 @@ class SlotGate(Protocol):
         """Stores the group and releases its slot (a next slot only when one is asked for)."""
 
     async def release(self, slot: Slot, reason: str) -> None: ...
+
+    async def skip(self, slot: Slot) -> None:
+        """Gives the slot back: its group was generated, and every response got the same
+        reward (counted as skipped)."""
 
 
 class EngineGenerator:
@@ -69,6 +78,7 @@ class WorkflowStats:
     groups_put: int = 0
     groups_failed: int = 0
     groups_skipped: int = 0  # every reward equal, with skip_uniform
+    skipped_in_a_row: int = 0
     samples: int = 0
     generated_tokens: int = 0
     rewards: list[float] = field(default_factory=list)
@@ -137,9 +147,8 @@ class RolloutWorkflow:
             raise
         if self._skip_uniform and len({s.reward for s in group.samples}) == 1:
             # Never accepted, so the staleness gate's budget is whole again for the next one.
-            await self._gate.release(slot, "every reward equal")
-            self.stats.groups_skipped += 1
-            self._on_skipped(group)
+            await self._gate.skip(slot)
+            self._count_skipped(group)
             return
         try:
             await self._gate.put(slot, group)
@@ -148,10 +157,26 @@ class RolloutWorkflow:
             log.warning("group %s was not accepted by the buffer", group.group_id, exc_info=True)
             return
         self.stats.groups_put += 1
+        self.stats.skipped_in_a_row = 0
         self.stats.samples += len(group.samples)
         self.stats.generated_tokens += sum(len(s.response_ids) for s in group.samples)
         self.stats.rewards.extend(s.reward for s in group.samples)
         self._on_group(group)
+
+    def _count_skipped(self, group: Group) -> None:
+        stats = self.stats
+        stats.groups_skipped += 1
+        stats.skipped_in_a_row += 1
+        self._on_skipped(group)
+        streak = stats.skipped_in_a_row
+        multiple, rest = divmod(streak, SKIP_STREAK_WARNING)
+        if rest == 0 and multiple & (multiple - 1) == 0:  # at 1, 2, 4, ... times the threshold
+            log.warning(
+                "the last %d groups each got one reward for all their responses (the last one: "
+                "%g), and algorithm.skipUniformGroups drops such groups: while this goes on the "
+                "trainer gets no batch. Give the model prompts it solves sometimes but not "
+                "always (e.g. dataset.difficulty), raise rollout.temperature, or set "
+                "algorithm.skipUniformGroups: false", streak, group.samples[0].reward)
 
     async def _generate_group(self, item: PromptItem, started_ms: int) -> Group:
         began = time.perf_counter()
