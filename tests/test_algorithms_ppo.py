@@ -374,3 +374,40 @@ def test_loglinear_proximal_argument_errors():
     with pytest.raises(ValueError, match="behaviour_logprobs"):
         loglinear_proximal_logprobs(two[:1], two, torch.tensor([0, 1]),
                                     proximal_version=1, current_version=2)
+
+
+@pytest.mark.parametrize("clip_eps", [0.2, 1e-3])  # the second clips most tokens
+def test_sequence_mean_weights_make_the_token_mean_loss_a_mean_over_responses(clip_eps):
+    """The trainer's loss is the batch's token mean; with aggregation_weights' factors on the
+    advantages it equals the mean over responses of each response's own token mean (GRPO's
+    form), gradients included. token_mean's factors are all 1."""
+    from asyncrl.algorithms.advantages import aggregation_weights
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = [2, 9, 31]
+    advantages = torch.tensor([1.5, -0.4, -1.1])
+    behaviour = [-torch.rand(n, generator=generator) for n in lengths]
+    logprobs = [(b + 0.3 * torch.randn(n, generator=generator)).requires_grad_()
+                for b, n in zip(behaviour, lengths)]
+
+    def ppo(index, advantage):
+        n = lengths[index]
+        return decoupled_ppo_loss(logprobs[index], behaviour[index], behaviour[index],
+                                  torch.full((n,), float(advantage)), torch.ones(n),
+                                  clip_eps=clip_eps)[0]
+
+    per_response = torch.stack([ppo(i, a) for i, a in enumerate(advantages)]).mean()
+    expected = torch.autograd.grad(per_response, logprobs)
+
+    weighted = advantages * aggregation_weights(torch.tensor(lengths), "sequence_mean")
+    packed = decoupled_ppo_loss(
+        torch.cat(logprobs), torch.cat(behaviour), torch.cat(behaviour),
+        torch.cat([torch.full((n,), float(a)) for n, a in zip(lengths, weighted)]),
+        torch.ones(sum(lengths)), clip_eps=clip_eps)[0]
+    assert torch.allclose(packed, per_response, atol=1e-6)
+    for got, want in zip(torch.autograd.grad(packed, logprobs), expected):
+        assert torch.allclose(got, want, atol=1e-6)
+
+    assert torch.equal(aggregation_weights(torch.tensor(lengths), "token_mean"), torch.ones(3))
+    with pytest.raises(ValueError, match="token_mean, sequence_mean"):
+        aggregation_weights(torch.tensor(lengths), "sum")

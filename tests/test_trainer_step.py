@@ -256,3 +256,30 @@ def test_bf16_on_a_cpu_that_emulates_it_is_warned_about(monkeypatch, caplog):
                   UpdateConfig(compute_dtype="bfloat16"))
     PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1), UpdateConfig())
     assert caplog.text == ""
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
+def test_a_batchs_advantages_carry_the_loss_aggregation(aggregation):
+    """samples_from_groups scales each response's advantage by algorithm.lossAggregation's
+    factor: with sequence_mean, a response's summed advantage over its tokens is the same
+    for every response of equal |advantage|, whatever its length."""
+    from types import SimpleNamespace
+
+    from asyncrl.samples import Group, Trajectory
+    from asyncrl.trainer.service import samples_from_groups
+
+    def response(length, reward):
+        return Trajectory([1, 2], [3] * length, [-0.5] * length, [0] * length, reward, "stop",
+                          0.0, 0.0)
+
+    groups = [Group("g", "p", [response(2, 1.0), response(10, 0.0)], 0)]
+    algorithm = SimpleNamespace(advantage_estimator="grpo", batch_norm_advantages=False,
+                                loss_aggregation=aggregation)
+    samples, _ = samples_from_groups(groups, algorithm)
+    per_response = [s.advantage * int(s.loss_mask.sum()) for s in samples]
+    if aggregation == "token_mean":
+        assert [s.advantage for s in samples] == pytest.approx([0.7071, -0.7071], abs=1e-4)
+    else:  # 12 tokens over 2 responses: factors 3 and 0.6
+        assert [s.advantage for s in samples] == pytest.approx([3 * 0.7071, -0.6 * 0.7071],
+                                                               abs=1e-4)
+        assert per_response[0] == pytest.approx(-per_response[1])

@@ -12,7 +12,9 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "AGGREGATIONS",
     "ESTIMATORS",
+    "aggregation_weights",
     "broadcast_to_tokens",
     "compute_advantages",
     "dr_grpo_advantages",
@@ -22,6 +24,7 @@ __all__ = [
 ]
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+AGGREGATIONS = ("token_mean", "sequence_mean")
 
 
 def grpo_advantages(rewards: Tensor, eps: float = 1e-6) -> Tensor:
@@ -83,6 +86,25 @@ def compute_advantages(rewards: Tensor, estimator: str, batch_norm: bool = False
             f"unknown advantage estimator {estimator!r}; valid names: {', '.join(ESTIMATORS)}"
         )
     return normalize_batch(advantages) if batch_norm else advantages
+
+
+def aggregation_weights(response_lengths: Tensor, aggregation: str) -> Tensor:
+    """Factors on the responses' advantages (same shape as ``response_lengths``) that turn the
+    trainer's loss, the sum of every response token's PPO term over the batch's token count,
+    into the aggregation asked for. The PPO term is linear in a positive factor on the
+    advantage, so this is exact, clipping included.
+
+    ``token_mean``: all 1, every token weighs the same. ``sequence_mean``: ``tokens /
+    (responses x length)``, so each response's tokens share an equal part of the loss whatever
+    its length (a response with no tokens has none to weigh).
+    """
+    if aggregation == "token_mean":
+        return torch.ones(response_lengths.shape)
+    if aggregation != "sequence_mean":
+        raise ValueError(f"unknown loss aggregation {aggregation!r}; valid names: "
+                         f"{', '.join(AGGREGATIONS)}")
+    lengths = response_lengths.to(torch.float32)
+    return lengths.sum() / (lengths.numel() * lengths.clamp(min=1))
 
 
 def broadcast_to_tokens(sequence_advantages: Tensor, cu_seqlens: Tensor) -> Tensor:

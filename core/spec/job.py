@@ -126,14 +126,23 @@ class AlgorithmSpec(SpecModel):
     batch_size: int = Field(
         default=8, ge=1, description="Prompts (groups) consumed per training step."
     )
+    loss_aggregation: Literal["token_mean", "sequence_mean"] = Field(
+        default="token_mean",
+        description="How a step's token losses add up. token_mean: every response token of the "
+        "batch weighs the same, so long responses weigh more. sequence_mean: every response "
+        "weighs the same, its tokens sharing that weight (GRPO's original form). Where long "
+        "responses are mostly wrong and short ones sometimes right, token_mean pushes hardest "
+        "on the long ones, which can drive a small model to bare answers with no working.",
+    )
     skip_uniform_groups: bool = Field(
         default=False,
         description="Drop a group whose responses all got the same reward instead of putting "
         "it in the buffer: its advantages are all 0, so it teaches nothing and only dilutes "
         "the step. The rollout worker gives its slot back and generates another, so every "
         "step trains on batchSize groups that carry a signal (dynamic sampling, as in DAPO). "
-        "A task the model never (or always) solves then makes no steps; the rollout metric "
-        "asyncrl_rollout_skipped_groups_total counts the dropped groups.",
+        "A task the model never (or always) solves then makes no steps: the buffer counts the "
+        "dropped groups (skipped_uniform_total in its stats and asyncrl run's view), and a "
+        "worker warns after 50 in a row.",
     )
     max_staleness: int = Field(
         default=4,

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from asyncrl import arith
-from asyncrl.algorithms.advantages import compute_advantages
+from asyncrl.algorithms.advantages import aggregation_weights, compute_advantages
 from asyncrl.models import load_policy, packed_token_logprobs
 from asyncrl.reward.scorer import RewardScorer
 from asyncrl.reward.types import MathReference, ScoreTask
@@ -61,8 +61,10 @@ def run_demo(spec, steps: int, on_step: Callable[[DemoStep], None] = lambda _: N
                 [r.score for r in loop.run_until_complete(scorer.score(ScoreTask.for_group(
                     MathReference(str(problem.answer)), texts[i], problem.prompt_id)))]
                 for i, problem in enumerate(batch)])
-            advantages = compute_advantages(
+            lengths = torch.tensor([int(s.loss_mask.sum()) for s in samples])
+            advantages = (compute_advantages(
                 rewards, algorithm.advantage_estimator, algorithm.batch_norm_advantages
+            ) * aggregation_weights(lengths.view(rewards.shape), algorithm.loss_aggregation)
             ).flatten()
             # Synchronous: the weights of step k (updated k - 1 times) generated every sample.
             samples = [

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.algorithms.advantages import compute_advantages
+from asyncrl.algorithms.advantages import aggregation_weights, compute_advantages
 from asyncrl.algorithms.staleness import staleness
 from asyncrl.buffer.client import BufferClient
 from asyncrl.devices import local_rank, select_device
@@ -98,7 +98,9 @@ def samples_from_groups(groups, algorithm) -> tuple[list[TrainSample], torch.Ten
     rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)
     advantages = compute_advantages(
         rewards, algorithm.advantage_estimator, algorithm.batch_norm_advantages
-    )
+    ) * aggregation_weights(
+        torch.tensor([[len(s.response_ids) for s in g.samples] for g in groups]),
+        algorithm.loss_aggregation)
     samples = []
     for group, group_advantages in zip(groups, advantages):
         for sample, advantage in zip(group.samples, group_advantages):
