@@ -5,7 +5,7 @@ setup:
 	bash scripts/setup.sh
 
 run: setup
-	.venv/bin/asyncrl run examples/arith.yaml --steps 10
+	.venv/bin/asyncrl run examples/arith.yaml --steps 5
 
 # The tests also cover the optional Megatron-Core trainer backend.
 test:
