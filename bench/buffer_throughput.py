@@ -326,6 +326,11 @@ class _GrpcOnly(BufferServicer):
             accepted=True, accepted_total=self._puts.value,
             next_slot=await self.AcquireSlot(request, context) if request.acquire_next else None)
 
+    async def PutGroups(self, request, context):  # a worker's puts that met (--in-flight)
+        return buffer_pb2.PutGroupsResponse(results=[
+            buffer_pb2.PutGroupResult(response=await self.PutGroup(put, context))
+            for put in request.puts])
+
 
 def _an_hour_from_now() -> int:
     return int(time.time() * 1000) + 3_600_000
