@@ -499,3 +499,68 @@ def test_the_responses_to_one_prompt_share_its_prefill():
         torch.testing.assert_close(torch.tensor(result.output_logprobs),
                                    recomputed(model, prompt, result.output_ids),
                                    atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+def other_architecture(kind: str, seed: int = 1):
+    """Tiny random models beyond build_tiny_model's plain Llama: biases in the projections
+    (Llama with attention_bias and mlp_bias, Qwen2's q/k/v biases) and Qwen3's per-head
+    q/k norms, which the fused decode step does not compute."""
+    import transformers
+
+    sizes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
+                 tie_word_embeddings=True)
+    config, model = {
+        "llama-biased": (transformers.LlamaConfig(attention_bias=True, mlp_bias=True, **sizes),
+                         transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config(**sizes), transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config(head_dim=16, **sizes), transformers.Qwen3ForCausalLM),
+    }[kind]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        built = model(config).eval()
+        for name, parameter in built.named_parameters():
+            if name.endswith(".bias"):  # zero-initialised: give the biases something to do
+                torch.nn.init.normal_(parameter, std=0.3)
+    return built
+
+
+@pytest.mark.parametrize("kind, fused", [("llama", True), ("llama-biased", True),
+                                         ("qwen2", True), ("qwen3", False)])
+def test_decode_steps_fused_or_not_give_the_trainers_logprobs(kind, fused, tmp_path):
+    """Decode steps run fused projections for Llama-family layers (biases included) and the
+    model's own layers otherwise; either way every log-prob is the trainer's, before and after
+    a weight update copied into the model (the fused projections are views of its weights)."""
+    build = tiny if kind == "llama" else lambda seed: other_architecture(kind, seed)
+    engine = TorchEngine(build(1), max_running_requests=4, max_sequence_length=96, seed=0).start()
+    try:
+        assert engine.fused_decode is fused
+        batch = prompts(4, seed=7)
+        for version, model in enumerate([build(1), build(5)]):
+            if version:
+                engine.update_weights_from_state_dict(model.state_dict(), version)
+            futures = [engine.submit(p, SamplingParams(max_new_tokens=10)) for p in batch]
+            for prompt, future in zip(batch, futures):
+                result = future.result(timeout=60)
+                assert set(result.output_versions) == {version}
+                torch.testing.assert_close(torch.tensor(result.output_logprobs),
+                                           recomputed(model, prompt, result.output_ids),
+                                           atol=LOGPROB_TOLERANCE, rtol=0)
+    finally:
+        engine.stop()
+
+
+def test_fused_decode_gives_the_model_layers_greedy_tokens():
+    """The same greedy tokens from an engine decoding through fused projections as from one
+    decoding through the model's own layers, requests joining and leaving."""
+    outputs = []
+    for fused in (True, False):
+        engine = TorchEngine(tiny(seed=4), max_running_requests=3, max_sequence_length=96,
+                             seed=0, fused_decode=fused)
+        assert engine.fused_decode is fused
+        futures = [engine.submit(p, SamplingParams(max_new_tokens=6 + 3 * i, temperature=0))
+                   for i, p in enumerate(prompts(6, seed=8))]
+        engine.run_until_idle()
+        outputs.append([f.result().output_ids for f in futures])
+    assert outputs[0] == outputs[1]
+    assert len({tuple(o) for o in outputs[0]}) == 6

@@ -20,6 +20,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import json
+import logging
 import threading
 import time
 import uuid
@@ -35,6 +36,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from asyncrl.openmp import release_idle_thread_pools
+from asyncrl.rollout.fused_decode import FusedDecoder
 from asyncrl.rollout.kv_cache import SlotKVCache
 from asyncrl.rollout.sampling import apply_penalties, sample_tokens
 from asyncrl.rollout.types import (
@@ -46,6 +48,7 @@ from asyncrl.rollout.types import (
 )
 from asyncrl.weight_transfer import TensorMeta, broadcast
 
+log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class _Request:
@@ -98,6 +101,7 @@ class TorchEngine:
         eos_token_ids: tuple[int, ...] = (),
         version: int = 0,
         seed: int | None = None,
+        fused_decode: bool = True,
     ):
         config = model.config
         self._model = model.eval().requires_grad_(False)
@@ -118,6 +122,11 @@ class TorchEngine:
         forward = inspect.signature(type(model.model).forward).parameters
         self._cache_keyword = "cache" if "cache" in forward else "past_key_values"
         self._eos = frozenset(eos_token_ids)
+        # Decode steps through fused projections where the architecture allows (fused_decode.py;
+        # the model's weights stay where they are, as views): prefill keeps the model's layers.
+        self._fused = FusedDecoder.for_model(self._model) if fused_decode else None
+        log.info("decode steps run %s", "fused Llama-family layers" if self._fused
+                 else "the model's own layers")
         self._version = version
         self._generator = torch.Generator(device=self._device)
         self._generator.manual_seed(seed if seed is not None else torch.seed())
@@ -149,6 +158,11 @@ class TorchEngine:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def fused_decode(self) -> bool:
+        """Whether decode steps run fused projections (FusedDecoder)."""
+        return self._fused is not None
 
     @property
     def vocab_size(self) -> int:
@@ -604,7 +618,10 @@ class TorchEngine:
         read_length = max(r.cached for r in running) + 1
         span = torch.arange(read_length, device=self._device)[None, :]
         mask = (span <= positions)[:, None, None, :]  # [n, 1, 1, read_length]
-        logits = self._forward(ids, positions, slice(0, len(running)), read_length, mask)
+        if self._fused is not None:
+            logits = self._fused.logits(ids, positions, self._cache, read_length, mask)
+        else:
+            logits = self._forward(ids, positions, slice(0, len(running)), read_length, mask)
         tokens, logprobs = self._sample(running, logits)
         self._decode_steps += 1
         self._decode_rows += len(running)
