@@ -4,7 +4,8 @@ weight-update latency.
 Same model (SmolLM2-135M-Instruct), same chat prompts, per-request output lengths drawn from a
 long-tailed distribution (most answers short, a few long: the case continuous batching exists
 for), EOS ignored so token counts are fixed. In one run:
-- the engine in `--dtype` (bf16 by default where the CPU computes bf16 natively);
+- the engine in `--dtype` (bf16 by default where the CPU computes bf16 natively), and the same
+  engine decoding through the model's own layers instead of fused projections;
 - `transformers` generate as a user calls it (fp32, fixed batches of `--batch`, each until its
   longest request is done);
 - `transformers`' own continuous batching (`generate_batch`, fp32) on the first
@@ -38,7 +39,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_model
+from safetensors.torch import save_file
 from transformers import GenerationConfig
 
 from asyncrl import arith
@@ -148,7 +149,10 @@ def weight_update_latency(engine: TorchEngine, model, inputs) -> tuple[float, fl
     has generated a token with the new version)."""
     with tempfile.TemporaryDirectory() as tmp:
         snapshot = Path(tmp) / "model.safetensors"
-        save_model(model, str(snapshot))
+        # Copies: the engine's fused projections make the model's q/k/v and gate/up weights
+        # views of one tensor each, which safetensors will not save as they are.
+        save_file({name: tensor.clone() for name, tensor in model.state_dict().items()},
+                  str(snapshot))
         futures = [engine.submit(ids, SamplingParams(max_new_tokens=96)) for ids in inputs[:8]]
         while engine.status().generated_tokens_total < 8 * 16 + engine_base(engine):
             time.sleep(0.01)
@@ -202,6 +206,12 @@ def main() -> None:
                                                   lengths)
     swap, caught_up = weight_update_latency(engine, engine_model, inputs)
     engine.stop()
+    # The same engine decoding through the model's own layers (no fused projections).
+    unfused = TorchEngine(engine_model, max_running_requests=args.requests,
+                          max_sequence_length=512, seed=0, fused_decode=False).start()
+    run_engine(unfused, inputs[:2], [4, 4])
+    unfused_seconds, _ = run_engine(unfused, inputs, lengths)
+    unfused.stop()
     hf_seconds = run_transformers(model, tokenizer, inputs, lengths, args.batch)
     some = args.generate_batch_requests
     batch_seconds, batch_tokens = run_generate_batch(model, inputs[:some], lengths[:some])
@@ -223,6 +233,9 @@ def main() -> None:
     print(f"linear layers' bound at batch {round(mean_batch)} ({args.dtype}): {bound:7.1f} tokens/s")
     print(f"engine / generate: {hf_seconds / engine_seconds:.2f}x; "
           f"engine / bound: {engine_rate / bound:.0%}")
+    print(f"the engine decoding through the model's own layers (fused_decode=False): "
+          f"{tokens / unfused_seconds:7.1f} tokens/s, {tokens / unfused_seconds / bound:.0%} of "
+          f"the bound; fused / own layers: {unfused_seconds / engine_seconds:.2f}x")
     print(f"the engine on {args.requests} distinct prompts: {distinct_rate:7.1f} tokens/s, mean "
           f"decode batch {distinct_batch:.1f}; bound {distinct_bound:.1f}: "
           f"{distinct_rate / distinct_bound:.0%}")

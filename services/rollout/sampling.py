@@ -29,9 +29,13 @@ def sample_tokens(
     tokens and the top-p nucleus, renormalised, and sampled; the log-probability is taken from
     that distribution.
     """
-    logits = logits.float()
     greedy = temperature <= 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    divisor = torch.where(greedy, torch.ones_like(temperature), temperature)
+    # A float32 copy that the steps below overwrite in place: each pass over [n, V] that
+    # allocates a tensor of its own costs as much again in fresh pages.
+    scaled = logits.to(torch.float32, copy=True)
+    if bool((divisor != 1).any()):
+        scaled.div_(divisor[:, None])
     vocab = logits.shape[-1]
     k = torch.where((top_k > 0) & ~greedy, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     p = torch.where(greedy, torch.ones_like(top_p), top_p)
@@ -40,7 +44,7 @@ def sample_tokens(
     # The row maximum, the exponentials, their sum (the softmax's normaliser) and running sum
     # (the sampling CDF): no full log-softmax for the one log-probability per row that is kept.
     top = scaled.amax(dim=-1, keepdim=True)
-    exps = (scaled - top).exp_()
+    exps = scaled.sub_(top).exp_()
     total = exps.sum(dim=-1, keepdim=True)
     cumulative = exps.cumsum_(dim=-1)
     draw = torch.rand(scaled.shape[0], 1, generator=generator, device=scaled.device)
@@ -48,7 +52,9 @@ def sample_tokens(
     tokens = tokens.clamp_(max=vocab - 1)
     if bool(greedy.any()):  # an argmax over the vocabulary only when a row asks for it
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
-    chosen = scaled.gather(-1, tokens[:, None])
+    # The chosen token's scaled logit, computed again from its logit exactly as above (a
+    # sampled token is never one that top-k or top-p masked).
+    chosen = logits.gather(-1, tokens[:, None]).float() / divisor[:, None]
     return tokens, (chosen - top - total.log()).squeeze(-1)
 
 
