@@ -43,6 +43,7 @@ from safetensors.torch import save_file
 from transformers import GenerationConfig
 
 from asyncrl import arith
+from asyncrl.heap import reuse_large_blocks
 from asyncrl.models import SMOLLM2, load_model, load_tokenizer, model_directory
 from asyncrl.rollout.engine import TorchEngine
 from asyncrl.rollout.types import SamplingParams
@@ -192,6 +193,7 @@ def main() -> None:
                         "on the same workload (bench/vllm_cpu.py)")
     args = parser.parse_args()
 
+    reuse_large_blocks()  # as `asyncrl serve rollout` does
     tokenizer, model = load_tokenizer(SMOLLM2), load_model(SMOLLM2).eval()
     model.generation_config.eos_token_id = None  # both sides generate exactly `lengths`
     inputs = grouped(tokenizer, args.requests, args.responses_per_prompt)

@@ -101,7 +101,7 @@ class FusedDecoder:
         for index, layer in enumerate(self._layers):
             qkv = layer.qkv(layer.input_norm(hidden))
             qk = qkv[:, : q_and_k * dim].view(n, q_and_k, dim)
-            swapped = qk.view(n, q_and_k, 2, half).flip(2).view(n, q_and_k, dim)
+            swapped = qk.roll(half, dims=-1)
             qk = torch.addcmul(qk * cos, swapped, signed_sin)
             value = qkv[:, q_and_k * dim :].view(n, kv_heads, 1, dim)
             keys, values = cache.update(qk[:, heads:, None], value, index)

@@ -24,6 +24,7 @@ from fastapi import FastAPI
 
 from asyncrl.buffer.client import BufferClient
 from asyncrl.devices import local_rank, select_device
+from asyncrl.heap import reuse_large_blocks
 from asyncrl.models import load_policy, load_tokenizer, model_directory
 from asyncrl.outage import Outage, OutageTooLong, connect, redis_address
 from asyncrl.prompts import build_prompts
@@ -86,6 +87,9 @@ def serve(settings: RolloutSettings) -> None:
     # weights and KV cache in model.dtype (log-probabilities are computed in float32).
     device = select_device(spec.rollout.placement.gpus, local_rank())
     model, _ = load_policy(spec.model, device=device)
+    # Logits and sampling buffers of MBs every decode step, served from the heap instead of
+    # mapped and faulted in afresh (see asyncrl.heap).
+    reuse_large_blocks()
     torch_engine = TorchEngine(
         model,
         max_running_requests=slots,
