@@ -20,10 +20,11 @@ for), EOS ignored so token counts are fixed. In one run:
 The default 64 requests are what one rollout worker of examples/arith.yaml runs at once:
 8 prompts x 8 responses (`--responses-per-prompt`, a GRPO group per prompt, which the engine
 prefills once). In the same run the engine also generates for 64 distinct prompts, the
-workload without shared prompts.
+workload without shared prompts. The engine's workloads run `--repeats` times in turns and
+each reports its best run (the machine is shared; the bound is a best of several too).
 
     .venv/bin/python bench/rollout_engine.py [--requests 64] [--responses-per-prompt 8]
-        [--batch 8] [--dtype bfloat16]
+        [--batch 8] [--dtype bfloat16] [--repeats 3]
         [--vllm-python ~/.cache/asyncrl/vllm-cpu-venv/bin/python]
 """
 
@@ -90,6 +91,8 @@ def run_engine(engine: TorchEngine, inputs, lengths) -> tuple[float, float]:
     before = engine.status()
     started = time.perf_counter()
     futures = [engine.submit(ids, SamplingParams(max_new_tokens=n)) for ids, n in zip(inputs, lengths)]
+    if not engine.alive:
+        engine.run_until_idle()
     results = [f.result() for f in futures]
     elapsed = time.perf_counter() - started
     assert [len(r.output_ids) for r in results] == lengths
@@ -188,6 +191,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="transformers generate batch size")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=default_dtype(),
                         help="the engine's weights and KV cache")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each engine workload; the best is reported")
     parser.add_argument("--vllm-python", metavar="PATH",
                         help="python of an environment with vllm-cpu installed: also run vLLM "
                         "on the same workload (bench/vllm_cpu.py)")
@@ -200,20 +205,26 @@ def main() -> None:
     lengths = long_tail_lengths(args.requests)
     tokens = sum(lengths)
     engine_model = load_model(SMOLLM2, dtype=args.dtype).eval()
-    engine = TorchEngine(engine_model, max_running_requests=args.requests,
-                         max_sequence_length=512, seed=0).start()
-    run_engine(engine, inputs[:2], [4, 4])  # warm-up
-    engine_seconds, mean_batch = run_engine(engine, inputs, lengths)
-    distinct_seconds, distinct_batch = run_engine(engine, prompts(tokenizer, args.requests),
-                                                  lengths)
+    # The engine, and the same engine decoding through the model's own layers instead of
+    # fused projections, run in turns in this thread (not started: one OpenMP pool, see
+    # asyncrl.openmp), each `--repeats` times; the machine is shared, so each keeps its best.
+    engines = {fused: TorchEngine(engine_model, max_running_requests=args.requests,
+                                  max_sequence_length=512, seed=0, fused_decode=fused)
+               for fused in (True, False)}
+    distinct_inputs = prompts(tokenizer, args.requests)
+    runs: dict[str, list[tuple[float, float]]] = {"fused": [], "own layers": [], "distinct": []}
+    for engine in engines.values():
+        run_engine(engine, inputs[:2], [4, 4])  # warm-up
+    for _ in range(args.repeats):
+        runs["fused"].append(run_engine(engines[True], inputs, lengths))
+        runs["own layers"].append(run_engine(engines[False], inputs, lengths))
+        runs["distinct"].append(run_engine(engines[True], distinct_inputs, lengths))
+    (engine_seconds, mean_batch), (unfused_seconds, _), (distinct_seconds, distinct_batch) = (
+        min(r) for r in runs.values())
+    del engines[False]
+    engine = engines[True].start()
     swap, caught_up = weight_update_latency(engine, engine_model, inputs)
     engine.stop()
-    # The same engine decoding through the model's own layers (no fused projections).
-    unfused = TorchEngine(engine_model, max_running_requests=args.requests,
-                          max_sequence_length=512, seed=0, fused_decode=False).start()
-    run_engine(unfused, inputs[:2], [4, 4])
-    unfused_seconds, _ = run_engine(unfused, inputs, lengths)
-    unfused.stop()
     hf_seconds = run_transformers(model, tokenizer, inputs, lengths, args.batch)
     some = args.generate_batch_requests
     batch_seconds, batch_tokens = run_generate_batch(model, inputs[:some], lengths[:some])
@@ -231,14 +242,17 @@ def main() -> None:
           f"tokens/s ({min(some, args.requests)} requests, {batch_tokens} tokens: one "
           "max_new_tokens for all)")
     print(f"asyncrl torch engine ({args.dtype}, continuous): {engine_rate:7.1f} tokens/s, "
-          f"mean decode batch {mean_batch:.1f}")
+          f"mean decode batch {mean_batch:.1f} (best of {args.repeats}; all: "
+          f"{', '.join(f'{tokens / s:.0f}' for s, _ in runs['fused'])})")
     print(f"linear layers' bound at batch {round(mean_batch)} ({args.dtype}): {bound:7.1f} tokens/s")
     print(f"engine / generate: {hf_seconds / engine_seconds:.2f}x; "
           f"engine / bound: {engine_rate / bound:.0%}")
     print(f"the engine decoding through the model's own layers (fused_decode=False): "
           f"{tokens / unfused_seconds:7.1f} tokens/s, {tokens / unfused_seconds / bound:.0%} of "
-          f"the bound; fused / own layers: {unfused_seconds / engine_seconds:.2f}x")
-    print(f"the engine on {args.requests} distinct prompts: {distinct_rate:7.1f} tokens/s, mean "
+          f"the bound; fused / own layers: {unfused_seconds / engine_seconds:.2f}x (all: "
+          f"{', '.join(f'{tokens / s:.0f}' for s, _ in runs['own layers'])})")
+    print(f"the engine on {args.requests} distinct prompts (best of {args.repeats}): "
+          f"{distinct_rate:7.1f} tokens/s, mean "
           f"decode batch {distinct_batch:.1f}; bound {distinct_bound:.1f}: "
           f"{distinct_rate / distinct_bound:.0%}")
     print(f"weight update: swap {swap * 1000:.0f} ms; announcement -> all 8 running requests "
