@@ -50,6 +50,7 @@ from asyncrl.weight_transfer import TensorMeta, broadcast
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(eq=False)
 class _Request:
     result: GenerationResult
