@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import save_model
 
 from asyncrl.models import TinyModelConfig, build_tiny_model, packed_token_logprobs
@@ -505,8 +506,6 @@ def other_architecture(kind: str, seed: int = 1):
     """Tiny random models beyond build_tiny_model's plain Llama: biases in the projections
     (Llama with attention_bias and mlp_bias, Qwen2's q/k/v biases) and Qwen3's per-head
     q/k norms, which the fused decode step does not compute."""
-    import transformers
-
     sizes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
                  tie_word_embeddings=True)
@@ -527,7 +526,7 @@ def other_architecture(kind: str, seed: int = 1):
 
 @pytest.mark.parametrize("kind, fused", [("llama", True), ("llama-biased", True),
                                          ("qwen2", True), ("qwen3", False)])
-def test_decode_steps_fused_or_not_give_the_trainers_logprobs(kind, fused, tmp_path):
+def test_decode_steps_fused_or_not_give_the_trainers_logprobs(kind, fused):
     """Decode steps run fused projections for Llama-family layers (biases included) and the
     model's own layers otherwise; either way every log-prob is the trainer's, before and after
     a weight update copied into the model (the fused projections are views of its weights)."""
