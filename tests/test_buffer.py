@@ -424,20 +424,50 @@ def test_a_clients_puts_that_meet_go_in_one_round_trip(buffer):
     assert snapshot.accepted_total == 4
 
 
-def test_puts_wait_for_the_write_budget_and_a_large_one_goes_alone():
+def test_puts_of_many_callers_at_once_go_in_one_transaction(redis_server):
+    """Puts that meet in the buffer, from different workers' requests, go to Redis together:
+    one MULTI/EXEC for all of them, each answered on its own and each group stored."""
     import asyncio
 
-    from asyncrl.buffer.store import _ByteBudget
+    import redis as sync_redis
+    import redis.asyncio as aredis
+
+    from asyncrl.buffer.store import BufferStore, FailedPrecondition
+    from asyncrl.redis_keys import key
+
+    job = JobConfig(name="meet", max_staleness=4, batch_size=BATCH, group_size=GROUP)
+    inspect = sync_redis.Redis.from_url(redis_server.url)
+
+    def encoded(group_id):
+        return make_group(group_id, GROUP).SerializeToString()
+
+    def transactions():
+        return inspect.info("commandstats").get("cmdstat_exec", {}).get("calls", 0)
 
     async def scenario():
-        budget, order = _ByteBudget(10), []
+        client = aredis.from_url(redis_server.url)
+        store = BufferStore(client, [job])
+        await store.register()
+        slots = [(await store.acquire_slot(job.name, f"w{i}")).slot_id for i in range(11)]
+        await store.put_group(job.name, slots.pop(), "first", 0, encoded("first"))  # loads PUT
+        before = transactions()
+        outcomes = await asyncio.gather(
+            *(store.put_group(job.name, slot, f"g{i}", 0, encoded(f"g{i}"))
+              for i, slot in enumerate(slots)),
+            store.put_group(job.name, slots[0], "g0", 0, encoded("g0")),  # a retry
+            store.put_group(job.name, "never-granted", "x", 0, encoded("x")),
+            return_exceptions=True)
+        after = transactions()
+        stored = [await client.get(key(job.name, f"group:{slot}")) for slot in slots]
+        stats = await store.stats(job.name)
+        await client.aclose()
+        return outcomes, after - before, stored, stats
 
-        async def put(name, size, hold):
-            async with budget.taking(size):
-                order.append(name)
-                await asyncio.sleep(hold)
-
-        await asyncio.gather(put("a", 6, 0.05), put("b", 6, 0.05), put("large", 50, 0))
-        return order
-
-    assert asyncio.run(scenario()) == ["a", "b", "large"]
+    outcomes, sent, stored, stats = asyncio.run(scenario())
+    assert sent == 1
+    assert all(o.newly_accepted for o in outcomes[:10])
+    assert sorted(o.accepted_total for o in outcomes[:10]) == list(range(2, 12))
+    assert not outcomes[10].newly_accepted
+    assert isinstance(outcomes[11], FailedPrecondition)
+    assert stored == [encoded(f"g{i}") for i in range(10)]
+    assert stats.accepted_total == 11 and stats.depth_groups == 11

@@ -8,6 +8,7 @@ import logging
 
 import grpc
 
+from asyncrl.coalesce import Coalescer
 from asyncrl.grpc_health import is_serving
 from asyncrl.grpc_service import BATCH_BYTES, channel
 from asyncrl.outage import DEFAULT_OUTAGE_SECONDS, Outage, retry
@@ -50,9 +51,8 @@ class BufferClient:
             f"{service}/PutGroups",
             request_serializer=buffer_pb2.EncodedPutGroupsRequest.SerializeToString,
             response_deserializer=buffer_pb2.PutGroupsResponse.FromString)
-        # Puts waiting for the one in flight to return; they are then sent together.
-        self._queued_puts: list[tuple[buffer_pb2.EncodedPutGroupRequest, asyncio.Future]] = []
-        self._sending: asyncio.Task | None = None
+        # Puts made while one is in flight are sent together when it returns.
+        self._puts = Coalescer(self._send_puts)
         self.address = address
         self._outage_seconds = outage_seconds
         self.job = job
@@ -67,9 +67,9 @@ class BufferClient:
         return await retry(call, outage, transient=_unavailable)
 
     async def close(self) -> None:
-        for task in [*self._heartbeats.values(), self._sending]:
-            if task is not None:
-                task.cancel()
+        for task in self._heartbeats.values():
+            task.cancel()
+        self._puts.close()
         await self._channel.close()
 
     # ------------------------------------------------------------------ rollout side (SlotGate)
@@ -94,41 +94,18 @@ class BufferClient:
         request = buffer_pb2.EncodedPutGroupRequest(
             job=self.job, slot_id=slot.slot_id, group=encoded, acquire_next=acquire_next,
             worker=self.worker)
-        reply = asyncio.get_running_loop().create_future()
-        self._queued_puts.append((request, reply))
-        if self._sending is None or self._sending.done():
-            self._sending = asyncio.create_task(self._send_puts())
-        reply = await reply
+        reply = await self._puts.submit(request)
         self._stop_heartbeat(slot)
         return self._hold(reply.next_slot.slot_id) if reply.next_slot.granted else None
 
-    async def _send_puts(self) -> None:
-        """Sends the queued puts, one round trip at a time: the puts of a worker whose groups
-        finish while one is in flight go together in the next (PutGroups). A lone put goes
-        at once, as PutGroup."""
-        while self._queued_puts:
-            puts, self._queued_puts = self._queued_puts, []
-            try:
-                if len(puts) == 1:
-                    results = [await self._with_retries(
-                        lambda: self._put_group(puts[0][0], timeout=30))]
-                else:
-                    request = buffer_pb2.EncodedPutGroupsRequest(puts=[p for p, _ in puts])
-                    reply = await self._with_retries(lambda: self._put_groups(request, timeout=30))
-                    results = [r.response if r.code == 0 else _refusal(r) for r in reply.results]
-            except asyncio.CancelledError:  # close()
-                for _, waiter in puts + self._queued_puts:
-                    waiter.cancel()
-                raise
-            except Exception as exc:  # noqa: BLE001 - each waiting put raises it
-                results = [exc] * len(puts)
-            for (_, waiter), result in zip(puts, results):
-                if waiter.done():  # its put() was cancelled
-                    continue
-                if isinstance(result, Exception):
-                    waiter.set_exception(result)
-                else:
-                    waiter.set_result(result)
+    async def _send_puts(self, puts: list[buffer_pb2.EncodedPutGroupRequest]) -> list:
+        """One round trip for `puts`: a lone put as PutGroup, several as one PutGroups. Each
+        put's reply, or the error its own PutGroup would have raised."""
+        if len(puts) == 1:
+            return [await self._with_retries(lambda: self._put_group(puts[0], timeout=30))]
+        request = buffer_pb2.EncodedPutGroupsRequest(puts=puts)
+        reply = await self._with_retries(lambda: self._put_groups(request, timeout=30))
+        return [r.response if r.code == 0 else _refusal(r) for r in reply.results]
 
     async def release(self, slot: Slot, reason: str, *, uniform_rewards: bool = False) -> None:
         self._stop_heartbeat(slot)

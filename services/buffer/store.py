@@ -5,7 +5,6 @@ together with the SET of its group's bytes in one transaction."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -14,15 +13,18 @@ import redis.asyncio as redis
 from redis.exceptions import NoScriptError
 
 from asyncrl.buffer import scripts
+from asyncrl.coalesce import Coalescer
 from asyncrl.redis_keys import key, prefix, weights_channel, weights_key
 from asyncrl.weights import WeightVersion
 
 CONSUMER_GROUP = "trainer"
-#: Bytes of groups one replica has on their way into Redis at once. With appendfsync always,
-#: Redis writes and syncs everything a turn of its event loop took in before it answers
-#: anyone: a turn that took in a hundred groups of long samples would keep the trainer and
-#: the gate waiting for hundreds of milliseconds. Puts past it wait their turn here instead.
+#: Bytes of groups one replica has on their way into Redis at once, in at most WRITE_ROUNDS
+#: transactions. With appendfsync always, Redis writes and syncs everything a turn of its event
+#: loop took in before it answers anyone: a turn that took in a hundred groups of long samples
+#: would keep the trainer and the gate waiting for hundreds of milliseconds. Puts past it wait
+#: their turn here instead.
 WRITE_BYTES = 16 << 20
+WRITE_ROUNDS = 1
 #: How long a group's bytes live when the PUT script never ran to keep or delete them (its
 #: transaction failed): a put retried within it finds them again.
 ORPHAN_SECONDS = 3600
@@ -136,7 +138,11 @@ class BufferStore:
     def __init__(self, client: redis.Redis, jobs: list[JobConfig]):
         self._client = client
         self._jobs = {job.name: job for job in jobs}
-        self._writing = _ByteBudget(WRITE_BYTES)
+        # Puts of all callers that arrive while WRITE_ROUNDS transactions are on their way go
+        # together in the next: one round trip and one sync for many.
+        self._puts = Coalescer(self._write_puts, rounds=WRITE_ROUNDS,
+                               limit=WRITE_BYTES // WRITE_ROUNDS,
+                               weight=lambda todo: len(todo[1].group_bytes))
         self._ahead: dict[str, asyncio.Task] = {}   # job -> the next batch's groups, by slot
         self._scripts = {
             name: client.register_script(getattr(scripts, name))
@@ -230,7 +236,8 @@ class BufferStore:
                 outcomes[index] = exc
                 continue
             todo.append((index, put, next_slot))
-        replies = await self._put(job, todo) if todo else []
+        replies = await self._puts.submit_all([(job, put, next_slot)
+                                               for _, put, next_slot in todo])
         for (index, put, next_slot), reply in zip(todo, replies):
             if reply[0] == 0:
                 outcomes[index] = FailedPrecondition(
@@ -243,16 +250,14 @@ class BufferStore:
                                             _grant(job, next_slot, reply[3]) if next_slot else None)
         return outcomes
 
-    async def _put(self, job: JobConfig, todo: list[tuple[int, Put, str]]) -> list:
+    async def _write_puts(self, todo: list[tuple[JobConfig, Put, str]]) -> list:
         """For each put its group's bytes (SET, kept only if PUT accepts them) and the PUT
         script, all in one transaction: one round trip, and the bytes never pass through Lua
         (scripts.py). The PUT scripts' replies."""
         script = self._scripts["PUT"]
-        size = sum(len(put.group_bytes) for _, put, _ in todo)
         for attempt in range(2):
-            async with self._writing.taking(size), \
-                    self._client.pipeline(transaction=True) as pipe:
-                for _, put, next_slot in todo:
+            async with self._client.pipeline(transaction=True) as pipe:
+                for job, put, next_slot in todo:
                     pipe.set(key(job.name, f"group:{put.slot_id}"), put.group_bytes, nx=True,
                              ex=ORPHAN_SECONDS)
                     pipe.evalsha(script.sha, 1, key(job.name, "state"), prefix(job.name),
@@ -386,27 +391,6 @@ class BufferStore:
             staleness_counts=counts,
             skipped_uniform_total=state.get("skipped_uniform", 0),
         )
-
-
-class _ByteBudget:
-    """At most `limit` bytes taken at once (one taking of any size when none is)."""
-
-    def __init__(self, limit: int):
-        self._limit, self._taken = limit, 0
-        self._changed = asyncio.Condition()
-
-    @contextlib.asynccontextmanager
-    async def taking(self, size: int):
-        async with self._changed:
-            await self._changed.wait_for(lambda: not self._taken
-                                         or self._taken + size <= self._limit)
-            self._taken += size
-        try:
-            yield
-        finally:
-            async with self._changed:
-                self._taken -= size
-                self._changed.notify_all()
 
 
 async def _held(group: bytes) -> bytes:
