@@ -4,13 +4,16 @@ group does, with the same error."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asyncrl.buffer import groups
 from asyncrl.buffer.groups import check_decoded, check_group
 from asyncrl.buffer.store import InvalidArgument, JobConfig
-from asyncrl.v1 import common_pb2
+from asyncrl.v1 import buffer_pb2, common_pb2
 
 JOB = JobConfig(name="j", max_staleness=1, batch_size=1, group_size=3)
 
@@ -34,6 +37,48 @@ def samples(draw):
     )
 
 
+# Well-formed samples, as workers put them: ids of every varint length a real vocabulary has
+# (and the largest int32), versions of one to three bytes (and some past the fast path's).
+ordinary_ids = st.one_of(st.integers(0, 200_000), st.sampled_from([127, 128, 16383, 16384]))
+ordinary_versions = st.one_of(st.integers(0, 300), st.sampled_from([127, 128, 16383, 16384]))
+large_ids = st.one_of(ordinary_ids, st.just(2**31 - 1))
+large_versions = st.one_of(ordinary_versions, st.sampled_from([2**28, 2**40, 2**63 - 1]))
+
+
+@st.composite
+def well_formed_samples(draw, ids=ordinary_ids, versions=ordinary_versions):
+    response = draw(st.integers(0, 6))
+    return common_pb2.Trajectory(
+        prompt_ids=draw(st.lists(ids, min_size=1, max_size=4)),
+        response_ids=draw(st.lists(ids, min_size=response, max_size=response)),
+        behaviour_logprobs=[-0.5] * response,
+        token_versions=draw(st.lists(versions, min_size=response, max_size=response)),
+        reward=1.0, finish_reason="stop",
+    )
+
+
+@st.composite
+def flawed_samples(draw):
+    """A well-formed sample with one thing wrong."""
+    sample = draw(well_formed_samples())
+    flaw = draw(st.sampled_from(["empty prompt", "negative id", "extra log-prob", "extra version",
+                                 "missing version", "negative version"]))
+    if flaw == "empty prompt":
+        del sample.prompt_ids[:]
+    elif flaw == "negative id":
+        sample.prompt_ids.append(draw(st.sampled_from([-1, -(2**31)])))
+    elif flaw == "extra log-prob":
+        sample.behaviour_logprobs.append(-1.0)
+    elif flaw == "extra version":
+        sample.token_versions.append(0)
+    else:  # one more response token, its version missing or negative
+        sample.response_ids.append(1)
+        sample.behaviour_logprobs.append(-1.0)
+        if flaw == "negative version":
+            sample.token_versions.append(-1)
+    return sample
+
+
 def outcome(check):
     try:
         return check()
@@ -42,11 +87,30 @@ def outcome(check):
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.lists(samples(), min_size=3, max_size=3))
+@given(st.lists(st.one_of(samples(), well_formed_samples(large_ids, large_versions),
+                          flawed_samples()), min_size=3, max_size=3))
 def test_the_check_on_bytes_decides_as_the_decoded_check(group_samples):
     group = common_pb2.Group(group_id="g", samples=group_samples)
     assert outcome(lambda: check_group(group.SerializeToString(), JOB)) == \
         outcome(lambda: ("g", check_decoded(group)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(well_formed_samples(), min_size=3, max_size=3))
+def test_ordinary_groups_are_checked_on_their_bytes_alone(group_samples):
+    """The oldest version of a well-formed group, read without decoding it."""
+    group = common_pb2.Group(group_id="g", samples=group_samples)
+    versions = [v for sample in group_samples for v in sample.token_versions]
+    with mock.patch.object(groups, "common_pb2", None):  # the full decode would fail
+        assert check_group(group.SerializeToString(), JOB) == ("g", min(versions, default=0))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(well_formed_samples(large_ids, large_versions), min_size=3, max_size=3))
+def test_well_formed_groups_with_large_values_are_accepted(group_samples):
+    group = common_pb2.Group(group_id="g", samples=group_samples)
+    versions = [v for sample in group_samples for v in sample.token_versions]
+    assert check_group(group.SerializeToString(), JOB) == ("g", min(versions, default=0))
 
 
 def _varint(value: int) -> bytes:
@@ -71,6 +135,16 @@ def test_unpacked_token_fields_are_checked_too():
     assert check_group(group(good), JOB) == ("g", 3)
     with pytest.raises(InvalidArgument, match=r"samples\[0\] has a negative token id"):
         check_group(group(bad), JOB)
+
+
+def test_a_token_field_that_ends_inside_a_varint_is_refused():
+    """Packed ids whose last byte says another follows: no protobuf library reads that."""
+    sample = buffer_pb2.EncodedTrajectory(
+        prompt_ids=[b"\x01"], response_ids=[b"\x05\x85"], behaviour_logprobs=[b"\x00" * 4],
+        token_versions=[b"\x00"])
+    data = buffer_pb2.EncodedGroup(group_id="g", samples=[sample] * 3).SerializeToString()
+    with pytest.raises(InvalidArgument, match="not an encoded asyncrl.v1.Group"):
+        check_group(data, JOB)
 
 
 @pytest.mark.parametrize("data", [b"\x0a\x05g", b"\x1a\x02\x0a\x85", b"\xff"])

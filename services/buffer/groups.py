@@ -3,9 +3,10 @@
 A put group holds tens of thousands of token ids, log-probs and versions. Decoding them into
 one Python object each costs milliseconds per group, more than the rest of a put, so the
 buffer reads the group as an EncodedGroup (buffer.proto): upb parses the structure and hands
-over each sample's packed token fields as bytes, which are counted and checked with whole-
-buffer byte operations (bytes.translate, numpy). A group whose token fields are not packed
-(valid protobuf, written by no common library) or that fails a check is decoded in full and
+over each sample's packed token fields as bytes, which are counted and checked all at once,
+one numpy pass over the group's token bytes (not one per field). A group whose token fields
+are not packed (valid protobuf, written by no common library), that holds a varint of 5 bytes
+or more (a negative id, a version past 2**28) or that fails a check is decoded in full and
 checked element by element, which also words the error for the sample at fault.
 """
 
@@ -17,8 +18,6 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from asyncrl.buffer.store import InvalidArgument, JobConfig
 from asyncrl.v1 import buffer_pb2, common_pb2
-
-_MAX_VARINT = 10  # bytes
 
 
 class _Unchecked(Exception):
@@ -50,74 +49,62 @@ def check_group(data: bytes, job: JobConfig) -> tuple[str, int]:
 
 
 def _oldest_version(group: buffer_pb2.EncodedGroup) -> int:
-    prompts, responses, versions, logprob_bytes = [], [], [], []
+    fields, logprob_bytes = _token_fields(group)
+    raw = np.frombuffer(b"".join(fields), np.uint8)
+    going_on = raw >= 0x80  # a varint goes on past this byte
+    sizes = np.array([len(field) for field in fields])
+    starts, filled = np.cumsum(sizes) - sizes, sizes > 0
+    # Each field must end where its last varint does. No varint may be 5 bytes or longer:
+    # a token id that long may be negative as int32, a version is past 2**28 (or negative).
+    if going_on[(starts + sizes - 1)[filled]].any() or _four_in_a_row(going_on):
+        raise _Unchecked
+    counts = sizes.copy()  # varints per field: its bytes less those a varint goes on past
+    if filled.any():
+        counts[filled] -= np.add.reduceat(going_on, starts[filled], dtype=np.int64)
+    prompts, responses, versions = counts[0::3], counts[1::3], counts[2::3]
+    if not prompts.all() or (versions != responses).any() or \
+            (np.array(logprob_bytes) != 4 * responses).any():
+        raise _Unchecked
+    return _smallest(b"".join(fields[2::3]))
+
+
+def _token_fields(group: buffer_pb2.EncodedGroup) -> tuple[list[bytes], list[int]]:
+    """Each sample's prompt ids, response ids and token versions (packed varints, in that
+    order), and each sample's bytes of log-probs."""
+    fields, logprob_bytes = [], []
     for sample in group.samples:
         if len(UnknownFieldSet(sample)):  # unpacked token fields, or fields newer than ours
             raise _Unchecked
-        prompts.append(_joined(sample.prompt_ids))
-        responses.append(_joined(sample.response_ids))
-        versions.append(_joined(sample.token_versions))
-        logprob_bytes.append(sum(len(chunk) for chunk in sample.behaviour_logprobs))
-    prompts, responses, versions = _Varints(prompts), _Varints(responses), _Varints(versions)
-    for prompt, n, logprobs, v in zip(prompts.counts, responses.counts, logprob_bytes,
-                                       versions.counts):
-        if not prompt or logprobs != 4 * n or v != n:
-            raise _Unchecked
-    # A token id is negative (as int32) only in a varint of 5 bytes or more; real ids are
-    # shorter, so ids are decoded only when such a varint is there.
-    for ids in (prompts, responses):
-        if ids.longest() >= 5 and (ids.values() & (1 << 31)).any():
-            raise _Unchecked
-    if not versions.data:
+        for chunks in (sample.prompt_ids, sample.response_ids, sample.token_versions):
+            fields.append(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+        logprob_bytes.append(sum(map(len, sample.behaviour_logprobs)))
+    return fields, logprob_bytes
+
+
+def _four_in_a_row(going_on: np.ndarray) -> bool:
+    pairs = going_on[:-1] & going_on[1:]
+    return bool((pairs[:-2] & pairs[2:]).any())
+
+
+def _smallest(data: bytes) -> int:
+    """The smallest of the varints in `data` (each under 5 bytes), 0 for none."""
+    raw = np.frombuffer(data, np.uint8)
+    if not len(raw):
         return 0
-    oldest = int(versions.values().view(np.int64).min())
-    if oldest < 0:
-        raise _Unchecked
-    return oldest
-
-
-def _joined(chunks) -> bytes:
-    """A packed field's chunks as one; each must end where its last varint does."""
-    for chunk in chunks:
-        if chunk and chunk[-1] & 0x80:
-            raise _Unchecked
-    return b"".join(chunks)
-
-
-class _Varints:
-    """One packed varint field of every sample, joined: its varints per sample and, on demand,
-    their values. A varint is bytes with the high bit set ended by one without it."""
-
-    def __init__(self, fields: list[bytes]):
-        self.data = b"".join(fields)
-        self._raw = np.frombuffer(self.data, np.uint8)
-        self._ends = np.flatnonzero(self._raw < 0x80)
-        bounds = np.searchsorted(self._ends, np.cumsum([0] + [len(f) for f in fields]))
-        self.counts = np.diff(bounds).tolist()
-
-    def longest(self) -> int:
-        """Bytes of the longest varint."""
-        if not len(self._ends):
-            return 0
-        return int(max(self._ends[0] + 1, np.diff(self._ends).max(initial=0)))
-
-    def values(self) -> np.ndarray:
-        """The values (uint64). Each varint is read back from its last byte, which holds the
-        highest 7 bits, one byte per pass: as many passes as the longest varint has bytes
-        (1 or 2 for versions)."""
-        longest = self.longest()
-        if longest > _MAX_VARINT:
-            raise _Unchecked
-        # Zero bytes in front end a varint, so reading back from the first one stops there.
-        raw = np.concatenate([np.zeros(longest, np.uint8), self._raw])
-        ends = self._ends + longest
-        values = raw[ends].astype(np.uint64)
-        inside = np.ones(len(ends), bool)
-        for back in range(1, longest):
-            byte = raw[ends - back]
-            inside &= byte >= 0x80
-            values = np.where(inside, (values << np.uint64(7)) | (byte & 0x7F), values)
-        return values
+    if raw.max() < 0x80:  # one byte each (versions under 128)
+        return int(raw.min())
+    ends = np.flatnonzero(raw < 0x80)
+    # Each varint read back from its last byte, which holds the highest 7 bits; zero bytes
+    # in front end the first varint.
+    raw = np.concatenate([np.zeros(4, np.uint8), raw])
+    ends += 4
+    values = raw[ends].astype(np.int64)
+    inside = np.ones(len(ends), bool)
+    for back in range(1, 4):
+        byte = raw[ends - back]
+        inside &= byte >= 0x80
+        values = np.where(inside, (values << 7) | (byte & 0x7F), values)
+    return int(values.min())
 
 
 def check_decoded(group: common_pb2.Group) -> int:
