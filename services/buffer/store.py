@@ -30,6 +30,8 @@ WRITE_ROUNDS = 2
 #: How long a group's bytes live when the PUT script never ran to keep or delete them (its
 #: transaction failed): a put retried within it finds them again.
 ORPHAN_SECONDS = 3600
+#: Connections a batch's groups are read over at once.
+READ_CONNECTIONS = 32
 
 
 class BufferError(Exception):
@@ -309,9 +311,9 @@ class BufferStore:
             read = await ahead if ahead is not None else {}
         except Exception:  # noqa: BLE001 - only a guess: read them now
             read = {}
-        groups = await asyncio.gather(*(
-            self._group(job, _text(f["slot"]), read) if "slot" in f else _held(f["g"])
-            for f in fields))
+        slots = [_text(f["slot"]) for f in fields if "slot" in f]
+        read.update(zip(slots, await self._read_groups(job, [s for s in slots if s not in read])))
+        groups = [read.get(_text(f["slot"])) if "slot" in f else f["g"] for f in fields]
         if any(group is None for group in groups):
             # Only an acknowledgement deletes a delivered group's bytes: this batch was taken
             # over past its ack timeout and acknowledged meanwhile.
@@ -319,13 +321,23 @@ class BufferStore:
         return [BatchEntry(_text(stream_id), _text(f["id"]), int(f["v"]), group)
                 for (stream_id, _), f, group in zip(raw, fields, groups)]
 
-    async def _group(self, job: JobConfig, slot: str, read: dict[str, bytes]) -> bytes | None:
-        if slot in read:
-            return read[slot]
-        # One GET per group, side by side on the pool's connections: Redis writes at most
-        # 64 KB of a reply per client per turn of its event loop, so a whole batch in one
-        # MGET would take a turn (and, with appendfsync always, an fsync) per 64 KB.
-        return await self._client.get(key(job.name, f"group:{slot}"))
+    async def _read_groups(self, job: JobConfig, slots: list[str]) -> list[bytes | None]:
+        """The bytes of the groups put with `slots` (None where deleted), in at most
+        READ_CONNECTIONS pipelines side by side: Redis writes at most 64 KB of replies per
+        connection and turn of its event loop, so a whole batch on one connection would take
+        a turn (and, with appendfsync always, a sync) per 64 KB."""
+        if not slots:
+            return []
+        per = -(-len(slots) // READ_CONNECTIONS)
+
+        async def read(part: list[str]) -> list[bytes | None]:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for slot in part:
+                    pipe.get(key(job.name, f"group:{slot}"))
+                return await pipe.execute()
+
+        parts = await asyncio.gather(*(read(slots[i:i + per]) for i in range(0, len(slots), per)))
+        return [group for part in parts for group in part]
 
     async def _read_ahead(self, job: JobConfig, num_groups: int) -> dict[str, bytes]:
         """The bytes of the groups the trainer's next batch will most likely hold (the next
@@ -337,7 +349,7 @@ class BufferStore:
                     if _text(g["name"]) == CONSUMER_GROUP)
         entries = await self._client.xrange(stream, min=f"({last}", count=num_groups)
         slots = [_text(fields[b"slot"]) for _, fields in entries]
-        read = await asyncio.gather(*(self._group(job, slot, {}) for slot in slots))
+        read = await self._read_groups(job, slots)
         return {slot: data for slot, data in zip(slots, read) if data is not None}
 
     async def ack_batch(self, job_name: str, batch_id: str) -> bool:
@@ -393,11 +405,6 @@ class BufferStore:
             staleness_counts=counts,
             skipped_uniform_total=state.get("skipped_uniform", 0),
         )
-
-
-async def _held(group: bytes) -> bytes:
-    """The bytes of a group put before groups had keys of their own (in its entry, field g)."""
-    return group
 
 
 def _new_slot_id(worker: str) -> str:
