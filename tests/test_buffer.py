@@ -471,3 +471,40 @@ def test_puts_of_many_callers_at_once_go_in_one_transaction(redis_server):
     assert isinstance(outcomes[11], FailedPrecondition)
     assert stored == [encoded(f"g{i}") for i in range(10)]
     assert stats.accepted_total == 11 and stats.depth_groups == 11
+
+
+def test_a_batch_read_partly_ahead_holds_each_groups_own_bytes(redis_server):
+    """The next batch's groups are read while the trainer holds this one; groups put after
+    that read are read with the batch. Every entry carries the bytes put for its group."""
+    import asyncio
+
+    import redis.asyncio as aredis
+
+    from asyncrl.buffer.store import BufferStore
+
+    job = JobConfig(name="ahead", max_staleness=4, batch_size=BATCH, group_size=GROUP)
+
+    async def scenario():
+        client = aredis.from_url(redis_server.url)
+        store = BufferStore(client, [job])
+        await store.register()
+
+        async def put(name):
+            slot = (await store.acquire_slot(job.name, "w")).slot_id
+            group = make_group(name, GROUP, tokens=len(name)).SerializeToString()
+            await store.put_group(job.name, slot, name, 0, group)
+            return name, group
+
+        sent = dict([await put(f"g{i}") for i in range(BATCH + 1)])
+        first = await store.get_batch(job.name, "t", BATCH, 1000)  # reads g3 ahead
+        await asyncio.sleep(0.1)
+        sent.update([await put(f"late{i}") for i in range(BATCH - 1)])
+        await store.ack_batch(job.name, first.batch_id)
+        second = await store.get_batch(job.name, "t", BATCH, 1000)
+        await client.aclose()
+        return sent, first, second
+
+    sent, first, second = asyncio.run(scenario())
+    assert [e.group_id for e in second.entries] == ["g3", "late0", "late1"]
+    for entry in first.entries + second.entries:
+        assert entry.group_bytes == sent[entry.group_id]

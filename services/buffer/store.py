@@ -311,8 +311,8 @@ class BufferStore:
             read = await ahead if ahead is not None else {}
         except Exception:  # noqa: BLE001 - only a guess: read them now
             read = {}
-        slots = [_text(f["slot"]) for f in fields if "slot" in f]
-        read.update(zip(slots, await self._read_groups(job, [s for s in slots if s not in read])))
+        missing = [_text(f["slot"]) for f in fields if "slot" in f and _text(f["slot"]) not in read]
+        read.update(zip(missing, await self._read_groups(job, missing)))
         groups = [read.get(_text(f["slot"])) if "slot" in f else f["g"] for f in fields]
         if any(group is None for group in groups):
             # Only an acknowledgement deletes a delivered group's bytes: this batch was taken
