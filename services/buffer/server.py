@@ -209,6 +209,7 @@ class RunningBuffer:
 
     async def close(self) -> None:
         await self.server.stop(grace=2)
+        self.store.close()
         await self.client.aclose()
 
 

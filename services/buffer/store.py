@@ -153,6 +153,10 @@ class BufferStore:
             for name in ("ACQUIRE", "HEARTBEAT", "RELEASE", "PUT", "GET_BATCH", "ACK", "SET_VERSION")
         }
 
+    def close(self) -> None:
+        """Cancels the writes on their way; their puts' callers get CancelledError."""
+        self._puts.close()
+
     async def registered(self) -> bool:
         """Whether Redis holds every job's gate settings (a Redis restarted without its files,
         `persistence: none`, comes back empty)."""
