@@ -59,13 +59,15 @@ class Coalescer(Generic[Item, Result]):
             taken = self._take()
             try:
                 results = await self._send([item for item, _ in taken])
+                if len(results) != len(taken):  # else some submitters would wait forever
+                    raise RuntimeError(f"{len(results)} results came back for {len(taken)} items")
             except asyncio.CancelledError:  # close()
                 for _, future in [*taken, *self._waiting]:
                     future.cancel()
                 raise
             except Exception as exc:  # noqa: BLE001 - each submitter raises it
                 results = [exc] * len(taken)
-            for (_, future), result in zip(taken, results, strict=True):
+            for (_, future), result in zip(taken, results):
                 if future.done():  # its submitter was cancelled
                     continue
                 if isinstance(result, BaseException):

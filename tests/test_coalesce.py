@@ -101,6 +101,20 @@ def test_an_error_result_is_raised_to_its_submitter_only_and_a_failed_send_to_al
     assert [type(e) for e in two] == [ConnectionError, ConnectionError]
 
 
+def test_a_send_that_answers_too_few_fails_its_submitters_rather_than_leaving_them_waiting():
+    async def scenario():
+        async def short(items):
+            return items[:-1]
+
+        coalescer = Coalescer(short)
+        async with asyncio.timeout(5):
+            return await asyncio.gather(*(coalescer.submit(i) for i in range(3)),
+                                        return_exceptions=True)
+
+    outcomes = asyncio.run(scenario())
+    assert all(isinstance(o, RuntimeError) and "2 results" in str(o) for o in outcomes)
+
+
 def test_a_cancelled_submitter_leaves_the_others_their_results():
     async def scenario():
         send = Recorder()

@@ -52,7 +52,7 @@ def _oldest_version(group: buffer_pb2.EncodedGroup) -> int:
     fields, logprob_bytes = _token_fields(group)
     raw = np.frombuffer(b"".join(fields), np.uint8)
     going_on = raw >= 0x80  # a varint goes on past this byte
-    sizes = np.array([len(field) for field in fields])
+    sizes = np.array([len(field) for field in fields], np.int64)
     starts, filled = np.cumsum(sizes) - sizes, sizes > 0
     # Each field must end where its last varint does. No varint may be 5 bytes or longer:
     # a token id that long may be negative as int32, a version is past 2**28 (or negative).
