@@ -36,6 +36,8 @@ class Coalescer(Generic[Item, Result]):
 
     async def submit_all(self, items: list[Item]) -> list[Result]:
         """The results of `items`, which may go in one send or, past `limit`, in several."""
+        if not items:
+            return []
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in items]
         self._waiting.extend(zip(items, futures))

@@ -1,6 +1,7 @@
 """The buffer's domain operations over Redis (async). The gRPC servicer only translates
 protobuf to these calls; every state change is one atomic script (see scripts.py), a put's
-together with the SET of its group's bytes in one transaction."""
+together with the SET of its group's bytes in one transaction (shared with the puts that
+arrived meanwhile)."""
 
 from __future__ import annotations
 
