@@ -31,7 +31,8 @@ WRITE_ROUNDS = 2
 #: How long a group's bytes live when the PUT script never ran to keep or delete them (its
 #: transaction failed): a put retried within it finds them again.
 ORPHAN_SECONDS = 3600
-#: Connections a batch's groups are read over at once.
+#: Connections a batch's groups are read over at once: half of the pool's
+#: (outage.MAX_CONNECTIONS), so that puts keep the other half meanwhile.
 READ_CONNECTIONS = 32
 
 
@@ -316,9 +317,10 @@ class BufferStore:
             read = await ahead if ahead is not None else {}
         except Exception:  # noqa: BLE001 - only a guess: read them now
             read = {}
-        missing = [_text(f["slot"]) for f in fields if "slot" in f and _text(f["slot"]) not in read]
+        slots = [_text(f["slot"]) if "slot" in f else None for f in fields]
+        missing = [slot for slot in slots if slot is not None and slot not in read]
         read.update(zip(missing, await self._read_groups(job, missing)))
-        groups = [read.get(_text(f["slot"])) if "slot" in f else f["g"] for f in fields]
+        groups = [f["g"] if slot is None else read.get(slot) for f, slot in zip(fields, slots)]
         if any(group is None for group in groups):
             # Only an acknowledgement deletes a delivered group's bytes: this batch was taken
             # over past its ack timeout and acknowledged meanwhile.
