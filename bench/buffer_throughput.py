@@ -6,8 +6,8 @@ asyncrl.redis_server runs it (appendfsync always), `asyncrl serve buffer` over i
 rollout-worker processes and one trainer process, all real gRPC clients (BufferClient). A
 worker has one group of 8 samples under way at a time (like redis-benchmark's clients, one
 request each; --in-flight for more, as the rollout workflow runs several, whose puts that
-meet go as one PutGroups): it waits at the staleness gate for a slot and puts the group,
-asking for its next slot in the same round trip. The trainer does what the
+meet go as one message): it waits at the staleness gate for a slot and puts the group on its
+PutGroups stream, asking for its next slot in the same round trip. The trainer does what the
 trainer service does per step: GetBatch, AckBatch, SetVersion. Samples/s is counted from
 Redis' own totals (samples acknowledged by the trainer) over a window after a warm-up.
 redis-benchmark runs SET with N clients and values of one sample's stored size against a
@@ -326,10 +326,11 @@ class _GrpcOnly(BufferServicer):
             accepted=True, accepted_total=self._puts.value,
             next_slot=await self.AcquireSlot(request, context) if request.acquire_next else None)
 
-    async def PutGroups(self, request, context):  # a worker's puts that met (--in-flight)
-        return buffer_pb2.PutGroupsResponse(results=[
-            buffer_pb2.PutGroupResult(response=await self.PutGroup(put, context))
-            for put in request.puts])
+    async def PutGroups(self, requests, context):  # a worker's stream of puts
+        async for request in requests:
+            yield buffer_pb2.PutGroupsResponse(results=[
+                buffer_pb2.PutGroupResult(response=await self.PutGroup(put, context))
+                for put in request.puts])
 
 
 def _an_hour_from_now() -> int:

@@ -362,48 +362,63 @@ def test_group_bytes_live_from_put_until_ack_or_drop(stub, redis_server):
 
 
 def test_put_groups_answers_each_put_on_its_own(stub):
+    """Each message on the PutGroups stream is answered in turn, each put on its own; one the
+    buffer cannot take at all ends the call with its status."""
     job = "eta4"
     good = acquire(stub, job).slot_id
-    reply = stub.PutGroups(buffer_pb2.PutGroupsRequest(puts=[
+    first = buffer_pb2.PutGroupsRequest(puts=[
         buffer_pb2.PutGroupRequest(job=job, slot_id=good, group=make_group("ok", GROUP),
                                    acquire_next=True, worker="w"),
         buffer_pb2.PutGroupRequest(job=job, slot_id="never-granted",
                                    group=make_group("lost", GROUP)),
         buffer_pb2.PutGroupRequest(job=job, slot_id=acquire(stub, job).slot_id,
                                    group=make_group("short", GROUP - 1)),
-        buffer_pb2.PutGroupRequest(job=job, slot_id=good, group=make_group("ok", GROUP)),
-    ]), timeout=10)
+    ])
+    retry = buffer_pb2.PutGroupsRequest(puts=[
+        buffer_pb2.PutGroupRequest(job=job, slot_id=good, group=make_group("ok", GROUP))])
+    replies = list(stub.PutGroups(iter([first, buffer_pb2.PutGroupsRequest(), retry]),
+                                  timeout=10))
+    assert len(replies) == 3 and not replies[1].results  # an empty message, answered empty
     codes = [grpc.StatusCode.OK.value[0], grpc.StatusCode.FAILED_PRECONDITION.value[0],
-             grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.StatusCode.OK.value[0]]
-    assert [r.code for r in reply.results] == codes
-    assert reply.results[0].response.next_slot.granted and "never granted" in \
-        reply.results[1].message and "groupSize" in reply.results[2].message
-    assert reply.results[3].response.accepted_total == 0  # a retry of the first put
+             grpc.StatusCode.INVALID_ARGUMENT.value[0]]
+    assert [r.code for r in replies[0].results] == codes
+    assert replies[0].results[0].response.next_slot.granted and "never granted" in \
+        replies[0].results[1].message and "groupSize" in replies[0].results[2].message
+    (retried,) = replies[2].results
+    assert retried.code == 0 and retried.response.accepted_total == 0  # accepted once only
     assert stats(stub, "eta4").accepted_total == 1
-    with pytest.raises(grpc.RpcError) as error:
-        stub.PutGroups(buffer_pb2.PutGroupsRequest(puts=[
-            buffer_pb2.PutGroupRequest(job=job), buffer_pb2.PutGroupRequest(job="eta0")]),
-            timeout=10)
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    two_jobs = buffer_pb2.PutGroupsRequest(puts=[
+        buffer_pb2.PutGroupRequest(job=job), buffer_pb2.PutGroupRequest(job="eta0")])
+    for ending in (two_jobs, buffer_pb2.PutGroupsRequest(puts=[
+            buffer_pb2.PutGroupRequest(job="no-such-job")])):
+        with pytest.raises(grpc.RpcError) as error:
+            list(stub.PutGroups(iter([retry, ending, retry]), timeout=10))
+        assert error.value.code() in (grpc.StatusCode.INVALID_ARGUMENT,
+                                      grpc.StatusCode.NOT_FOUND)
+        assert "different jobs" in error.value.details() or "no-such-job" in \
+            error.value.details()
 
 
 def test_a_clients_puts_that_meet_go_in_one_round_trip(buffer):
-    """Puts made while another is in flight (or at once) go together in one PutGroups; each
-    caller gets its own answer, as its own PutGroup would have given it."""
+    """A client's puts go as messages on one PutGroups call; puts made while a message is on
+    its way (or at once) go together in the next; each caller gets its own answer, as its own
+    PutGroup would have given it."""
     import asyncio
 
     from asyncrl.buffer.client import BufferClient
 
     async def scenario():
         client = BufferClient(buffer.address, "eta4", "w")
-        sent = []
-        original = client._put_groups
+        sent, calls = [], set()
+        original = client._put_stream.send
 
-        def counting(request, **kwargs):
+        async def counting(request, **kwargs):
             sent.append(len(request.puts))
-            return original(request, **kwargs)
+            reply = await original(request, **kwargs)
+            calls.add(id(client._put_stream._call))
+            return reply
 
-        client._put_groups = counting
+        client._put_stream.send = counting
         slots = [await client.acquire() for _ in range(5)]
         outcomes = await asyncio.gather(
             *(client.put(slot, make_group(f"g{i}", GROUP), acquire_next=True)
@@ -414,10 +429,11 @@ def test_a_clients_puts_that_meet_go_in_one_round_trip(buffer):
                                    return_exceptions=True)
         stats_reply = await client.stats()
         await client.close()
-        return sent, outcomes, bad[0], stats_reply
+        return sent, calls, outcomes, bad[0], stats_reply
 
-    sent, outcomes, bad, snapshot = asyncio.run(scenario())
-    assert sent == [5]  # the five made at once went together; the lone one as PutGroup
+    sent, calls, outcomes, bad, snapshot = asyncio.run(scenario())
+    assert sent == [5, 1]  # the five made at once went together, then the lone one
+    assert len(calls) == 1  # both on one call: a refused put does not end it
     assert all(slot is not None for slot in outcomes[:4]) and outcomes[4] is None
     assert isinstance(bad, grpc.aio.AioRpcError)
     assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT

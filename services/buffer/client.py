@@ -25,9 +25,52 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def _refusal(result: buffer_pb2.PutGroupResult) -> grpc.aio.AioRpcError:
-    """One refused put of a PutGroups, as the error its own PutGroup would have raised."""
-    return grpc.aio.AioRpcError(_CODES[result.code], grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                details=result.message)
+    """One refused put of a PutGroups message, as the error its own PutGroup would have
+    raised."""
+    return _error(_CODES[result.code], result.message)
+
+
+class _PutStream:
+    """The worker's open PutGroups call: opened on first use, and again after it failed. One
+    message on its way at a time (its caller, a Coalescer, sends one at a time), so each
+    reply is the answer to the message just written."""
+
+    def __init__(self, method: grpc.aio.StreamStreamMultiCallable):
+        self._method = method
+        self._call: grpc.aio.StreamStreamCall | None = None
+
+    async def send(self, request, *, timeout: float):
+        if self._call is None or self._call.done():
+            self._call = self._method()
+        call = self._call
+        try:
+            await call.write(request)
+            reply = await asyncio.wait_for(call.read(), timeout)
+        except BaseException as exc:
+            self._drop(call)
+            if isinstance(exc, asyncio.TimeoutError):
+                raise _error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"no answer to a put within {timeout:g} s") from None
+            if isinstance(exc, asyncio.InvalidStateError):  # it ended before the write
+                raise _error(grpc.StatusCode.UNAVAILABLE, "the put stream ended") from None
+            raise
+        if reply is grpc.aio.EOF:  # the buffer ended the call (it is stopping)
+            self._drop(call)
+            raise _error(grpc.StatusCode.UNAVAILABLE, "the buffer ended the put stream")
+        return reply
+
+    def _drop(self, call: grpc.aio.StreamStreamCall) -> None:
+        call.cancel()
+        if self._call is call:
+            self._call = None
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._drop(self._call)
+
+
+def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
 def _unavailable(exc: BaseException) -> bool:
@@ -40,18 +83,15 @@ class BufferClient:
                  outage_seconds: float = DEFAULT_OUTAGE_SECONDS):
         self._channel = channel(address, receive=BATCH_BYTES)
         self.stub = buffer_pb2_grpc.BufferStub(self._channel)
-        # PutGroup(s) with each group encoded once (Encoded*: PutGroup(s)Request's bytes),
-        # rather than copied into a request and then encoded: a group is large.
+        # PutGroups with each group encoded once (EncodedPutGroupsRequest: PutGroupsRequest's
+        # bytes), rather than copied into a request and then encoded: a group is large.
         service = f"/{buffer_pb2.DESCRIPTOR.services_by_name['Buffer'].full_name}"
-        self._put_group = self._channel.unary_unary(
-            f"{service}/PutGroup",
-            request_serializer=buffer_pb2.EncodedPutGroupRequest.SerializeToString,
-            response_deserializer=buffer_pb2.PutGroupResponse.FromString)
-        self._put_groups = self._channel.unary_unary(
+        self._put_stream = _PutStream(self._channel.stream_stream(
             f"{service}/PutGroups",
             request_serializer=buffer_pb2.EncodedPutGroupsRequest.SerializeToString,
-            response_deserializer=buffer_pb2.PutGroupsResponse.FromString)
-        # Puts made while one is in flight are sent together when it returns.
+            response_deserializer=buffer_pb2.PutGroupsResponse.FromString))
+        # Puts made while a message is on its way go together in the next one (one message
+        # at a time on the stream, so replies need no matching).
         self._puts = Coalescer(self._send_puts)
         self.address = address
         self._outage_seconds = outage_seconds
@@ -70,6 +110,7 @@ class BufferClient:
         for task in self._heartbeats.values():
             task.cancel()
         self._puts.close()
+        self._put_stream.close()
         await self._channel.close()
 
     # ------------------------------------------------------------------ rollout side (SlotGate)
@@ -99,12 +140,10 @@ class BufferClient:
         return self._hold(reply.next_slot.slot_id) if reply.next_slot.granted else None
 
     async def _send_puts(self, puts: list[buffer_pb2.EncodedPutGroupRequest]) -> list:
-        """One round trip for `puts`: a lone put as PutGroup, several as one PutGroups. Each
-        put's reply, or the error its own PutGroup would have raised."""
-        if len(puts) == 1:
-            return [await self._with_retries(lambda: self._put_group(puts[0], timeout=30))]
+        """One message on the PutGroups stream for `puts`: each put's reply, or the error its
+        own PutGroup would have raised."""
         request = buffer_pb2.EncodedPutGroupsRequest(puts=puts)
-        reply = await self._with_retries(lambda: self._put_groups(request, timeout=30))
+        reply = await self._with_retries(lambda: self._put_stream.send(request, timeout=30))
         return [r.response if r.code == 0 else _refusal(r) for r in reply.results]
 
     async def release(self, slot: Slot, reason: str, *, uniform_rewards: bool = False) -> None:

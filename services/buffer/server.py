@@ -90,11 +90,19 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         return _put_pb(put)
 
     @_mapped
-    async def PutGroups(self, request: buffer_pb2.EncodedPutGroupsRequest, context):
+    async def PutGroups(self, requests, context):
+        """A worker's stream of EncodedPutGroupsRequest, each answered in turn."""
+        async for request in requests:
+            yield await self._put_each(request)
+
+    async def _put_each(self, request: buffer_pb2.EncodedPutGroupsRequest
+                        ) -> buffer_pb2.PutGroupsResponse:
+        if not request.puts:
+            return buffer_pb2.PutGroupsResponse()
         if len({put.job for put in request.puts}) > 1:
-            raise InvalidArgument("the puts of one PutGroups name different jobs; send one "
-                                  "PutGroups per job")
-        job = self._store.job(request.puts[0].job if request.puts else "")
+            raise InvalidArgument("the puts of one PutGroups message name different jobs; "
+                                  "send one message per job")
+        job = self._store.job(request.puts[0].job)
         outcomes: list = [None] * len(request.puts)
         puts = []
         for index, put in enumerate(request.puts):
@@ -255,7 +263,7 @@ def add_servicer(servicer: BufferServicer, server: grpc.aio.Server) -> None:
     handlers["PutGroup"] = grpc.unary_unary_rpc_method_handler(
         servicer.PutGroup, request_deserializer=buffer_pb2.EncodedPutGroupRequest.FromString,
         response_serializer=buffer_pb2.PutGroupResponse.SerializeToString)
-    handlers["PutGroups"] = grpc.unary_unary_rpc_method_handler(
+    handlers["PutGroups"] = grpc.stream_stream_rpc_method_handler(
         servicer.PutGroups, request_deserializer=buffer_pb2.EncodedPutGroupsRequest.FromString,
         response_serializer=buffer_pb2.PutGroupsResponse.SerializeToString)
     handlers["GetBatch"] = grpc.unary_unary_rpc_method_handler(  # it answers encoded bytes
