@@ -1,7 +1,7 @@
 """Requests that arrive while earlier ones are on their way go together in the next round trip
 (group commit). Used where a round trip costs far more than what it carries: a rollout
-worker's puts to the buffer (one PutGroups message) and the buffer's writes to Redis (one transaction
-and, with appendfsync always, one sync)."""
+worker's puts to the buffer (one PutGroups message) and the buffer's writes to Redis (one
+transaction and, with appendfsync always, one sync)."""
 
 from __future__ import annotations
 
