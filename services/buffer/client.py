@@ -23,6 +23,9 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
+#: How long a put message waits for its answer before its call is given up (and retried).
+PUT_TIMEOUT_SECONDS = 30
+
 
 def _refusal(result: buffer_pb2.PutGroupResult) -> grpc.aio.AioRpcError:
     """One refused put of a PutGroups message, as the error its own PutGroup would have
@@ -143,7 +146,8 @@ class BufferClient:
         """One message on the PutGroups stream for `puts`: each put's reply, or the error its
         own PutGroup would have raised."""
         request = buffer_pb2.EncodedPutGroupsRequest(puts=puts)
-        reply = await self._with_retries(lambda: self._put_stream.send(request, timeout=30))
+        reply = await self._with_retries(
+            lambda: self._put_stream.send(request, timeout=PUT_TIMEOUT_SECONDS))
         return [r.response if r.code == 0 else _refusal(r) for r in reply.results]
 
     async def release(self, slot: Slot, reason: str, *, uniform_rewards: bool = False) -> None:
