@@ -135,17 +135,20 @@ class BufferClient:
         if isinstance(group, Group):
             group = group.to_pb()
         encoded = group if isinstance(group, bytes) else group.SerializeToString()
-        request = buffer_pb2.EncodedPutGroupRequest(
+        reply = await self._puts.submit(dict(
             job=self.job, slot_id=slot.slot_id, group=encoded, acquire_next=acquire_next,
-            worker=self.worker)
-        reply = await self._puts.submit(request)
+            worker=self.worker))
         self._stop_heartbeat(slot)
         return self._hold(reply.next_slot.slot_id) if reply.next_slot.granted else None
 
-    async def _send_puts(self, puts: list[buffer_pb2.EncodedPutGroupRequest]) -> list:
-        """One message on the PutGroups stream for `puts`: each put's reply, or the error its
-        own PutGroup would have raised."""
-        request = buffer_pb2.EncodedPutGroupsRequest(puts=puts)
+    async def _send_puts(self, puts: list[dict]) -> list:
+        """One message on the PutGroups stream for `puts` (each an EncodedPutGroupRequest's
+        fields): each put's reply, or the error its own PutGroup would have raised. The puts
+        are built in the message: a built put handed to it would be copied, group and all
+        (160 us for 8k tokens)."""
+        request = buffer_pb2.EncodedPutGroupsRequest()
+        for fields in puts:
+            request.puts.add(**fields)
         reply = await self._with_retries(
             lambda: self._put_stream.send(request, timeout=PUT_TIMEOUT_SECONDS))
         return [r.response if r.code == 0 else _refusal(r) for r in reply.results]
