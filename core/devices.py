@@ -64,3 +64,15 @@ def native_bf16(device: torch.device) -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a torch without oneDNN (or without this probe)
         return False
+
+
+def trainer_compute_dtype(requested: str, device: torch.device,
+                          autocast_devices: tuple[str, ...] = ("cpu", "cuda")) -> str:
+    """What a trainer asked for `requested` (trainer.computeDtype) computes in on `device`:
+    `auto` is bfloat16 where the device computes it natively and the model autocasts on that
+    kind of device (`autocast_devices`), float32 elsewhere; float32 and bfloat16 are
+    themselves."""
+    if requested != "auto":
+        return requested
+    native = device.type in autocast_devices and native_bf16(device)
+    return "bfloat16" if native else "float32"

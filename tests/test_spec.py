@@ -537,3 +537,5 @@ def test_the_trainer_computes_in_its_own_dtype_or_the_models():
     # bf16 matmuls in the trainer, float32 weights for the rollout engines.
     assert compute({}, {"computeDtype": "bfloat16"}).compute_dtype == "bfloat16"
     assert compute({"dtype": "bfloat16"}, {"computeDtype": "float32"}).compute_dtype == "float32"
+    # Chosen by the trainer on its device (asyncrl.devices.trainer_compute_dtype).
+    assert compute({}, {"computeDtype": "auto"}).compute_dtype == "auto"

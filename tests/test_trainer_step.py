@@ -249,13 +249,38 @@ def test_bf16_on_a_cpu_that_emulates_it_is_warned_about(monkeypatch, caplog):
     monkeypatch.setattr(step, "native_bf16", lambda device: False)
     PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1),
                   UpdateConfig(compute_dtype="bfloat16"))
-    assert "trainer.computeDtype: float32" in caplog.text
+    assert "trainer.computeDtype: auto or float32" in caplog.text
     caplog.clear()
     monkeypatch.setattr(step, "native_bf16", lambda device: True)
     PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1),
                   UpdateConfig(compute_dtype="bfloat16"))
     PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1), UpdateConfig())
     assert caplog.text == ""
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_compute_dtype_is_bf16_only_where_the_device_computes_it_natively(
+        monkeypatch, caplog, native):
+    """auto steps exactly as bfloat16 where bf16 is native and as float32 where it is emulated
+    (several times slower there), without the emulation warning."""
+    import asyncrl.devices as devices
+
+    monkeypatch.setattr(devices, "native_bf16", lambda device: native)
+    caplog.set_level("INFO", logger="asyncrl.trainer.step")
+    samples = make_samples(4)
+    losses = {dtype: _step(tiny_model(), samples, compute_dtype=dtype)["loss"]
+              for dtype in ("auto", "bfloat16", "float32")}
+    expected = "bfloat16" if native else "float32"
+    assert losses["auto"] == losses[expected]
+    assert losses["bfloat16"] != losses["float32"]  # the two are told apart
+    assert f"computes in {expected} (trainer.computeDtype auto" in caplog.text
+
+    # A backend whose layers autocast on CUDA only (Megatron-Core's) stays float32 on a CPU.
+    model = tiny_model()
+    model.autocast_devices = ("cuda",)
+    updater = PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            UpdateConfig(compute_dtype="auto"))
+    assert updater.config.compute_dtype == "float32"
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])

@@ -538,12 +538,15 @@ class TrainerSpec(SpecModel):
         "/update_weights_from_distributed); a version that cannot go that way (an engine "
         "missing or restarted) is written to disk instead.",
     )
-    compute_dtype: Literal["float32", "bfloat16"] | None = Field(
+    compute_dtype: Literal["auto", "float32", "bfloat16"] | None = Field(
         default=None,
         description="What the trainer's forward and backward passes compute in: bfloat16 is "
         "autocast over float32 master weights and optimizer state. Unset: model.dtype. "
         "bfloat16 with model.dtype float32 trains at bf16 speed while the rollout engines "
-        "keep float32 weights, in which each step's small update is not rounded away.",
+        "keep float32 weights, in which each step's small update is not rounded away. auto: "
+        "bfloat16 where the trainer's device computes it natively (a GPU; a CPU with AVX-512 "
+        "BF16 or AMX) and the backend autocasts there, float32 elsewhere (a CPU that emulates "
+        "bf16 runs it several times slower than float32).",
     )
     checkpoint_every: int = Field(default=10, ge=1, description="Save a checkpoint every N steps.")
     eval_every: int = Field(default=10, ge=1, description="Evaluate every N steps.")

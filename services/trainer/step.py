@@ -34,7 +34,7 @@ from asyncrl.algorithms.ppo import (
     kl_penalty,
     loglinear_proximal_logprobs,
 )
-from asyncrl.devices import native_bf16
+from asyncrl.devices import native_bf16, trainer_compute_dtype
 from asyncrl.models import load_policy, packed_token_logprobs
 from asyncrl.packed_attention import use_packed_attention
 
@@ -77,7 +77,7 @@ class UpdateConfig:
     max_grad_norm: float = 1.0
     temperature: float = 1.0
     micro_batch_max_tokens: int = 4096
-    compute_dtype: str = "float32"  # bfloat16: forward passes under bf16 autocast
+    compute_dtype: str = "float32"  # bfloat16: forward passes under bf16 autocast; auto
 
     @classmethod
     def from_spec(cls, spec) -> "UpdateConfig":
@@ -128,8 +128,8 @@ class PolicyUpdater:
     ):
         if config.kl_coef > 0 and reference_model is None:
             raise ValueError("algorithm.kl.coef > 0 needs a reference model")
-        if config.compute_dtype not in _COMPUTE_DTYPES:
-            raise ValueError(f"compute_dtype must be one of {sorted(_COMPUTE_DTYPES)}, "
+        if config.compute_dtype not in (*_COMPUTE_DTYPES, "auto"):
+            raise ValueError(f"compute_dtype must be auto or one of {sorted(_COMPUTE_DTYPES)}, "
                              f"got {config.compute_dtype!r}")
         if config.proximal not in PROXIMAL_MODES:
             raise ValueError(f"proximal must be one of {PROXIMAL_MODES}, got {config.proximal!r}")
@@ -140,9 +140,18 @@ class PolicyUpdater:
                 use_packed_attention(policy)
         self.model = model
         self.device = next(model.parameters()).device
-        if config.compute_dtype == "bfloat16" and not native_bf16(self.device):
+        if config.compute_dtype == "auto":
+            # A backend whose layers autocast on some devices only (Megatron-Core's: CUDA)
+            # says which.
+            resolved = trainer_compute_dtype(
+                "auto", self.device, getattr(model, "autocast_devices", ("cpu", "cuda")))
+            log.info("the trainer computes in %s (trainer.computeDtype auto, on %s)",
+                     resolved, self.device)
+            config = dataclasses.replace(config, compute_dtype=resolved)
+        elif config.compute_dtype == "bfloat16" and not native_bf16(self.device):
             log.warning("the trainer computes in bfloat16, which this %s emulates: slower than "
-                        "float32 here (set trainer.computeDtype: float32)", self.device.type)
+                        "float32 here (set trainer.computeDtype: auto or float32)",
+                        self.device.type)
         # The ranks whose samples make up the global batch (None: all of them); a backend
         # that splits layers across ranks (Megatron's tensor parallel) names its own.
         self.data_group = getattr(model, "data_parallel_group", None)

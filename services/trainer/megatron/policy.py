@@ -58,6 +58,10 @@ class MegatronPolicy(torch.nn.Module):
     each rank holds its share of the weights (weights.shard).
     """
 
+    #: Its linear layers take bf16 autocast on CUDA only (see spec/job.py's _check_megatron):
+    #: trainer.computeDtype auto stays float32 on a CPU.
+    autocast_devices = ("cuda",)
+
     def __init__(self, hf_config, hf_parameter_names: list[str], device: torch.device):
         super().__init__()
         import_megatron()
