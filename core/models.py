@@ -16,12 +16,17 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from asyncrl.recompute import head_logprobs
+
 SMOLLM2 = "smollm2-135m-instruct"
 TINY_RANDOM = "tiny-random"
 BUILTIN_SOURCES = (SMOLLM2, TINY_RANDOM)
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: Model types whose causal-LM logits are exactly lm_head(decoder output): no scaling or
+#: soft-capping after the head, so packed_token_logprobs may compute them itself.
+RECOMPUTED_HEADS = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def cache_dir() -> Path:
@@ -235,6 +240,7 @@ def packed_token_logprobs(
     cu_seqlens: torch.Tensor,
     temperature: float = 1.0,
     needed: torch.Tensor | None = None,
+    recompute_logits: bool = False,
 ) -> torch.Tensor:
     """Log-probability of every token of a packed batch given the tokens before it in its
     own sequence, token-aligned: out[i] = log p(input_ids[i] | its prefix). A sequence's first
@@ -248,6 +254,10 @@ def packed_token_logprobs(
 
     Sequences are separated by restarting position_ids at 0; transformers turns that into a
     block-diagonal causal mask, so no token attends across a sequence boundary.
+
+    `recompute_logits` (a model whose logits are its head's output, RECOMPUTED_HEADS): the
+    logits are made a block of positions at a time and recomputed in backward
+    (asyncrl.recompute.head_logprobs), so they are never all kept. The same values.
     """
     if input_ids.dim() != 1 or input_ids.shape != position_ids.shape:
         raise ValueError("input_ids and position_ids must be 1-D tensors of the same length")
@@ -260,9 +270,19 @@ def packed_token_logprobs(
     # that predict a wanted token.
     longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     bounds = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
-    output = model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
-                   logits_to_keep=targets - 1, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds,
-                   max_length_q=longest, max_length_k=longest)
+    packing = dict(position_ids=position_ids[None], use_cache=False, cu_seq_lens_q=bounds,
+                   cu_seq_lens_k=bounds, max_length_q=longest, max_length_k=longest)
+    if recompute_logits:
+        if model.config.model_type not in RECOMPUTED_HEADS:
+            raise ValueError(f"recomputed logits need a model whose logits are its head's "
+                             f"output ({', '.join(RECOMPUTED_HEADS)}), not "
+                             f"{model.config.model_type!r}")
+        hidden = model.get_decoder()(input_ids=input_ids[None], **packing).last_hidden_state[0]
+        picked = head_logprobs(hidden[targets - 1], model.get_output_embeddings(),
+                               input_ids[targets], temperature)
+        return torch.zeros(input_ids.shape[0], device=picked.device,
+                           dtype=picked.dtype).index_put((targets,), picked)
+    output = model(input_ids=input_ids[None], logits_to_keep=targets - 1, **packing)
     logits = output.logits[0].float()
     if temperature != 1.0:
         # In place: [tokens x vocab] is the largest tensor of the step, and lm_head's backward

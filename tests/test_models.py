@@ -83,6 +83,45 @@ def test_only_the_needed_logprobs_are_computed_and_they_are_the_same():
     assert none.shape == (17,) and (none == 0).all()
 
 
+def test_recomputed_logits_and_checkpointed_layers_give_the_same_logprobs_and_gradients(
+        monkeypatch):
+    """Activation checkpointing (asyncrl.recompute): layers that keep only their inputs and
+    logits made in blocks (of 4 positions here, so blocks split sequences) and recomputed in
+    backward give what the plain forward gives, values and gradients, with a temperature and
+    only some positions needed."""
+    import asyncrl.recompute as recompute
+
+    monkeypatch.setattr(recompute, "LOGIT_ROWS", 4)
+    sequences = [torch.randint(0, 300, (n,)) for n in (7, 2, 11, 4)]
+    ids = torch.cat(sequences)
+    positions = torch.cat([torch.arange(s.numel()) for s in sequences])
+    cu_seqlens = torch.tensor([0, 7, 9, 20, 24])
+    needed = torch.rand(24, generator=torch.Generator().manual_seed(1)) < 0.7
+    results = []
+    for recomputed in (False, True):
+        model = use_packed_attention(build_tiny_model(TinyModelConfig(), vocab_size=300)).eval()
+        if recomputed:
+            assert recompute.checkpoint_decoder_layers(model) == 2
+        logprobs = packed_token_logprobs(model, ids, positions, cu_seqlens, 0.7, needed,
+                                         recompute_logits=recomputed)
+        (logprobs * torch.linspace(-1, 1, 24)).sum().backward()
+        results.append((logprobs.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (expected, expected_grads), (got, grads) = results
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    assert (got[~needed] == 0).all()
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_logits_are_recomputed_only_for_models_whose_logits_are_their_heads_output():
+    model = build_tiny_model(TinyModelConfig(), vocab_size=300)
+    model.config.model_type = "gemma2"  # soft-caps its logits after the head
+    ids = torch.randint(0, 300, (6,))
+    with pytest.raises(ValueError, match="gemma2"):
+        packed_token_logprobs(model, ids, torch.arange(6), torch.tensor([0, 6]),
+                              recompute_logits=True)
+
+
 def test_logprobs_are_log_softmax_of_the_next_token_with_temperature():
     model = build_tiny_model(TinyModelConfig(), vocab_size=300).eval()
     ids = torch.randint(0, 300, (6,))

@@ -253,6 +253,9 @@ def test_megatron_backend_is_accepted_with_its_parallel_sizes():
      "spec.trainer.sharding: sharding fsdp is the pytorch backend's (FSDP); Megatron-Core splits "
      'a model with megatron.tensorParallel and pipelineParallel (got "fsdp"); fix: set '
      "sharding: none"),
+    ({}, {"activationCheckpointing": True},
+     "spec.trainer.activationCheckpointing: activationCheckpointing is implemented for the "
+     "pytorch backend only (got true); fix: remove it, or set backend: pytorch"),
 ])
 def test_megatron_parallel_sizes_are_checked_against_the_model_naming_the_field(
         model, trainer, expected):
@@ -539,3 +542,5 @@ def test_the_trainer_computes_in_its_own_dtype_or_the_models():
     assert compute({"dtype": "bfloat16"}, {"computeDtype": "float32"}).compute_dtype == "float32"
     # Chosen by the trainer on its device (asyncrl.devices.trainer_compute_dtype).
     assert compute({}, {"computeDtype": "auto"}).compute_dtype == "auto"
+    assert not compute({}, {}).activation_checkpointing
+    assert compute({}, {"activationCheckpointing": True}).activation_checkpointing

@@ -237,9 +237,10 @@ def _join(rank: int, world_size: int, port: int, timeout: float = 60.0) -> Train
     return TrainerGroup.from_environment(torch.device("cpu"), timeout)
 
 
-def _sgd_steps(model, batches, rank=0, world_size=1):
+def _sgd_steps(model, batches, rank=0, world_size=1, activation_checkpointing=False):
     updater = PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.5),
-                            UpdateConfig(micro_batch_max_tokens=24))
+                            UpdateConfig(micro_batch_max_tokens=24,
+                                         activation_checkpointing=activation_checkpointing))
     return [updater.step(split_by_tokens(batch, world_size)[rank]) for batch in batches]
 
 
@@ -248,7 +249,8 @@ def _fsdp_rank(rank, world_size, port, out_dir):
     batches = [make_samples(8, seed=step) for step in range(2)]
     model = tiny_model()
     shard_model(model, torch.device("cpu"), world_size)
-    stats = _sgd_steps(model, batches, rank, world_size)
+    # Checkpointed layers recompute inside FSDP's hooks: the same update as one process.
+    stats = _sgd_steps(model, batches, rank, world_size, activation_checkpointing=True)
     state = full_model_state(model)  # a collective: every rank calls it, rank 0 gets it
 
     # A checkpoint written by rank 0 alone, read by every rank into a fresh sharded model.

@@ -258,6 +258,49 @@ def test_bf16_on_a_cpu_that_emulates_it_is_warned_about(monkeypatch, caplog):
     assert caplog.text == ""
 
 
+def _saved_for_backward_bytes(updater, samples) -> tuple[int, dict]:
+    """Bytes of the tensors autograd keeps for backward during one step (those a
+    checkpointed layer keeps for its recomputation are counted too), and the step's stats."""
+    saved = 0
+
+    def pack(tensor):
+        nonlocal saved
+        saved += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        stats = updater.step(samples)
+    return saved, stats
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_activation_checkpointing_makes_the_same_update_keeping_a_fraction(dtype):
+    samples = make_samples(12)
+    results = {}
+    for checkpointing in (False, True):
+        model = tiny_model()
+        updater = PolicyUpdater(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                UpdateConfig(compute_dtype=dtype,
+                                             activation_checkpointing=checkpointing))
+        saved, stats = _saved_for_backward_bytes(updater, samples)
+        updater.step(samples)  # a second step: AdamW's moments in play
+        results[checkpointing] = saved, stats, [p.detach().clone() for p in model.parameters()]
+    (plain_saved, plain, plain_params), (kept, checkpointed, params) = results[False], results[True]
+    for name in ("loss", "grad_norm", "clip_fraction", "trained_tokens"):
+        assert checkpointed[name] == pytest.approx(plain[name], rel=1e-5, abs=1e-7), name
+    for got, expected in zip(params, plain_params):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+    assert kept < plain_saved / 3, (kept, plain_saved)
+
+
+def test_activation_checkpointing_is_refused_for_a_model_with_its_own_logprobs():
+    model = tiny_model()
+    model.packed_token_logprobs = lambda *args, **kwargs: None  # as Megatron-Core's policy
+    with pytest.raises(ValueError, match="transformers models"):
+        PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      UpdateConfig(activation_checkpointing=True))
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_auto_compute_dtype_is_bf16_only_where_the_device_computes_it_natively(
         monkeypatch, caplog, native):

@@ -548,6 +548,14 @@ class TrainerSpec(SpecModel):
         "BF16 or AMX) and the backend autocasts there, float32 elsewhere (a CPU that emulates "
         "bf16 runs it several times slower than float32).",
     )
+    activation_checkpointing: bool = Field(
+        default=False,
+        description="Keep less for backward and recompute the rest: each decoder layer keeps "
+        "only its input, and the logits are made a block of positions at a time (Llama, "
+        "Qwen and Mistral models, sharding none), both recomputed in backward. A step's "
+        "memory for activations falls to a fraction, for about one more forward pass of "
+        "time. pytorch backend only.",
+    )
     checkpoint_every: int = Field(default=10, ge=1, description="Save a checkpoint every N steps.")
     eval_every: int = Field(default=10, ge=1, description="Evaluate every N steps.")
     resources: Resources = Field(default_factory=Resources, description="Per-pod resources.")
@@ -565,6 +573,11 @@ class TrainerSpec(SpecModel):
                 f"sharding {self.sharding} is the pytorch backend's (FSDP); Megatron-Core "
                 "splits a model with megatron.tensorParallel and pipelineParallel",
                 field="sharding", fix="set sharding: none")
+        if self.activation_checkpointing:
+            raise rule_error(
+                "activationCheckpointing is implemented for the pytorch backend only",
+                field="activationCheckpointing",
+                fix="remove it, or set backend: pytorch")
         return self
 
     @model_validator(mode="after")

@@ -35,8 +35,9 @@ from asyncrl.algorithms.ppo import (
     loglinear_proximal_logprobs,
 )
 from asyncrl.devices import native_bf16, trainer_compute_dtype
-from asyncrl.models import load_policy, packed_token_logprobs
+from asyncrl.models import RECOMPUTED_HEADS, load_policy, packed_token_logprobs
 from asyncrl.packed_attention import use_packed_attention
+from asyncrl.recompute import checkpoint_decoder_layers
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class UpdateConfig:
     temperature: float = 1.0
     micro_batch_max_tokens: int = 4096
     compute_dtype: str = "float32"  # bfloat16: forward passes under bf16 autocast; auto
+    activation_checkpointing: bool = False  # recompute activations and logits in backward
 
     @classmethod
     def from_spec(cls, spec) -> "UpdateConfig":
@@ -96,6 +98,7 @@ class UpdateConfig:
             temperature=spec.rollout.temperature,
             micro_batch_max_tokens=spec.trainer.micro_batch_max_tokens,
             compute_dtype=spec.trainer_compute_dtype,
+            activation_checkpointing=spec.trainer.activation_checkpointing,
         )
 
 
@@ -138,6 +141,21 @@ class PolicyUpdater:
                 # A transformers model: packed micro-batches attend within each sequence only
                 # (same results as the block-diagonal mask, a fraction of its work).
                 use_packed_attention(policy)
+        if config.activation_checkpointing:
+            if hasattr(model, "packed_token_logprobs"):
+                raise ValueError("activation checkpointing is implemented for transformers "
+                                 "models (the pytorch backend) only")
+            checkpoint_decoder_layers(model)  # the reference model runs without gradients
+        # Logits in recomputed blocks where the model's logits are its head's output, and the
+        # head is called outside the model's forward: not under FSDP, whose root unshards the
+        # head's weights only within that forward.
+        self._recompute_logits = (config.activation_checkpointing
+                                  and model.config.model_type in RECOMPUTED_HEADS
+                                  and not isinstance(model, FSDPModule))
+        if config.activation_checkpointing and not self._recompute_logits:
+            log.info("activation checkpointing: the decoder layers only; the logits are kept "
+                     "for backward (recomputed for unsharded %s models)",
+                     ", ".join(RECOMPUTED_HEADS))
         self.model = model
         self.device = next(model.parameters()).device
         if config.compute_dtype == "auto":
@@ -284,8 +302,10 @@ class PolicyUpdater:
         """Per-token log-probs of a micro-batch: a transformers model's through
         asyncrl.models, another backend's model (the Megatron-Core one) through its own
         `packed_token_logprobs`, which computes the same thing."""
-        compute = getattr(model, "packed_token_logprobs", None) or functools.partial(
-            packed_token_logprobs, model)
+        own = getattr(model, "packed_token_logprobs", None)
+        compute = own or functools.partial(
+            packed_token_logprobs, model,
+            recompute_logits=self._recompute_logits and torch.is_grad_enabled())
         return compute(mb.input_ids, mb.position_ids, mb.cu_seqlens, self.config.temperature,
                        needed=mb.fields["loss_mask"])
 
