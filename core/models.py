@@ -6,6 +6,7 @@ log-probability and its recomputed (proximal) log-probability come from the same
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import shutil
@@ -218,6 +219,15 @@ def model_skeleton(config) -> torch.nn.Module:
     its config, parameter names and tied weights, for writing and reading its state dicts."""
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
+
+
+def sharing_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """A frozen copy of `model` whose parameters are `model`'s own memory: it adds no weights'
+    worth of memory and computes with every in-place update of them (an optimizer step). Its
+    buffers and settings are copies; `model` keeps its gradients and requires_grad."""
+    memo = {id(p): torch.nn.Parameter(p.detach(), requires_grad=False)
+            for p in model.parameters()}
+    return copy.deepcopy(model, memo)
 
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:

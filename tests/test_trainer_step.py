@@ -301,6 +301,37 @@ def test_activation_checkpointing_is_refused_for_a_model_with_its_own_logprobs()
                       UpdateConfig(activation_checkpointing=True))
 
 
+def test_an_evaluator_sharing_the_trainers_weights_generates_with_every_update():
+    """The trainer's evaluator (asyncrl.models.sharing_weights): no weights of its own, the
+    trainer's model still trains, and each evaluation sees the latest update, as an engine
+    over a full copy of the updated model does."""
+    from asyncrl.models import sharing_weights
+    from asyncrl.rollout.engine import TorchEngine
+    from asyncrl.rollout.types import SamplingParams
+
+    model = tiny_model()
+    updater = PolicyUpdater(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                            UpdateConfig(activation_checkpointing=True))
+    shared = sharing_weights(model)
+    assert [p.data_ptr() for p in shared.parameters()] == [p.data_ptr() for p in model.parameters()]
+    prompts = [s.input_ids[:4].tolist() for s in make_samples(3, seed=5)]
+
+    def evaluate(policy) -> list[list[float]]:
+        engine = TorchEngine(policy, max_running_requests=3, max_sequence_length=32, seed=0,
+                             fused_decode=False)
+        futures = [engine.submit(p, SamplingParams(max_new_tokens=6, temperature=0))
+                   for p in prompts]
+        engine.run_until_idle()
+        return [f.result().output_logprobs for f in futures]
+
+    before = evaluate(shared)
+    updater.step(make_samples(8))
+    assert all(p.requires_grad for p in model.parameters())
+    after = evaluate(shared)
+    assert after != before
+    assert after == evaluate(copy.deepcopy(model))
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_auto_compute_dtype_is_bf16_only_where_the_device_computes_it_natively(
         monkeypatch, caplog, native):

@@ -34,7 +34,7 @@ from asyncrl.algorithms.staleness import staleness
 from asyncrl.buffer.client import BufferClient
 from asyncrl.devices import local_rank, select_device
 from asyncrl.grpc_service import start_server
-from asyncrl.models import load_policy, model_skeleton
+from asyncrl.models import load_policy, model_skeleton, sharing_weights
 from asyncrl.heap import trim_heap
 from asyncrl.openmp import release_idle_thread_pools
 from asyncrl.outage import OutageTooLong
@@ -395,18 +395,26 @@ class Trainer:
 
     async def evaluate(self, state: dict[str, torch.Tensor]) -> float:
         """Greedy accuracy on held-out prompts, with the weights of `state` (the whole model).
-        The evaluation engine keeps its own copy of the model, in the model's dtype, takes the
-        weights the way rollout workers do (a weight update), and runs on the compute thread
-        (no thread of its own)."""
+        The evaluation engine takes the weights the way rollout workers do (a weight update)
+        and runs on the compute thread (no thread of its own). Where the trainer's weights are
+        the published ones (one process holds the whole transformers model, and snapshots are
+        float32) it computes with them, sharing their memory (through the model's own layers:
+        fused projections would copy them); else it keeps a copy in the model's dtype."""
         if not self.eval_items:
             return -1.0
         if self._evaluator is None:
-            model, _ = await self._on_compute(load_policy, self.spec.model, device=self.device)
+            shares = (self.model is self.hf_model and not self.sharded
+                      and self.spec.model.dtype == "float32")
+            if shares:
+                model = await self._on_compute(sharing_weights, self.model)
+            else:
+                model, _ = await self._on_compute(load_policy, self.spec.model,
+                                                  device=self.device)
             longest = max(len(item.prompt_ids) for item in self.eval_items)
             self._evaluator = TorchEngine(
                 model, max_running_requests=len(self.eval_items),
                 max_sequence_length=longest + self.spec.rollout.max_new_tokens,
-                eos_token_ids=(self.tokenizer.eos_token_id,), seed=0,
+                eos_token_ids=(self.tokenizer.eos_token_id,), seed=0, fused_decode=not shares,
             )
         engine = self._evaluator
         params = SamplingParams(max_new_tokens=self.spec.rollout.max_new_tokens, temperature=0)
