@@ -7,7 +7,9 @@ reported as a ratio to a forward pass (robust to machine noise). That forward is
 step would cost on top if it ran the proximal policy as a pass of its own: it takes the
 proximal log-probs from its training forward instead (asyncrl.trainer.step). The fp32 step is
 also timed with transformers' SDPA over the whole packed row (a block-diagonal mask) instead
-of the trainer's per-sequence attention (asyncrl.packed_attention).
+of the trainer's per-sequence attention (asyncrl.packed_attention), and with activation
+checkpointing (trainer.activationCheckpointing); each configuration's first step also counts
+the bytes autograd keeps for backward.
 
 With --megatron, the fp32 step is also timed with the Megatron-Core backend, same batch.
 
@@ -18,6 +20,7 @@ With --megatron, the fp32 step is also timed with the Megatron-Core backend, sam
 from __future__ import annotations
 
 import argparse
+import copy
 import resource
 import statistics
 import time
@@ -64,13 +67,16 @@ def main() -> None:
             packed_token_logprobs(model, packed.input_ids, packed.position_ids, packed.cu_seqlens)
         return time.perf_counter() - started
 
-    def timed_steps(dtype: str, attention: str = PACKED_SDPA) -> float:
+    saved = {}  # bytes kept for backward by one step, by configuration
+
+    def timed_steps(dtype: str, attention: str = PACKED_SDPA, checkpointing: bool = False,
+                    policy: torch.nn.Module = model) -> float:
         updater = PolicyUpdater(
-            model, torch.optim.AdamW(model.parameters(), lr=1e-6),
+            policy, torch.optim.AdamW(policy.parameters(), lr=1e-6),
             UpdateConfig(micro_batch_max_tokens=args.micro_batch_max_tokens,
-                         compute_dtype=dtype))
-        model.set_attn_implementation(attention)  # the updater chose packed attention
-        updater.step(samples)  # warm-up
+                         compute_dtype=dtype, activation_checkpointing=checkpointing))
+        policy.set_attn_implementation(attention)  # the updater chose packed attention
+        saved[dtype, attention, checkpointing] = saved_for_backward(updater, samples)  # warm-up
         times = []
         for _ in range(args.repeats):
             started = time.perf_counter()
@@ -83,6 +89,8 @@ def main() -> None:
     fp32 = timed_steps("float32")
     fp32_block_mask = timed_steps("float32", attention="sdpa")
     bf16 = timed_steps("bfloat16")
+    # Last, on a copy: checkpointing wraps the model's layers for good.
+    checkpointed = timed_steps("float32", checkpointing=True, policy=copy.deepcopy(model))
     megatron = megatron_step(model, samples, args) if args.megatron else None
 
     total_tokens, trained_tokens = args.sequences * length, args.sequences * args.response
@@ -94,6 +102,15 @@ def main() -> None:
         print(f"trainer step, {name}: {seconds:.2f} s ({trained_tokens / seconds:.0f} trained "
               f"tokens/s, {total_tokens / seconds:.0f} through the model; "
               f"{seconds / fwd:.1f} forwards)")
+    print(f"trainer step, fp32, activation checkpointing: {checkpointed:.2f} s "
+          f"({trained_tokens / checkpointed:.0f} trained tokens/s; "
+          f"{checkpointed / fp32:.2f}x the fp32 step's time)")
+    kept = {key: value / 2**20 for key, value in saved.items()}
+    print(f"kept for backward by one step: fp32 {kept['float32', PACKED_SDPA, False]:.0f} MB, "
+          f"bf16 autocast {kept['bfloat16', PACKED_SDPA, False]:.0f} MB, fp32 with activation "
+          f"checkpointing {kept['float32', PACKED_SDPA, True]:.0f} MB "
+          f"({kept['float32', PACKED_SDPA, False] / kept['float32', PACKED_SDPA, True]:.1f}x "
+          f"less; micro-batches of at most {args.micro_batch_max_tokens} tokens)")
     if megatron is not None:
         print(f"trainer step, fp32, Megatron-Core backend (local layer spec): {megatron:.2f} s "
               f"({trained_tokens / megatron:.0f} trained tokens/s); its time / the pytorch "
@@ -106,6 +123,24 @@ def main() -> None:
     weights_grads_adam = parameters * 4 * 4 / 2**30
     print(f"peak resident memory: {peak_rss_gb():.2f} GB (fp32 weights + gradients + AdamW's two "
           f"moments: {weights_grads_adam:.2f} GB)")
+
+
+def saved_for_backward(updater: PolicyUpdater, samples) -> int:
+    """Runs one step; the bytes of the tensors autograd kept for backward in it, the
+    parameters themselves left out (what a step's activation memory is, summed over its
+    micro-batches; a tensor kept twice counts twice)."""
+    total = 0
+    weights = {p.untyped_storage().data_ptr() for p in updater.model.parameters()}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        if tensor.untyped_storage().data_ptr() not in weights:
+            total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        updater.step(samples)
+    return total
 
 
 def megatron_step(model, samples, args) -> float:
