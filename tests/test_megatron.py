@@ -315,7 +315,7 @@ def test_asyncrl_run_trains_a_tiny_job_with_megatron_and_resumes(tmp_path, proce
     job = yaml.safe_load((ROOT / "examples/tiny.yaml").read_text())
     job["spec"]["trainer"].update(backend="megatron", processesPerReplica=processes,
                                   megatron={"tensorParallel": processes},
-                                  weightTransfer=transfer)
+                                  weightTransfer=transfer, computeDtype="auto")
     job_file = tmp_path / "tiny-megatron.yaml"
     job_file.write_text(yaml.safe_dump(job))
     run_dir = tmp_path / "run"
@@ -328,6 +328,8 @@ def test_asyncrl_run_trains_a_tiny_job_with_megatron_and_resumes(tmp_path, proce
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
     assert all(r["trained_tokens"] > 0 and r["backend"] == "megatron" for r in train)
+    # auto on a CPU: float32 even where the CPU has native bf16 (Megatron autocasts on CUDA).
+    assert {r["compute_dtype"] for r in train} == {"float32"}
     # Weights reach the rollout engine the way the spec says, broadcast or as snapshots (after
     # the restart, a version the engine is not yet in the group for goes to disk, as a
     # distributed transfer does when an engine is missing).

@@ -313,6 +313,7 @@ class Trainer:
                     record = {
                         "kind": "train", "step": step, "version": version, "time": time.time(),
                         "backend": spec.trainer.backend,
+                        "compute_dtype": self.updater.config.compute_dtype,  # auto resolved
                         "elapsed": time.perf_counter() - started,
                         "reward_mean": float(rewards.mean()), "staleness": stale,
                         "staleness_mean": sum(stale) / len(stale),
