@@ -150,6 +150,7 @@ class Trainer:
         reference = reference_policy(spec, self.device)
         self.broadcaster = None
         self._waited_for_group = False
+        self._published_uri = ""  # where the newest version was published
         if spec.trainer.weight_transfer == "distributed" and self.group.leader:
             # The manifest from the whole model, before any sharding.
             self.broadcaster = WeightBroadcaster(
@@ -305,11 +306,15 @@ class Trainer:
                 state = await self._command(STATE)
                 step += 1
                 version += 1
+                # The job counts as done once its last step is announced (the operator's
+                # Succeeded, `asyncrl run`'s end): that step's evaluation, record and
+                # checkpoint come first, and it is announced after them.
+                final = step == spec.algorithm.max_steps
                 async with self._alone():
                     await client.ack(batch.batch_id)
                     self.status.phase = "publishing"
-                    transfer, publish_seconds = await self._publish(client, version, step,
-                                                                    state)
+                    transfer, publish_seconds = await self._publish(
+                        client, version, step, state, announce_step=not final)
                     record = {
                         "kind": "train", "step": step, "version": version, "time": time.time(),
                         "backend": spec.trainer.backend,
@@ -334,6 +339,9 @@ class Trainer:
                         await self._on_compute(save_checkpoint, self.hf_model, state,
                                                 optimizer_state, settings.run_dir,
                                                 TrainerState(step, version))
+                if final:
+                    async with self._alone():
+                        await client.set_version(version, self._published_uri, step)
             await self._command(STOP)
             self.status.phase = "done"
         except BaseException:
@@ -358,10 +366,12 @@ class Trainer:
         return transfer_world_size(spec)
 
     async def _publish(self, client: BufferClient, version: int, step: int,
-                       state: dict) -> tuple[str, float]:
+                       state: dict, announce_step: bool = True) -> tuple[str, float]:
         """Makes policy `version` (the whole model's `state`) the rollout engines': broadcast
-        when the transfer group is up, else as a snapshot on disk; then announced. Returns
-        how (distributed or disk) and the seconds it took."""
+        when the transfer group is up, else as a snapshot on disk; then announced, with
+        `step` (else the step before it: the caller announces `step` later). Returns how
+        (distributed or disk) and the seconds it took."""
+        announced = step if announce_step else max(step - 1, 0)
         # The engines join while the trainer loads and takes its first step: its first
         # version waits a little for them rather than go to disk seconds before they are in.
         wait = 0.0 if self._waited_for_group else FIRST_VERSION_WAIT_SECONDS
@@ -371,7 +381,7 @@ class Trainer:
             # Announced first, each engine starts receiving when it reads the announcement;
             # the step is announced only once the broadcast is done (the job's completion is
             # judged by it), as a snapshot's step is once the snapshot is written.
-            uri = announcement_uri(self.broadcaster.address.group_name)
+            uri = self._published_uri = announcement_uri(self.broadcaster.address.group_name)
             await client.set_version(version, uri, max(step - 1, 0))
             try:
                 seconds = await self._on_compute(self.broadcaster.send, state)
@@ -380,7 +390,7 @@ class Trainer:
                             "later versions until the next generation of the group has formed",
                             version, exc)
             else:
-                await client.set_version(version, uri, step)
+                await client.set_version(version, uri, announced)
                 self.status.version = version
                 self.metrics.observe_publish(seconds, "distributed")
                 return "distributed", seconds
@@ -388,7 +398,8 @@ class Trainer:
         dtype = getattr(torch, self.spec.model.dtype)
         path = await self._on_compute(publish_weights, self.hf_model, state, self.settings.run_dir,
                                       version, dtype)
-        await client.set_version(version, str(path.resolve()), step)
+        self._published_uri = str(path.resolve())
+        await client.set_version(version, self._published_uri, announced)
         self.status.version = version
         seconds = time.perf_counter() - started
         self.metrics.observe_publish(seconds, "disk")
