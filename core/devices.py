@@ -66,13 +66,14 @@ def native_bf16(device: torch.device) -> bool:
         return False
 
 
-def trainer_compute_dtype(requested: str, device: torch.device,
-                          autocast_devices: tuple[str, ...] = ("cpu", "cuda")) -> str:
-    """What a trainer asked for `requested` (trainer.computeDtype) computes in on `device`:
-    `auto` is bfloat16 where the device computes it natively and the model autocasts on that
-    kind of device (`autocast_devices`), float32 elsewhere; float32 and bfloat16 are
-    themselves."""
-    if requested != "auto":
-        return requested
+#: The devices bf16 autocast trains a transformers model on.
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def auto_compute_dtype(device: torch.device,
+                       autocast_devices: tuple[str, ...] = AUTOCAST_DEVICES) -> str:
+    """What trainer.computeDtype `auto` computes in on `device`: bfloat16 where the device
+    computes it natively and the model autocasts on that kind of device (`autocast_devices`),
+    float32 elsewhere."""
     native = device.type in autocast_devices and native_bf16(device)
     return "bfloat16" if native else "float32"

@@ -34,7 +34,7 @@ from asyncrl.algorithms.ppo import (
     kl_penalty,
     loglinear_proximal_logprobs,
 )
-from asyncrl.devices import native_bf16, trainer_compute_dtype
+from asyncrl.devices import AUTOCAST_DEVICES, auto_compute_dtype, native_bf16
 from asyncrl.models import RECOMPUTED_HEADS, load_policy, packed_token_logprobs
 from asyncrl.packed_attention import use_packed_attention
 from asyncrl.recompute import checkpoint_decoder_layers
@@ -161,8 +161,8 @@ class PolicyUpdater:
         if config.compute_dtype == "auto":
             # A backend whose layers autocast on some devices only (Megatron-Core's: CUDA)
             # says which.
-            resolved = trainer_compute_dtype(
-                "auto", self.device, getattr(model, "autocast_devices", ("cpu", "cuda")))
+            resolved = auto_compute_dtype(
+                self.device, getattr(model, "autocast_devices", AUTOCAST_DEVICES))
             log.info("the trainer computes in %s (trainer.computeDtype auto, on %s)",
                      resolved, self.device)
             config = dataclasses.replace(config, compute_dtype=resolved)
@@ -302,8 +302,7 @@ class PolicyUpdater:
         """Per-token log-probs of a micro-batch: a transformers model's through
         asyncrl.models, another backend's model (the Megatron-Core one) through its own
         `packed_token_logprobs`, which computes the same thing."""
-        own = getattr(model, "packed_token_logprobs", None)
-        compute = own or functools.partial(
+        compute = getattr(model, "packed_token_logprobs", None) or functools.partial(
             packed_token_logprobs, model,
             recompute_logits=self._recompute_logits and torch.is_grad_enabled())
         return compute(mb.input_ids, mb.position_ids, mb.cu_seqlens, self.config.temperature,
