@@ -9,12 +9,15 @@ proximal log-probs from its training forward instead (asyncrl.trainer.step). The
 also timed with transformers' SDPA over the whole packed row (a block-diagonal mask) instead
 of the trainer's per-sequence attention (asyncrl.packed_attention), and with activation
 checkpointing (trainer.activationCheckpointing); each configuration's first step also counts
-the bytes autograd keeps for backward.
+the bytes autograd keeps for backward. The batch's sequences come in groups of --group-size
+responses to one prompt, as a GRPO job's do, which the trainer packs with the prompt once
+(asyncrl.algorithms.packing); the fp32 step is also timed on the same shapes with every
+sequence's prompt its own, which nothing shares.
 
 With --megatron, the fp32 step is also timed with the Megatron-Core backend, same batch.
 
-    .venv/bin/python bench/trainer_step.py [--sequences 8] [--prompt 64] [--response 128]
-        [--bf16] [--megatron]
+    .venv/bin/python bench/trainer_step.py [--sequences 8] [--group-size 8] [--prompt 64]
+        [--response 128] [--bf16] [--megatron]
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ def peak_rss_gb() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sequences", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8,
+                        help="sequences per prompt (1: every prompt its own)")
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per sequence")
     parser.add_argument("--response", type=int, default=128, help="response tokens per sequence")
     parser.add_argument("--repeats", type=int, default=3)
@@ -56,12 +61,18 @@ def main() -> None:
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     length = args.prompt + args.response
-    samples = []
+    mask = torch.arange(length) >= args.prompt
+    behaviour = torch.where(mask, torch.full((length,), -10.0), torch.zeros(length))
+    samples, unshared = [], []
     for i in range(args.sequences):
-        ids = torch.randint(0, vocab, (length,), generator=generator)
-        mask = torch.arange(length) >= args.prompt
-        behaviour = torch.where(mask, torch.full((length,), -10.0), torch.zeros(length))
-        samples.append(TrainSample(ids, mask, behaviour, 1.0 if i % 2 else -1.0))
+        if i % args.group_size == 0:
+            prompt = torch.randint(0, vocab, (args.prompt,), generator=generator)
+        response = torch.randint(0, vocab, (args.response,), generator=generator)
+        own_prompt = torch.randint(0, vocab, (args.prompt,), generator=generator)
+        advantage = 1.0 if i % 2 else -1.0
+        samples.append(TrainSample(torch.cat([prompt, response]), mask, behaviour, advantage))
+        unshared.append(TrainSample(torch.cat([own_prompt, response]), mask, behaviour,
+                                    advantage))
     packed = pack_sequences([s.input_ids for s in samples])
 
     def forward() -> float:
@@ -73,23 +84,26 @@ def main() -> None:
     saved = {}  # bytes kept for backward by one step, by configuration
 
     def timed_steps(dtype: str, attention: str = PACKED_SDPA, checkpointing: bool = False,
-                    policy: torch.nn.Module = model) -> float:
+                    policy: torch.nn.Module = model, batch: list[TrainSample] = samples) -> float:
         updater = PolicyUpdater(
             policy, torch.optim.AdamW(policy.parameters(), lr=1e-6),
             UpdateConfig(micro_batch_max_tokens=args.micro_batch_max_tokens,
                          compute_dtype=dtype, activation_checkpointing=checkpointing))
         policy.set_attn_implementation(attention)  # the updater chose packed attention
-        saved[dtype, attention, checkpointing] = saved_for_backward(updater, samples)  # warm-up
+        kept_bytes = saved_for_backward(updater, batch)  # warm-up
+        if batch is samples:
+            saved[dtype, attention, checkpointing] = kept_bytes
         times = []
         for _ in range(args.repeats):
             started = time.perf_counter()
-            updater.step(samples)
+            updater.step(batch)
             times.append(time.perf_counter() - started)
         return statistics.median(times)
 
     forward()
     fwd = statistics.median(forward() for _ in range(args.repeats))
     fp32 = timed_steps("float32")
+    fp32_unshared = timed_steps("float32", batch=unshared) if args.group_size > 1 else None
     fp32_block_mask = timed_steps("float32", attention="sdpa")
     # Where the CPU emulates bf16 a step takes minutes and means nothing (auto: float32).
     bf16 = timed_steps("bfloat16") if args.bf16 or native_bf16(torch.device("cpu")) else None
@@ -99,10 +113,13 @@ def main() -> None:
 
     total_tokens, trained_tokens = args.sequences * length, args.sequences * args.response
     print(f"SmolLM2-135M, {torch.get_num_threads()} threads, batch {args.sequences} x "
-          f"({args.prompt} prompt + {args.response} response) tokens")
-    print(f"no-grad forward of the batch (fp32): {fwd:.2f} s")
-    for name, seconds in (("fp32", fp32), ("fp32, block-diagonal mask", fp32_block_mask),
-                          ("bf16 autocast", bf16)):
+          f"({args.prompt} prompt + {args.response} response) tokens, in groups of "
+          f"{args.group_size} sharing a prompt")
+    print(f"no-grad forward of the batch, each sequence whole (fp32): {fwd:.2f} s")
+    unshared_row = [] if fp32_unshared is None else [("fp32, every prompt its own",
+                                                      fp32_unshared)]
+    for name, seconds in [("fp32", fp32), *unshared_row,
+                          ("fp32, block-diagonal mask", fp32_block_mask), ("bf16 autocast", bf16)]:
         if seconds is None:
             print(f"trainer step, {name}: not run, this CPU emulates bf16 (--bf16 runs it)")
             continue
@@ -126,6 +143,9 @@ def main() -> None:
               f"backend's fp32 step: {megatron / fp32:.2f}")
     if bf16 is not None:
         print(f"bf16 / fp32 step speed: {fp32 / bf16:.2f}x")
+    if fp32_unshared is not None:
+        print(f"prompts shared / every prompt its own, step speed (fp32): "
+              f"{fp32_unshared / fp32:.2f}x")
     print(f"a proximal pass of its own would add {fwd:.2f} s to the fp32 step: taking the "
           f"proximal log-probs from the training forward is {(fp32 + fwd) / fp32:.2f}x")
     print(f"per-sequence / block-diagonal attention step speed (fp32): "

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from asyncrl.packed_attention import PACKED_SDPA
 from asyncrl.recompute import head_logprobs
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -251,6 +252,7 @@ def packed_token_logprobs(
     temperature: float = 1.0,
     needed: torch.Tensor | None = None,
     recompute_logits: bool = False,
+    continues: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-probability of every token of a packed batch given the tokens before it in its
     own sequence, token-aligned: out[i] = log p(input_ids[i] | its prefix). A sequence's first
@@ -265,6 +267,11 @@ def packed_token_logprobs(
     Sequences are separated by restarting position_ids at 0; transformers turns that into a
     block-diagonal causal mask, so no token attends across a sequence boundary.
 
+    `continues` (a row packed sharing prefixes, asyncrl.algorithms.packing): for each sequence
+    the one it continues, or -1. Needs packed attention (asyncrl.packed_attention), the only
+    attention that reads it; a continuing sequence's first token is predicted from the end of
+    the one it continues.
+
     `recompute_logits` (a model whose logits are its head's output, RECOMPUTED_HEADS): the
     logits are made a block of positions at a time and recomputed in backward
     (asyncrl.recompute.head_logprobs), so they are never all kept. The same values.
@@ -273,7 +280,11 @@ def packed_token_logprobs(
         raise ValueError("input_ids and position_ids must be 1-D tensors of the same length")
     if input_ids.numel() == 0:
         return torch.zeros(0, device=input_ids.device)
-    targets = predicted_positions(input_ids, cu_seqlens, needed)
+    targets = predicted_positions(input_ids, cu_seqlens, needed, continues)
+    sources = source_positions(targets, cu_seqlens, continues)
+    if continues is not None and model.config._attn_implementation != PACKED_SDPA:
+        raise ValueError("a row packed sharing prefixes needs packed attention "
+                         "(asyncrl.packed_attention.use_packed_attention)")
     # use_cache=False: transformers only builds the packed (block-diagonal) mask without a cache.
     # The boundaries let a model with packed SDPA (asyncrl.packed_attention) attend within each
     # sequence alone; others ignore them. logits_to_keep: the lm_head sees only the positions
@@ -282,17 +293,19 @@ def packed_token_logprobs(
     bounds = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
     packing = dict(position_ids=position_ids[None], use_cache=False, cu_seq_lens_q=bounds,
                    cu_seq_lens_k=bounds, max_length_q=longest, max_length_k=longest)
+    if continues is not None:
+        packing["continues"] = continues.tolist()
     if recompute_logits:
         if model.config.model_type not in RECOMPUTED_HEADS:
             raise ValueError(f"recomputed logits need a model whose logits are its head's "
                              f"output ({', '.join(RECOMPUTED_HEADS)}), not "
                              f"{model.config.model_type!r}")
         hidden = model.get_decoder()(input_ids=input_ids[None], **packing).last_hidden_state[0]
-        picked = head_logprobs(hidden[targets - 1], model.get_output_embeddings(),
+        picked = head_logprobs(hidden[sources], model.get_output_embeddings(),
                                input_ids[targets], temperature)
         return torch.zeros(input_ids.shape[0], device=picked.device,
                            dtype=picked.dtype).index_put((targets,), picked)
-    output = model(input_ids=input_ids[None], logits_to_keep=targets - 1, **packing)
+    output = model(input_ids=input_ids[None], logits_to_keep=sources, **packing)
     logits = output.logits[0].float()
     if temperature != 1.0:
         # In place: [tokens x vocab] is the largest tensor of the step, and lm_head's backward
@@ -302,13 +315,29 @@ def packed_token_logprobs(
 
 
 def predicted_positions(input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                        needed: torch.Tensor | None) -> torch.Tensor:
+                        needed: torch.Tensor | None,
+                        continues: torch.Tensor | None = None) -> torch.Tensor:
     """The positions of a packed row whose tokens get a log-probability: the `needed` ones
-    (all when None) except each sequence's first, which has no prefix."""
+    (all when None) except each sequence's first, which has no prefix (unless it `continues`
+    another sequence)."""
     wanted = torch.ones_like(input_ids, dtype=torch.bool) if needed is None else needed.bool().clone()
     # The first token of each sequence was "predicted" from the previous sequence's end.
-    wanted[cu_seqlens[:-1].long()] = False
+    starts = cu_seqlens[:-1].long()
+    wanted[starts if continues is None else starts[continues < 0]] = False
     return wanted.nonzero().squeeze(-1)
+
+
+def source_positions(targets: torch.Tensor, cu_seqlens: torch.Tensor,
+                     continues: torch.Tensor | None) -> torch.Tensor:
+    """For each of `targets`, the position whose output predicts it: the one before, or for
+    the first token of a sequence that continues another, that one's last."""
+    if continues is None:
+        return targets - 1
+    bounds = cu_seqlens.long().to(targets.device)
+    previous = torch.arange(int(bounds[-1]), device=targets.device) - 1
+    continuing = continues >= 0
+    previous[bounds[:-1][continuing]] = bounds[1:][continues[continuing]] - 1
+    return previous[targets]
 
 
 def logprobs_at(logits: torch.Tensor, input_ids: torch.Tensor,

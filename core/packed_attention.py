@@ -8,7 +8,9 @@ needed; the largest part of a SmolLM2 training step on CPU before this).
 Given the row's sequence boundaries, as `cu_seq_lens_q` (the keyword transformers' own
 flash-attention path takes for packed rows), this implementation runs causal SDPA once per
 sequence. Without them (generation, the rollout engine's explicit masks) it is transformers'
-SDPA, unchanged, so a model can use it everywhere.
+SDPA, unchanged, so a model can use it everywhere. With `continues` as well (a row packed
+sharing prefixes, asyncrl.algorithms.packing), a sequence that continues another attends to
+all of that one first.
 """
 
 from __future__ import annotations
@@ -38,12 +40,25 @@ def packed_sdpa_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     edges = bounds.tolist()
-    outputs = [
-        F.scaled_dot_product_attention(
-            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-            dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=True)
-        for start, end in zip(edges[:-1], edges[1:])
-    ]
+    continues = kwargs.get("continues") or [-1] * (len(edges) - 1)
+    outputs = []
+    for start, end, parent in zip(edges[:-1], edges[1:], continues):
+        if parent < 0:
+            outputs.append(F.scaled_dot_product_attention(
+                query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
+                dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=True))
+            continue
+        # The whole sequence it continues, then itself causally: the last rows of a causal
+        # mask over both.
+        before = slice(edges[parent], edges[parent + 1])
+        seen = before.stop - before.start
+        mask = torch.ones(end - start, seen + end - start, dtype=torch.bool,
+                          device=query.device).tril(seen)
+        outputs.append(F.scaled_dot_product_attention(
+            query[:, :, start:end],
+            torch.cat((key[:, :, before], key[:, :, start:end]), dim=2),
+            torch.cat((value[:, :, before], value[:, :, start:end]), dim=2),
+            attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=True))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
 

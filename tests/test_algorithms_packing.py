@@ -9,7 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.algorithms.packing import PackedBatch, balance_micro_batches, pack_sequences, unpack
+from asyncrl.algorithms.packing import (
+    PackedBatch,
+    balance_micro_batches,
+    balance_sharing_prefixes,
+    pack_sequences,
+    pack_sharing_prefixes,
+    unpack,
+)
 
 
 def test_pack_exact_values():
@@ -201,3 +208,76 @@ def optimal_bins(lengths, capacity):
 
     place(0, [])
     return best
+
+
+def test_pack_sharing_prefixes_holds_each_shared_prefix_once():
+    prompt, other = [1, 2, 3], [7, 8]
+    seqs = [torch.tensor(prompt + [4, 5]), torch.tensor(other + [9]),
+            torch.tensor(prompt + [6]), torch.tensor([5, 5, 5, 5])]
+    tags = [torch.arange(len(s)) + 10 * i for i, s in enumerate(seqs)]
+    packed = pack_sharing_prefixes(seqs, [3, 2, 3, 2], {"tag": tags})
+    # Sequence 1's and 3's prefixes are their own: they stay whole.
+    assert packed.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, 5, 5, 5, 5]
+    assert packed.cu_seqlens.tolist() == [0, 3, 5, 6, 9, 13]
+    assert packed.continues.tolist() == [-1, 0, 0, -1, -1]
+    assert packed.position_ids.tolist() == [0, 1, 2, 3, 4, 3, 0, 1, 2, 0, 1, 2, 3]
+    # A shared prefix takes the first sequence's field values; each rest its own.
+    assert packed.fields["tag"].tolist() == [0, 1, 2, 3, 4, 23, 10, 11, 12, 30, 31, 32, 33]
+    assert packed.max_seqlen == 5
+
+
+def test_pack_sharing_nothing_is_pack_sequences():
+    seqs = [torch.tensor([1, 2, 3]), torch.tensor([1, 2, 4]), torch.tensor([1])]
+    for prefixes in ([0, 0, 0], [3, 3, 1], [1, 2, 0]):  # none, whole sequences, not equal
+        packed = pack_sharing_prefixes(seqs, prefixes)
+        plain = pack_sequences(seqs)
+        assert packed.continues is None
+        assert torch.equal(packed.input_ids, plain.input_ids)
+        assert torch.equal(packed.cu_seqlens, plain.cu_seqlens)
+    with pytest.raises(ValueError, match=r"prefix_lengths\[2\] is 2; sequences\[2\] has 1"):
+        pack_sharing_prefixes(seqs, [0, 0, 2])
+    with pytest.raises(ValueError, match="2 prefix lengths for 3 sequences"):
+        pack_sharing_prefixes(seqs, [0, 0])
+    with pytest.raises(ValueError, match=r"fields\['f'\]\[1\] has 2 tokens"):
+        pack_sharing_prefixes(seqs, [2, 2, 0], {"f": [torch.zeros(3), torch.zeros(2),
+                                                      torch.zeros(1)]})
+
+
+def _shared_size(batch, seqs, prefixes):
+    packed = pack_sharing_prefixes([seqs[i] for i in batch], [prefixes[i] for i in batch])
+    return packed.num_tokens
+
+
+def test_balance_sharing_prefixes_keeps_a_prompts_responses_together():
+    prompt = list(range(10))
+    seqs = [torch.tensor(prompt + [50] * n) for n in (4, 6, 3, 5)] + [torch.ones(12)]
+    prefixes = [10, 10, 10, 10, 0]
+    # Unshared, 70 tokens need three micro-batches of 30; shared, the group is 28 tokens.
+    assert len(balance_micro_batches([len(s) for s in seqs], 30)) == 3
+    batches = balance_sharing_prefixes(seqs, prefixes, 30)
+    assert batches == [[0, 1, 2, 3], [4]]
+    # A group over the budget is split, the prompt counted in each part.
+    batches = balance_sharing_prefixes(seqs, prefixes, 20)
+    assert sorted(i for b in batches for i in b) == list(range(5))
+    assert all(_shared_size(b, seqs, prefixes) <= 20 for b in batches)
+    assert len(batches) == 3
+    with pytest.raises(ValueError, match="sequence 1 has 16 tokens"):  # a sequence is whole
+        balance_sharing_prefixes(seqs, prefixes, 15)
+
+
+@given(groups=st.lists(st.tuples(st.integers(1, 8), st.lists(st.integers(1, 12), min_size=1,
+                                                            max_size=6)), max_size=6),
+       max_tokens=st.integers(21, 60))
+@settings(max_examples=80, deadline=None)
+def test_balance_sharing_prefixes_properties(groups, max_tokens):
+    seqs, prefixes = [], []
+    for g, (prompt, rests) in enumerate(groups):
+        for rest in rests:
+            seqs.append(torch.cat([torch.full((prompt,), g), torch.full((rest,), 99)]))
+            prefixes.append(prompt)
+    batches = balance_sharing_prefixes(seqs, prefixes, max_tokens)
+    assert sorted(i for b in batches for i in b) == list(range(len(seqs)))
+    assert all(b == sorted(b) and b for b in batches)
+    assert all(_shared_size(b, seqs, prefixes) <= max_tokens for b in batches)
+    # Never more micro-batches than without sharing.
+    assert len(batches) <= len(balance_micro_batches([len(s) for s in seqs], max_tokens))

@@ -113,6 +113,59 @@ def test_recomputed_logits_and_checkpointed_layers_give_the_same_logprobs_and_gr
         torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("recomputed", [False, True])
+def test_a_row_sharing_prefixes_gives_each_sequences_logprobs_and_gradients(recomputed,
+                                                                          monkeypatch):
+    """Three responses to one prompt and one sequence of its own, packed with the prompt once
+    (its responses continue it): every response token's log-prob and every gradient are
+    those of the row with each sequence whole, with a temperature, some positions only and,
+    with activation checkpointing, logits recomputed in blocks that split sequences."""
+    import asyncrl.recompute as recompute
+    from asyncrl.algorithms.packing import pack_sequences, pack_sharing_prefixes
+
+    monkeypatch.setattr(recompute, "LOGIT_ROWS", 4)
+    generator = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 300, (6,), generator=generator)
+    sequences = [torch.cat([prompt, torch.randint(0, 300, (n,), generator=generator)])
+                 for n in (3, 7, 1)] + [torch.randint(0, 300, (9,), generator=generator)]
+    needed = [torch.arange(len(s)) >= 6 for s in sequences[:3]] + [torch.arange(9) >= 4]
+    weights = [torch.rand(len(s), generator=generator) for s in sequences]
+    tags = [torch.arange(len(s)) + 100 * i for i, s in enumerate(sequences)]
+    fields = {"needed": needed, "weight": weights, "tag": tags}
+    results = []
+    for packed in (pack_sequences(sequences, fields),
+                   pack_sharing_prefixes(sequences, [6, 6, 6, 0], fields)):
+        model = use_packed_attention(build_tiny_model(TinyModelConfig(), vocab_size=300)).eval()
+        if recomputed:
+            recompute.checkpoint_decoder_layers(model)
+        logprobs = packed_token_logprobs(
+            model, packed.input_ids, packed.position_ids, packed.cu_seqlens, 0.7,
+            packed.fields["needed"], recompute_logits=recomputed, continues=packed.continues)
+        (logprobs * packed.fields["weight"]).sum().backward()
+        wanted = packed.fields["needed"]
+        results.append((packed, dict(zip(packed.fields["tag"][wanted].tolist(),
+                                         logprobs[wanted].tolist())),
+                        {n: p.grad for n, p in model.named_parameters()}))
+    (whole, expected, expected_grads), (shared, got, grads) = results
+    assert shared.num_tokens == whole.num_tokens - 2 * 6  # the prompt once, not three times
+    assert shared.continues.tolist() == [-1, 0, 0, 0, -1]
+    assert got.keys() == expected.keys() and len(got) == 3 + 7 + 1 + 5
+    assert got == pytest.approx(expected, abs=1e-5)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_a_row_sharing_prefixes_needs_packed_attention():
+    from asyncrl.algorithms.packing import pack_sharing_prefixes
+
+    prompt = torch.randint(0, 300, (4,))
+    packed = pack_sharing_prefixes([torch.cat([prompt, torch.tensor([1, 2])])] * 2, [4, 4])
+    with pytest.raises(ValueError, match="needs packed attention"):
+        packed_token_logprobs(build_tiny_model(TinyModelConfig(), vocab_size=300),
+                              packed.input_ids, packed.position_ids, packed.cu_seqlens,
+                              continues=packed.continues)
+
+
 def test_logits_are_recomputed_only_for_models_whose_logits_are_their_heads_output():
     model = build_tiny_model(TinyModelConfig(), vocab_size=300)
     model.config.model_type = "gemma2"  # soft-caps its logits after the head

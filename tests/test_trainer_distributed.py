@@ -48,7 +48,7 @@ from asyncrl.trainer.service import forget_records_after
 from asyncrl.trainer.step import PolicyUpdater, UpdateConfig
 from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
 from buffer_helpers import BufferThread
-from trainer_helpers import make_samples, tiny_model
+from trainer_helpers import make_groups, make_samples, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples/tiny.yaml"
@@ -246,7 +246,7 @@ def _sgd_steps(model, batches, rank=0, world_size=1, activation_checkpointing=Fa
 
 def _fsdp_rank(rank, world_size, port, out_dir):
     group = _join(rank, world_size, port)
-    batches = [make_samples(8, seed=step) for step in range(2)]
+    batches = [make_groups(2, 4, seed=step) for step in range(2)]  # prompts shared
     model = tiny_model()
     shard_model(model, torch.device("cpu"), world_size)
     # Checkpointed layers recompute inside FSDP's hooks: the same update as one process.
@@ -281,7 +281,7 @@ def test_fsdp_on_two_gloo_ranks_matches_one_process_and_resumes_from_its_checkpo
     mp.spawn(_fsdp_rank, args=(2, free_port(), tmp_path), nprocs=2, join=True)
     result = torch.load(tmp_path / "fsdp.pt")
     model = tiny_model()
-    single_stats = _sgd_steps(model, [make_samples(8, seed=step) for step in range(2)])
+    single_stats = _sgd_steps(model, [make_groups(2, 4, seed=step) for step in range(2)])
     assert sorted(result["state"]) == sorted(model.state_dict())
     for name, value in model.state_dict().items():
         torch.testing.assert_close(result["state"][name], value, atol=1e-6, rtol=1e-5,

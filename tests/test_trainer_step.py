@@ -5,8 +5,9 @@ import torch
 
 from asyncrl.algorithms.packing import balance_micro_batches
 from asyncrl.algorithms.ppo import decoupled_ppo_loss
+from asyncrl.models import packed_token_logprobs
 from asyncrl.trainer.step import PolicyUpdater, TrainSample, UpdateConfig, _pack
-from trainer_helpers import make_samples, tiny_model
+from trainer_helpers import make_groups, make_samples, tiny_model
 
 
 def _step(model, samples, optimizer_cls=torch.optim.SGD, lr=0.1, **config):
@@ -180,6 +181,63 @@ def _forward_counter(model):
     calls = []
     model.register_forward_hook(lambda *_: calls.append(1))
     return calls
+
+
+def _tokens_through(model):
+    tokens = []
+    model.register_forward_pre_hook(
+        lambda _, args, kwargs: tokens.append(kwargs["input_ids"].numel()), with_kwargs=True)
+    return tokens
+
+
+@pytest.mark.parametrize("budget", [2048, 18])
+def test_a_groups_prompt_goes_through_the_model_once_with_the_same_update(budget):
+    """Responses to one prompt are packed with the prompt once: the same update as packing
+    each sequence whole (the update by hand below), and the prompt's tokens computed once per
+    micro-batch instead of once per response. With a budget of 18 tokens the groups are split
+    across micro-batches, the prompt in each."""
+    samples = make_groups(3, 4)
+    model, manual = tiny_model(), tiny_model()
+    tokens = _tokens_through(model)
+    config = UpdateConfig(micro_batch_max_tokens=budget)
+    stats = PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1), config).step(
+        samples, 3)
+    prompts = sum(4 + 3 * group for group in range(3))
+    whole = sum(s.input_ids.numel() for s in samples)
+    if budget == 2048:
+        assert tokens == [whole - 3 * prompts]  # one micro-batch, each prompt once
+    else:
+        assert max(tokens) <= budget and whole - 3 * prompts < sum(tokens) < whole
+
+    reference = PolicyUpdater(manual, torch.optim.SGD(manual.parameters(), lr=0.1), config)
+    mb = _pack(samples)
+    assert mb.continues is None
+    loss, _ = decoupled_ppo_loss(
+        reference._logprobs(manual, mb), reference._logprobs(manual, mb).detach(),
+        mb.fields["behaviour_logprobs"], mb.fields["advantages"], mb.fields["loss_mask"],
+        clip_eps=0.2, behaviour_weight_cap=5.0,
+        num_global_tokens=torch.tensor(float(mb.fields["loss_mask"].sum())))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(manual.parameters(), 1.0)
+    reference.optimizer.step()
+    assert stats["loss"] == pytest.approx(float(loss.detach()), abs=1e-6)
+    for a, b in zip(model.parameters(), manual.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_a_model_with_its_own_logprobs_gets_whole_sequences():
+    """Another backend's model (Megatron-Core's) computes each sequence whole."""
+    model = tiny_model()
+    seen = []
+
+    def own_logprobs(*args, **kwargs):
+        seen.append(kwargs)
+        return packed_token_logprobs(model, *args, **kwargs)
+
+    model.packed_token_logprobs = own_logprobs
+    PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1), UpdateConfig()).step(
+        make_groups(2, 3), 3)
+    assert seen and all("continues" not in kwargs for kwargs in seen)
 
 
 def test_loglinear_runs_no_proximal_forward_and_matches_recompute_on_older_tokens():

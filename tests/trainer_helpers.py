@@ -30,3 +30,21 @@ def make_samples(count: int, seed: int = 0, behaviour_noise: float = 0.1) -> lis
         advantage = float(torch.randn(1, generator=generator))
         samples.append(TrainSample(ids, mask, behaviour, advantage))
     return samples
+
+
+def make_groups(groups: int, size: int, seed: int = 0) -> list[TrainSample]:
+    """`groups` groups of `size` responses to one prompt each (make_samples' kind of sample),
+    the groups' prompts of different lengths."""
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for index in range(groups):
+        prompt = torch.randint(0, VOCAB, (4 + 3 * index,), generator=generator)
+        for response in make_samples(size, seed=seed * 1000 + index):
+            generated = response.input_ids[response.loss_mask]
+            mask = torch.cat([torch.zeros(len(prompt), dtype=torch.bool),
+                              torch.ones(len(generated), dtype=torch.bool)])
+            behaviour = torch.cat([torch.zeros(len(prompt)),
+                                   response.behaviour_logprobs[response.loss_mask]])
+            samples.append(TrainSample(torch.cat([prompt, generated]), mask, behaviour,
+                                       response.advantage))
+    return samples

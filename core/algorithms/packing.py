@@ -5,6 +5,12 @@ wastes compute on pad tokens, so the trainer concatenates sequences into one row
 attention kernel where each one starts (``cu_seqlens``, as flash-attention's varlen API takes it).
 Micro-batches are then formed by token count rather than by sequence count, so each forward pass
 has a similar cost and fits in memory.
+
+The responses of a group share their prompt. Packed sharing prefixes, the row holds that prompt
+once and each response as a segment that continues it (attending to all of the prompt, then to
+itself): a causal model's prompt activations do not depend on what follows, so every
+response's log-probs are the same, and the prompt is computed once instead of once per response
+(8 responses of 57 tokens to a 64-token prompt: 520 tokens through the model instead of 968).
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-__all__ = ["PackedBatch", "balance_micro_batches", "pack_sequences", "unpack"]
+__all__ = ["PackedBatch", "balance_micro_batches", "balance_sharing_prefixes", "pack_sequences",
+           "pack_sharing_prefixes", "unpack"]
 
 MAX_TOKENS_FIELD = "trainer.microBatchMaxTokens"
 
@@ -29,6 +36,10 @@ class PackedBatch:
     ``input_ids`` and ``position_ids`` are ``[T]``; position ids restart at 0 for every sequence.
     ``cu_seqlens`` is int32 ``[N+1]``: sequence i is ``[cu_seqlens[i], cu_seqlens[i+1])``.
     ``fields`` holds further token-aligned tensors (``[T, ...]``), e.g. logprobs or loss masks.
+
+    ``continues`` (packed sharing prefixes, else None) is int64 ``[N]``: the index of the
+    sequence (segment) that segment i continues, or -1. A continuing segment attends to all of
+    the one it continues, then to itself causally; its position ids go on from that one's end.
     """
 
     input_ids: Tensor
@@ -36,6 +47,7 @@ class PackedBatch:
     cu_seqlens: Tensor
     max_seqlen: int
     fields: dict[str, Tensor] = field(default_factory=dict)
+    continues: Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -68,6 +80,124 @@ def pack_sequences(
     )
 
 
+def pack_sharing_prefixes(
+    sequences: Sequence[Tensor], prefix_lengths: Sequence[int],
+    fields: dict[str, Sequence[Tensor]] | None = None,
+) -> PackedBatch:
+    """``pack_sequences``, except that sequences starting with the same prefix (their first
+    ``prefix_lengths[i]`` tokens, equal tokens) hold one copy of it: the prefix is a segment of
+    its own, followed by each of those sequences' rest as a segment that continues it
+    (``PackedBatch.continues``). A field's values on a shared prefix are those of the first
+    sequence with it (the trainer's are unused there: prompts carry no loss). A prefix of 0
+    tokens, one as long as its sequence or one that no other sequence starts with stays in its
+    sequence. Segments come in the order of each prefix's first sequence."""
+    for index, sequence in enumerate(sequences):
+        _sequence_length(index, sequence)
+    fields = fields or {}
+    for name, values in fields.items():
+        if len(values) != len(sequences):
+            raise ValueError(f"fields[{name!r}] has {len(values)} tensors for "
+                             f"{len(sequences)} sequences")
+    groups = _prefix_groups(sequences, prefix_lengths)
+    if all(len(group) == 1 for group in groups):
+        return pack_sequences(sequences, fields)
+    pieces: list[tuple[int, int, int, int]] = []  # (sequence, start, end, continues)
+    for group in groups:
+        if len(group) == 1:
+            pieces.append((group[0], 0, len(sequences[group[0]]), -1))
+            continue
+        prefix = prefix_lengths[group[0]]
+        opened = len(pieces)
+        pieces.append((group[0], 0, prefix, -1))
+        pieces += [(index, prefix, len(sequences[index]), opened) for index in group]
+    lengths = [end - start for _, start, end, _ in pieces]
+    offsets = [0 if parent < 0 else lengths[parent] for *_, parent in pieces]
+    device = sequences[0].device
+
+    def cut(values: Sequence[Tensor]) -> Tensor:
+        return torch.cat([values[index][start:end] for index, start, end, _ in pieces])
+
+    for name, values in fields.items():
+        for index, (value, sequence) in enumerate(zip(values, sequences)):
+            if value.dim() == 0 or value.shape[0] != sequence.shape[0]:
+                raise ValueError(f"fields[{name!r}][{index}] has "
+                                 f"{value.shape[0] if value.dim() else 'a scalar'} tokens, "
+                                 f"sequences[{index}] has {sequence.shape[0]}")
+    offsets_t = torch.tensor(offsets, dtype=torch.long, device=device)
+    lengths_t = torch.tensor(lengths, dtype=torch.long, device=device)
+    return PackedBatch(
+        input_ids=cut(sequences),
+        position_ids=_position_ids(lengths, device) + torch.repeat_interleave(
+            offsets_t, lengths_t, output_size=sum(lengths)),
+        cu_seqlens=torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32,
+                                device=device),
+        max_seqlen=max(len(sequence) for sequence in sequences),
+        fields={name: cut(values) for name, values in fields.items()},
+        continues=torch.tensor([parent for *_, parent in pieces], dtype=torch.long,
+                               device=device),
+    )
+
+
+def balance_sharing_prefixes(
+    sequences: Sequence[Tensor], prefix_lengths: Sequence[int], max_tokens: int,
+) -> list[list[int]]:
+    """``balance_micro_batches`` for sequences packed sharing prefixes
+    (``pack_sharing_prefixes``): the sequences that share a prefix are kept together, in as few
+    micro-batches as their packed size allows (the prefix counted once in each), so the
+    prefix is computed as few times as it can be."""
+    lengths = [_sequence_length(i, sequence) for i, sequence in enumerate(sequences)]
+    _check_lengths(lengths, max_tokens)
+    units: list[list[int]] = []
+    for group in _prefix_groups(sequences, prefix_lengths):
+        units += _fill_units(group, lengths, prefix_lengths[group[0]], max_tokens)
+    sizes = [_packed_size(unit, lengths, prefix_lengths) for unit in units]
+    return sorted((sorted(i for unit_index in bin_ for i in units[unit_index])
+                   for bin_ in balance_micro_batches(sizes, max_tokens)), key=lambda b: b[0])
+
+
+def _prefix_groups(sequences: Sequence[Tensor], prefix_lengths: Sequence[int]
+                   ) -> list[list[int]]:
+    """Indices of the sequences that start with the same (non-empty, shorter than each)
+    prefix, together; every other sequence alone. In order of each group's first index."""
+    if len(prefix_lengths) != len(sequences):
+        raise ValueError(f"{len(prefix_lengths)} prefix lengths for {len(sequences)} sequences")
+    groups: dict[object, list[int]] = {}
+    for index, (sequence, prefix) in enumerate(zip(sequences, prefix_lengths)):
+        if not 0 <= prefix <= len(sequence):
+            raise ValueError(f"prefix_lengths[{index}] is {prefix}; sequences[{index}] has "
+                             f"{len(sequence)} tokens")
+        shared = 0 < prefix < len(sequence)
+        groups.setdefault(tuple(sequence[:prefix].tolist()) if shared else index, []).append(index)
+    return list(groups.values())
+
+
+def _fill_units(group: list[int], lengths: list[int], prefix: int, max_tokens: int
+                ) -> list[list[int]]:
+    """`group` (sequences sharing a `prefix`-token prefix) in units whose packed size (the
+    prefix once, then each sequence's rest) is at most max_tokens, largest sequences first."""
+    if len(group) == 1:
+        return [group]
+    units: list[list[int]] = []
+    loads: list[int] = []
+    for index in sorted(group, key=lambda i: (-lengths[i], i)):
+        rest = lengths[index] - prefix
+        fit = next((u for u, load in enumerate(loads) if load + rest <= max_tokens), None)
+        if fit is None:
+            units.append([index])
+            loads.append(prefix + rest)
+        else:
+            units[fit].append(index)
+            loads[fit] += rest
+    return units
+
+
+def _packed_size(unit: list[int], lengths: list[int], prefix_lengths: Sequence[int]) -> int:
+    if len(unit) == 1:
+        return lengths[unit[0]]
+    prefix = prefix_lengths[unit[0]]
+    return prefix + sum(lengths[i] - prefix for i in unit)
+
+
 def unpack(packed_tensor: Tensor, cu_seqlens: Tensor) -> list[Tensor]:
     """Split a packed token-aligned tensor ``[T, ...]`` back into one tensor per sequence."""
     boundaries = [int(b) for b in cu_seqlens.tolist()]
@@ -94,16 +224,7 @@ def balance_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[
     within one sequence length of each other. Indices are ascending inside each micro-batch and
     micro-batches are ordered by their first index, so the result is deterministic.
     """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    for index, length in enumerate(lengths):
-        if length < 0:
-            raise ValueError(f"sequence {index} has negative length {length}")
-        if length > max_tokens:
-            raise ValueError(
-                f"sequence {index} has {length} tokens, more than the micro-batch budget of "
-                f"{max_tokens}; raise {MAX_TOKENS_FIELD} to at least {length}"
-            )
+    _check_lengths(lengths, max_tokens)
     if not lengths:
         return []
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
@@ -117,6 +238,19 @@ def balance_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[
         if bins is not None:
             return sorted((sorted(b) for b in bins if b), key=lambda b: b[0])
         k += 1  # terminates: with k = len(lengths) every sequence gets a micro-batch of its own
+
+
+def _check_lengths(lengths: Sequence[int], max_tokens: int) -> None:
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    for index, length in enumerate(lengths):
+        if length < 0:
+            raise ValueError(f"sequence {index} has negative length {length}")
+        if length > max_tokens:
+            raise ValueError(
+                f"sequence {index} has {length} tokens, more than the micro-batch budget of "
+                f"{max_tokens}; raise {MAX_TOKENS_FIELD} to at least {length}"
+            )
 
 
 def _fill_least_loaded(

@@ -27,7 +27,9 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from asyncrl.algorithms.packing import PackedBatch, balance_micro_batches, pack_sequences
+from asyncrl.algorithms.packing import (
+    PackedBatch, balance_sharing_prefixes, pack_sharing_prefixes,
+)
 from asyncrl.algorithms.ppo import (
     PROXIMAL_MODES,
     decoupled_ppo_loss,
@@ -136,6 +138,10 @@ class PolicyUpdater:
                              f"got {config.compute_dtype!r}")
         if config.proximal not in PROXIMAL_MODES:
             raise ValueError(f"proximal must be one of {PROXIMAL_MODES}, got {config.proximal!r}")
+        # A transformers model computes a group's prompt once for all of its responses (the
+        # micro-batches are packed sharing prefixes); another backend's model, each time.
+        self._share_prompts = not any(hasattr(policy, "packed_token_logprobs")
+                                      for policy in filter(None, (model, reference_model)))
         for policy in filter(None, (model, reference_model)):
             if not hasattr(policy, "packed_token_logprobs"):
                 # A transformers model: packed micro-batches attend within each sequence only
@@ -197,9 +203,11 @@ class PolicyUpdater:
                 s.version is None and s.token_versions is None for s in samples)):
             raise ValueError("proximal loglinear needs the version of the weights being updated "
                              "and of every sample's tokens")
-        groups = balance_micro_batches(
-            [s.input_ids.numel() for s in samples], self.config.micro_batch_max_tokens)
-        micro_batches = [_to_device(_pack([samples[i] for i in indices]), self.device)
+        prompts = [_prompt_length(s) if self._share_prompts else 0 for s in samples]
+        groups = balance_sharing_prefixes(
+            [s.input_ids for s in samples], prompts, self.config.micro_batch_max_tokens)
+        micro_batches = [_to_device(_pack([samples[i] for i in indices],
+                                          [prompts[i] for i in indices]), self.device)
                          for indices in groups]
         if self.sharded:
             # Every forward is a collective under FSDP: pad to the most micro-batches any
@@ -305,13 +313,24 @@ class PolicyUpdater:
         compute = getattr(model, "packed_token_logprobs", None) or functools.partial(
             packed_token_logprobs, model,
             recompute_logits=self._recompute_logits and torch.is_grad_enabled())
+        shared = {} if mb.continues is None else {"continues": mb.continues}
         return compute(mb.input_ids, mb.position_ids, mb.cu_seqlens, self.config.temperature,
-                       needed=mb.fields["loss_mask"])
+                       needed=mb.fields["loss_mask"], **shared)
 
 
-def _pack(samples: Sequence[TrainSample]) -> PackedBatch:
-    return pack_sequences(
+def _prompt_length(sample: TrainSample) -> int:
+    """The tokens before the first generated one: what the responses to one prompt share."""
+    generated = sample.loss_mask.nonzero()
+    return int(generated[0]) if len(generated) else 0
+
+
+def _pack(samples: Sequence[TrainSample], prompt_lengths: Sequence[int] | None = None
+          ) -> PackedBatch:
+    """`samples` in one row, those with the same prompt (`prompt_lengths` tokens) holding one
+    copy of it (None: no sharing)."""
+    return pack_sharing_prefixes(
         [s.input_ids for s in samples],
+        prompt_lengths or [0] * len(samples),
         fields={
             "loss_mask": [s.loss_mask.bool() for s in samples],
             "behaviour_logprobs": [s.behaviour_logprobs.float() for s in samples],
@@ -333,6 +352,7 @@ def _to_device(mb: PackedBatch, device: torch.device) -> PackedBatch:
         mb, input_ids=mb.input_ids.to(device), position_ids=mb.position_ids.to(device),
         cu_seqlens=mb.cu_seqlens.to(device),
         fields={name: value.to(device) for name, value in mb.fields.items()},
+        continues=None if mb.continues is None else mb.continues.to(device),
     )
 
 
