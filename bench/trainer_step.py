@@ -12,7 +12,7 @@ checkpointing (trainer.activationCheckpointing); each configuration's first step
 the bytes autograd keeps for backward. The batch's sequences come in groups of --group-size
 responses to one prompt, as a GRPO job's do, which the trainer packs with the prompt once
 (asyncrl.algorithms.packing); the fp32 step is also timed on the same shapes with every
-sequence's prompt its own, which nothing shares.
+sequence's prompt its own, which nothing shares (and so is the block-diagonal mask's step).
 
 With --megatron, the fp32 step is also timed with the Megatron-Core backend, same batch.
 
@@ -103,8 +103,9 @@ def main() -> None:
     forward()
     fwd = statistics.median(forward() for _ in range(args.repeats))
     fp32 = timed_steps("float32")
-    fp32_unshared = timed_steps("float32", batch=unshared) if args.group_size > 1 else None
-    fp32_block_mask = timed_steps("float32", attention="sdpa")
+    fp32_unshared = timed_steps("float32", batch=unshared)
+    # transformers' SDPA knows nothing of shared prompts: both attentions on whole sequences.
+    fp32_block_mask = timed_steps("float32", attention="sdpa", batch=unshared)
     # Where the CPU emulates bf16 a step takes minutes and means nothing (auto: float32).
     bf16 = timed_steps("bfloat16") if args.bf16 or native_bf16(torch.device("cpu")) else None
     # Last, on a copy: checkpointing wraps the model's layers for good.
@@ -116,10 +117,9 @@ def main() -> None:
           f"({args.prompt} prompt + {args.response} response) tokens, in groups of "
           f"{args.group_size} sharing a prompt")
     print(f"no-grad forward of the batch, each sequence whole (fp32): {fwd:.2f} s")
-    unshared_row = [] if fp32_unshared is None else [("fp32, every prompt its own",
-                                                      fp32_unshared)]
-    for name, seconds in [("fp32", fp32), *unshared_row,
-                          ("fp32, block-diagonal mask", fp32_block_mask), ("bf16 autocast", bf16)]:
+    for name, seconds in (("fp32", fp32), ("fp32, every prompt its own", fp32_unshared),
+                          ("fp32, every prompt its own, block-diagonal mask", fp32_block_mask),
+                          ("bf16 autocast", bf16)):
         if seconds is None:
             print(f"trainer step, {name}: not run, this CPU emulates bf16 (--bf16 runs it)")
             continue
@@ -143,13 +143,12 @@ def main() -> None:
               f"backend's fp32 step: {megatron / fp32:.2f}")
     if bf16 is not None:
         print(f"bf16 / fp32 step speed: {fp32 / bf16:.2f}x")
-    if fp32_unshared is not None:
-        print(f"prompts shared / every prompt its own, step speed (fp32): "
-              f"{fp32_unshared / fp32:.2f}x")
+    print(f"prompts shared / every prompt its own, step speed (fp32): "
+          f"{fp32_unshared / fp32:.2f}x")
     print(f"a proximal pass of its own would add {fwd:.2f} s to the fp32 step: taking the "
           f"proximal log-probs from the training forward is {(fp32 + fwd) / fp32:.2f}x")
-    print(f"per-sequence / block-diagonal attention step speed (fp32): "
-          f"{fp32_block_mask / fp32:.2f}x")
+    print(f"per-sequence / block-diagonal attention step speed (fp32, every prompt its own): "
+          f"{fp32_block_mask / fp32_unshared:.2f}x")
     weights_grads_adam = parameters * 4 * 4 / 2**30
     print(f"peak resident memory: {peak_rss_gb():.2f} GB (fp32 weights + gradients + AdamW's two "
           f"moments: {weights_grads_adam:.2f} GB)")

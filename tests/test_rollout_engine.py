@@ -207,25 +207,34 @@ def test_continuous_batching_greedy_equals_unbatched_generate():
         engine.stop()
 
 
-def test_interrupted_generation_resumes_under_new_weights(tmp_path):
+@pytest.mark.parametrize("grouped", [False, True])
+def test_interrupted_generation_resumes_under_new_weights(tmp_path, grouped):
+    """Requests interrupted by a weight update resume where they were, under the new weights.
+    `grouped`: three responses to one prompt and one to another, each prompt re-prefilled
+    once and each response's tokens after it (one more pass)."""
     old, new = tiny(seed=1), tiny(seed=9)
     save_model(new, str(tmp_path / "model.safetensors"))
     engine = TorchEngine(tiny(seed=1), max_running_requests=4, max_sequence_length=96, seed=0).start()
     reached, go = threading.Event(), threading.Event()
+    steps = []
 
-    def hold_once(module, args):  # in the engine's thread, inside its first step
-        if not reached.is_set():
+    def hold_once(module, args):  # in the engine's thread, inside its sixth forward pass
+        steps.append(1)
+        if len(steps) == 6 and not reached.is_set():
             reached.set()
             go.wait(timeout=120)
 
     try:
         batch = prompts(3, seed=5)
-        # Submitted while paused, the three start in the same step; the engine is held inside
-        # that step until the next pause is asked for, so the update comes while all three are
-        # generating however loaded the machine is (no race against their 30 tokens).
+        if grouped:
+            batch = [batch[0]] * 3 + [batch[1][:-2]]
+        # Submitted while paused, they start in the same step; the engine is held inside its
+        # sixth step (5 tokens generated) until the next pause is asked for, so the update
+        # comes while all of them are generating however loaded the machine is (no race
+        # against their 30 tokens).
         engine.pause()
         futures = [engine.submit(p, SamplingParams(max_new_tokens=30)) for p in batch]
-        hold = engine._model.lm_head.register_forward_pre_hook(hold_once)
+        hold = engine._model.model.embed_tokens.register_forward_pre_hook(hold_once)
         engine.resume()
         assert reached.wait(timeout=60), "the engine never started the requests"
         pausing = threading.Thread(target=engine.pause)
@@ -239,7 +248,10 @@ def test_interrupted_generation_resumes_under_new_weights(tmp_path):
         assert not pausing.is_alive(), "the engine never reached a step boundary"
         hold.remove()
         update = engine.update_weights(tmp_path, version=1)
-        assert update.version == 1 and update.interrupted_requests == 3
+        assert update.version == 1 and update.interrupted_requests == len(batch)
+        rows = []
+        count = engine._model.model.embed_tokens.register_forward_hook(
+            lambda module, args, output: rows.append(tuple(args[0].shape)))
         engine.resume()
         for prompt, future in zip(batch, futures):
             result = future.result(timeout=60)
@@ -253,12 +265,17 @@ def test_interrupted_generation_resumes_under_new_weights(tmp_path):
             logprobs = torch.tensor(result.output_logprobs)
             torch.testing.assert_close(logprobs[:cut], under_old, atol=LOGPROB_TOLERANCE, rtol=0)
             torch.testing.assert_close(logprobs[cut:], under_new, atol=LOGPROB_TOLERANCE, rtol=0)
+        count.remove()
+        # The resumed prefill: each distinct prompt once, then every request's tokens after it.
+        prompt_pass, extend_pass = rows[:2]
+        assert prompt_pass == (len({tuple(p) for p in batch}), max(map(len, batch)))
+        assert extend_pass == (len(batch), 5)  # 6 tokens generated: 5 cached, 1 pending
         status = engine.status()
-        assert status.interrupted_requests_total == 3
+        assert status.interrupted_requests_total == len(batch)
         assert status.weight_swap_seconds_total > 0 and status.resume_prefill_seconds_total > 0
-        # 3 requests x 30 tokens: every decode step after the first prefill serves all three
-        # until they finish together, so the mean batch is close to 3.
-        assert status.decode_rows_total / status.decode_steps_total > 2.5
+        # n requests x 30 tokens: every decode step after the first prefill serves all of them
+        # until they finish together, so the mean batch is close to n.
+        assert status.decode_rows_total / status.decode_steps_total > len(batch) - 0.5
         assert 0 < status.busy_seconds_total
     finally:
         engine.stop()

@@ -559,57 +559,93 @@ class TorchEngine:
             self._finish_done()
 
     def _prefill(self, rows: slice) -> None:
-        """Fills the cache rows of the requests in `rows` from their tokens, in one forward
-        pass (right-padded to the longest). A fresh request samples its first token here; a
-        resumed one keeps its last sampled token pending for the next decode.
+        """Fills the cache rows of the requests in `rows` from their tokens. A fresh request
+        samples its first token here; a resumed one (after a weight update) keeps its last
+        sampled token pending for the next decode.
 
-        Requests with the same tokens (the n responses to one prompt) share one forward row:
-        the rows are ordered distinct sequences first (none of them holds a cache yet), only
-        those go through the model, and the others get a copy of their twin's cache row and
-        sample from the same logits."""
+        Requests with the same prompt (the n responses to one prompt) share one forward row
+        for it: the rows are ordered distinct prompts first, only those go through the model
+        (one pass, right-padded to the longest), the others get a copy of their twin's cache
+        row and, if fresh, sample from the same logits. A resumed request's generated tokens
+        then go through one more pass over all resumed rows, each continuing its prompt's
+        cache (`_extend`)."""
         started = time.perf_counter()
-        entries = []  # (request, the tokens its cache row is filled from)
+        entries = []  # (request, its prompt, its generated tokens to cache after the prompt)
         for request in self._running[rows]:
-            tokens = request.tokens
-            if request.result.output_ids:  # resumed after a weight update
-                tokens = tokens[:-1]
-                request.pending = request.result.output_ids[-1]
-            entries.append((request, tokens))
-        computed_row: dict[tuple[int, ...], int] = {}  # tokens -> offset of the row computed
+            generated = request.result.output_ids
+            if generated:  # resumed after a weight update
+                request.pending = generated[-1]
+            entries.append((request, request.result.prompt_ids, generated[:-1]))
+        first: dict[tuple[int, ...], int] = {}  # prompt -> index of the entry computing it
         distinct, copies = [], []
-        for request, tokens in entries:
-            key = tuple(tokens)
-            if key in computed_row:
-                copies.append((request, tokens, computed_row[key]))
-            else:
-                computed_row[key] = len(distinct)
-                distinct.append((request, tokens))
-        self._running[rows] = [r for r, _ in distinct] + [r for r, _, _ in copies]
-        computed = slice(rows.start, rows.start + len(distinct))
+        for index, (_, prompt, _) in enumerate(entries):
+            (copies if tuple(prompt) in first else distinct).append(index)
+            first.setdefault(tuple(prompt), index)
 
-        width = max(len(tokens) for _, tokens in distinct)
-        ids = torch.tensor([tokens + [0] * (width - len(tokens)) for _, tokens in distinct],
+        def resumed(index: int) -> bool:
+            return bool(entries[index][0].result.output_ids)
+
+        # Resumed rows in one run: computed fresh, computed resumed, copied resumed, copied fresh.
+        distinct.sort(key=resumed)
+        copies.sort(key=lambda index: not resumed(index))
+        order = distinct + copies
+        self._running[rows] = [entries[index][0] for index in order]
+        computed = slice(rows.start, rows.start + len(distinct))
+        row_of = {tuple(entries[index][1]): offset for offset, index in enumerate(distinct)}
+
+        prompts = [entries[index][1] for index in distinct]
+        width = max(len(prompt) for prompt in prompts)
+        ids = torch.tensor([prompt + [0] * (width - len(prompt)) for prompt in prompts],
                            device=self._device)
-        lengths = torch.tensor([len(tokens) for _, tokens in distinct], device=self._device)
+        lengths = torch.tensor([len(prompt) for prompt in prompts], device=self._device)
         span = torch.arange(width, device=self._device)
         # Causal, and no row attends to its padding; a padded position attends to real tokens
         # only (never to nothing, which would give NaNs), and its output is never read.
         mask = (span[None, :] <= span[:, None])[None] & (span[None, None, :] < lengths[:, None, None])
         logits = self._forward(ids, span[None].expand(len(distinct), -1), computed, width,
                                mask[:, None], last=lengths - 1)
-        for row, (_, tokens, source) in enumerate(copies, start=computed.stop):
-            self._cache.move(rows.start + source, row, len(tokens))
-        for request, tokens in entries:
-            request.cached = len(tokens)
+        for row, index in enumerate(copies, start=computed.stop):
+            prompt = entries[index][1]
+            self._cache.move(rows.start + row_of[tuple(prompt)], row, len(prompt))
+        rows_resumed = [row for row, index in enumerate(order, start=rows.start) if resumed(index)]
+        if rows_resumed:
+            self._extend(slice(rows_resumed[0], rows_resumed[-1] + 1))
+        for request, prompt, generated in entries:
+            request.cached = len(prompt) + len(generated)
         # (request, the row of logits it samples from), fresh requests only
-        fresh = [(r, i) for i, (r, _) in enumerate(distinct) if not r.result.output_ids]
-        fresh += [(r, source) for r, _, source in copies if not r.result.output_ids]
+        fresh = [(entries[index][0], row_of[tuple(entries[index][1])])
+                 for index in order if not resumed(index)]
         if fresh:
             tokens, logprobs = self._sample([r for r, _ in fresh], logits[[i for _, i in fresh]])
             for index, (request, _) in enumerate(fresh):
                 self._append(request, tokens[index : index + 1], logprobs[index : index + 1])
         if len(fresh) < len(entries):
             self._resume_prefill_seconds += time.perf_counter() - started
+
+    def _extend(self, rows: slice) -> None:
+        """Caches the generated tokens (but the pending last one) of the resumed requests in
+        `rows`, whose prompts are cached: one pass, each row's tokens right-padded to the
+        longest and placed after its prompt. A padded position writes past its row's tokens
+        (at most at the cache's last position, which a request's tokens never reach before
+        their pending one), where the next decode steps write before they read."""
+        requests = self._running[rows]
+        generated = [r.result.output_ids[:-1] for r in requests]
+        width = max(len(tokens) for tokens in generated)
+        if width == 0:
+            return
+        starts = [len(r.result.prompt_ids) for r in requests]
+        ids = torch.tensor([tokens + [0] * (width - len(tokens)) for tokens in generated],
+                           device=self._device)
+        last = self._cache.max_length - 1
+        positions = (torch.tensor(starts, device=self._device)[:, None]
+                     + torch.arange(width, device=self._device)[None]).clamp_(max=last)
+        read_length = min(max(start + width for start in starts), last + 1)
+        # A position attends to every cached one up to itself (its prompt included).
+        span = torch.arange(read_length, device=self._device)
+        mask = span[None, None, :] <= positions[:, :, None]
+        self._cache.prepare(rows, positions, read_length)
+        self._model.model(input_ids=ids, position_ids=positions, attention_mask=mask[:, None],
+                          use_cache=True, **{self._cache_keyword: self._cache})
 
     def _decode(self) -> None:
         """One token for every running request."""

@@ -42,18 +42,20 @@ class SlotKVCache:
     def prepare(self, rows: slice, positions: Tensor, read_length: int) -> None:
         """Sets where the next forward pass writes (`positions[b, t]` for row `rows.start + b`)
         and how much of each row it attends over (`[:read_length]`). A decode pass writes one
-        position per row; a prefill pass writes positions 0..T-1 of every row."""
+        position per row; a prefill pass writes positions 0..T-1 of every row; an extending
+        pass writes T positions of each row from where that row's cached tokens end."""
         self._rows = rows
         self._read_length = read_length
+        row_index = torch.arange(rows.start, rows.stop, device=positions.device)
         if positions.shape[1] == 1:
-            self._row_index = torch.arange(rows.start, rows.stop, device=positions.device)
-            self._positions = positions[:, 0]
+            self._row_index, self._positions = row_index, positions[:, 0]
             self._prefill_length = 0
-        elif not bool((positions[:, 0] == 0).all()):
-            raise ValueError("a prefill writes every row from position 0")
-        else:
+        elif bool((positions[:, 0] == 0).all()):
             self._row_index = self._positions = None
             self._prefill_length = positions.shape[1]
+        else:
+            self._row_index, self._positions = row_index[:, None], positions
+            self._prefill_length = 0
 
     def update(self, key: Tensor, value: Tensor, layer_idx: int, *_, **__) -> tuple[Tensor, Tensor]:
         """Called by each attention layer with its new keys/values `[B, kv_heads, T, head_dim]`;
@@ -62,7 +64,8 @@ class SlotKVCache:
         for cache, new in ((self.keys[layer_idx], key), (self.values[layer_idx], value)):
             if self._row_index is not None:
                 # An indexed write, not scatter_: scatter_ on bf16 CPU tensors copies whole rows.
-                cache[self._row_index, :, self._positions] = new[:, :, 0]
+                cache[self._row_index, :, self._positions] = (
+                    new[:, :, 0] if self._positions.dim() == 1 else new.transpose(1, 2))
             else:
                 cache[rows, :, : self._prefill_length] = new
         view = (rows, slice(None), slice(0, self._read_length))
