@@ -210,17 +210,20 @@ def test_continuous_batching_greedy_equals_unbatched_generate():
 @pytest.mark.parametrize("grouped", [False, True])
 def test_interrupted_generation_resumes_under_new_weights(tmp_path, grouped):
     """Requests interrupted by a weight update resume where they were, under the new weights.
-    `grouped`: three responses to one prompt and one to another, each prompt re-prefilled
-    once and each response's tokens after it (one more pass)."""
+    `grouped`: three responses to one prompt and one to another, and a fourth response to
+    the first prompt that starts four steps later: each prompt re-prefilled once, then each
+    response's tokens after it (one pass for the 6-token ones, one for the late one's 2)."""
     old, new = tiny(seed=1), tiny(seed=9)
     save_model(new, str(tmp_path / "model.safetensors"))
-    engine = TorchEngine(tiny(seed=1), max_running_requests=4, max_sequence_length=96, seed=0).start()
+    engine = TorchEngine(tiny(seed=1), max_running_requests=5, max_sequence_length=96, seed=0).start()
     reached, go = threading.Event(), threading.Event()
-    steps = []
+    steps, late = [], []
 
-    def hold_once(module, args):  # in the engine's thread, inside its sixth forward pass
+    def hold_once(module, args):  # in the engine's thread, inside its eighth forward pass
         steps.append(1)
-        if len(steps) == 6 and not reached.is_set():
+        if len(steps) == 5 and grouped:  # joins in the next step
+            late.append(engine.submit(batch[0], SamplingParams(max_new_tokens=30)))
+        if len(steps) == 8 and not reached.is_set():
             reached.set()
             go.wait(timeout=120)
 
@@ -229,7 +232,7 @@ def test_interrupted_generation_resumes_under_new_weights(tmp_path, grouped):
         if grouped:
             batch = [batch[0]] * 3 + [batch[1][:-2]]
         # Submitted while paused, they start in the same step; the engine is held inside its
-        # sixth step (5 tokens generated) until the next pause is asked for, so the update
+        # eighth forward pass (7 tokens generated) until the next pause is asked for, so the update
         # comes while all of them are generating however loaded the machine is (no race
         # against their 30 tokens).
         engine.pause()
@@ -248,6 +251,8 @@ def test_interrupted_generation_resumes_under_new_weights(tmp_path, grouped):
         assert not pausing.is_alive(), "the engine never reached a step boundary"
         hold.remove()
         update = engine.update_weights(tmp_path, version=1)
+        futures += late
+        batch += [batch[0]] * len(late)
         assert update.version == 1 and update.interrupted_requests == len(batch)
         rows = []
         count = engine._model.model.embed_tokens.register_forward_hook(
@@ -266,16 +271,20 @@ def test_interrupted_generation_resumes_under_new_weights(tmp_path, grouped):
             torch.testing.assert_close(logprobs[:cut], under_old, atol=LOGPROB_TOLERANCE, rtol=0)
             torch.testing.assert_close(logprobs[cut:], under_new, atol=LOGPROB_TOLERANCE, rtol=0)
         count.remove()
-        # The resumed prefill: each distinct prompt once, then every request's tokens after it.
-        prompt_pass, extend_pass = rows[:2]
-        assert prompt_pass == (len({tuple(p) for p in batch}), max(map(len, batch)))
-        assert extend_pass == (len(batch), 5)  # 6 tokens generated: 5 cached, 1 pending
+        # The resumed prefill: each distinct prompt once, then every request's tokens after it,
+        # those of about the same length together.
+        assert rows[0] == (len({tuple(p) for p in batch}), max(map(len, batch)))
+        if grouped:  # 7 tokens generated: 6 cached, 1 pending; the late one 3: 2 cached
+            assert rows[1:3] == [(4, 6), (1, 2)]
+        else:  # 8 generated
+            assert rows[1] == (len(batch), 7)
+        assert len(late) == grouped
         status = engine.status()
         assert status.interrupted_requests_total == len(batch)
         assert status.weight_swap_seconds_total > 0 and status.resume_prefill_seconds_total > 0
         # n requests x 30 tokens: every decode step after the first prefill serves all of them
-        # until they finish together, so the mean batch is close to n.
-        assert status.decode_rows_total / status.decode_steps_total > len(batch) - 0.5
+        # until they finish together (but the late one), so the mean batch is close to n.
+        assert status.decode_rows_total / status.decode_steps_total > len(batch) - 0.5 - len(late)
         assert 0 < status.busy_seconds_total
     finally:
         engine.stop()
@@ -580,3 +589,14 @@ def test_fused_decode_gives_the_model_layers_greedy_tokens():
         outputs.append([f.result().output_ids for f in futures])
     assert outputs[0] == outputs[1]
     assert len({tuple(o) for o in outputs[0]}) == 6
+
+
+def test_resumed_rows_extend_in_runs_of_about_one_length():
+    from asyncrl.rollout.engine import _extend_runs
+
+    # (row, tokens to cache): a run ends at a gap in the rows, at a row longer than its first
+    # or under half of it.
+    rows = [(3, 10), (4, 8), (5, 5), (6, 4), (8, 4), (9, 12), (10, 3)]
+    assert _extend_runs(rows) == [slice(3, 6), slice(6, 7), slice(8, 9), slice(9, 10),
+                                  slice(10, 11)]
+    assert _extend_runs([]) == []

@@ -92,6 +92,24 @@ def _prefill_batches(running: list[_Request], max_tokens: int) -> list[slice]:
     return batches
 
 
+def _extend_runs(rows: list[tuple[int, int]]) -> list[slice]:
+    """Runs of consecutive rows to extend together, from (row, tokens to cache) in row order:
+    a run ends where the rows stop being consecutive, where a row is longer than the run's
+    first, or where it is under half of it, so a run padded to its longest is at most about
+    twice its tokens."""
+    runs: list[slice] = []
+    start = longest = previous = None
+    for row, length in rows:
+        if start is None or row != previous + 1 or not longest / 2 <= length <= longest:
+            if start is not None:
+                runs.append(slice(start, previous + 1))
+            start, longest = row, length
+        previous = row
+    if start is not None:
+        runs.append(slice(start, previous + 1))
+    return runs
+
+
 class TorchEngine:
     def __init__(
         self,
@@ -585,9 +603,13 @@ class TorchEngine:
         def resumed(index: int) -> bool:
             return bool(entries[index][0].result.output_ids)
 
-        # Resumed rows in one run: computed fresh, computed resumed, copied resumed, copied fresh.
-        distinct.sort(key=resumed)
-        copies.sort(key=lambda index: not resumed(index))
+        def longest_first(index: int) -> int:
+            return -len(entries[index][2])
+
+        # The resumed rows in one run (computed fresh, computed resumed, copied resumed, copied
+        # fresh), longest first within each part, so that `_extend` pads little.
+        distinct.sort(key=lambda index: (resumed(index), longest_first(index)))
+        copies.sort(key=lambda index: (not resumed(index), longest_first(index)))
         order = distinct + copies
         self._running[rows] = [entries[index][0] for index in order]
         computed = slice(rows.start, rows.start + len(distinct))
@@ -607,9 +629,10 @@ class TorchEngine:
         for row, index in enumerate(copies, start=computed.stop):
             prompt = entries[index][1]
             self._cache.move(rows.start + row_of[tuple(prompt)], row, len(prompt))
-        rows_resumed = [row for row, index in enumerate(order, start=rows.start) if resumed(index)]
-        if rows_resumed:
-            self._extend(slice(rows_resumed[0], rows_resumed[-1] + 1))
+        extending = [(row, len(entries[index][2]))
+                     for row, index in enumerate(order, start=rows.start) if entries[index][2]]
+        for run in _extend_runs(extending):
+            self._extend(run)
         for request, prompt, generated in entries:
             request.cached = len(prompt) + len(generated)
         # (request, the row of logits it samples from), fresh requests only
@@ -631,8 +654,6 @@ class TorchEngine:
         requests = self._running[rows]
         generated = [r.result.output_ids[:-1] for r in requests]
         width = max(len(tokens) for tokens in generated)
-        if width == 0:
-            return
         starts = [len(r.result.prompt_ids) for r in requests]
         ids = torch.tensor([tokens + [0] * (width - len(tokens)) for tokens in generated],
                            device=self._device)
