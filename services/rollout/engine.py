@@ -584,9 +584,9 @@ class TorchEngine:
         Requests with the same prompt (the n responses to one prompt) share one forward row
         for it: the rows are ordered distinct prompts first, only those go through the model
         (one pass, right-padded to the longest), the others get a copy of their twin's cache
-        row and, if fresh, sample from the same logits. A resumed request's generated tokens
-        then go through one more pass over all resumed rows, each continuing its prompt's
-        cache (`_extend`)."""
+        row and, if fresh, sample from the same logits. The resumed requests' generated tokens
+        then go through the model, each row continuing its prompt's cache, rows of about one
+        length in one pass (`_extend`)."""
         started = time.perf_counter()
         entries = []  # (request, its prompt, its generated tokens to cache after the prompt)
         for request in self._running[rows]:
@@ -594,11 +594,11 @@ class TorchEngine:
             if generated:  # resumed after a weight update
                 request.pending = generated[-1]
             entries.append((request, request.result.prompt_ids, generated[:-1]))
-        first: dict[tuple[int, ...], int] = {}  # prompt -> index of the entry computing it
+        seen: set[tuple[int, ...]] = set()  # the prompts a row computes
         distinct, copies = [], []
         for index, (_, prompt, _) in enumerate(entries):
-            (copies if tuple(prompt) in first else distinct).append(index)
-            first.setdefault(tuple(prompt), index)
+            (copies if tuple(prompt) in seen else distinct).append(index)
+            seen.add(tuple(prompt))
 
         def resumed(index: int) -> bool:
             return bool(entries[index][0].result.output_ids)
