@@ -265,12 +265,14 @@ def packed_token_logprobs(
     logits are kept for backward.
 
     Sequences are separated by restarting position_ids at 0; transformers turns that into a
-    block-diagonal causal mask, so no token attends across a sequence boundary.
+    block-diagonal causal mask, so no token attends across a sequence boundary (packed
+    attention, asyncrl.packed_attention, attends within each sequence from `cu_seqlens`).
 
     `continues` (a row packed sharing prefixes, asyncrl.algorithms.packing): for each sequence
-    the one it continues, or -1. Needs packed attention (asyncrl.packed_attention), the only
-    attention that reads it; a continuing sequence's first token is predicted from the end of
-    the one it continues.
+    the one it continues, or -1. A continuing sequence's positions go on from that one's, so
+    position ids no longer mark the boundaries: packed attention, the only attention that
+    reads `continues`, is required. A continuing sequence's first token is predicted from the
+    end of the one it continues.
 
     `recompute_logits` (a model whose logits are its head's output, RECOMPUTED_HEADS): the
     logits are made a block of positions at a time and recomputed in backward
@@ -322,8 +324,8 @@ def predicted_positions(input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
     another sequence)."""
     wanted = torch.ones_like(input_ids, dtype=torch.bool) if needed is None else needed.bool().clone()
     # The first token of each sequence was "predicted" from the previous sequence's end.
-    starts = cu_seqlens[:-1].long()
-    wanted[starts if continues is None else starts[continues < 0]] = False
+    starts = cu_seqlens[:-1].long().to(input_ids.device)
+    wanted[starts if continues is None else starts[continues.to(starts.device) < 0]] = False
     return wanted.nonzero().squeeze(-1)
 
 
@@ -334,6 +336,7 @@ def source_positions(targets: torch.Tensor, cu_seqlens: torch.Tensor,
     if continues is None:
         return targets - 1
     bounds = cu_seqlens.long().to(targets.device)
+    continues = continues.to(targets.device)
     previous = torch.arange(int(bounds[-1]), device=targets.device) - 1
     continuing = continues >= 0
     previous[bounds[:-1][continuing]] = bounds[1:][continues[continuing]] - 1

@@ -41,6 +41,8 @@ def packed_sdpa_attention(
                                       dropout=dropout, scaling=scaling, **kwargs)
     edges = bounds.tolist()
     continues = kwargs.get("continues") or [-1] * (len(edges) - 1)
+    groups = query.shape[1] // key.shape[1]
+    masks: dict[tuple[int, int], torch.Tensor] = {}
     outputs = []
     for start, end, parent in zip(edges[:-1], edges[1:], continues):
         if parent < 0:
@@ -49,16 +51,20 @@ def packed_sdpa_attention(
                 dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=True))
             continue
         # The whole sequence it continues, then itself causally: the last rows of a causal
-        # mask over both.
+        # mask over both. Keys and values have a head per query head here: SDPA's fused
+        # kernels take a mask only without grouped-query attention.
         before = slice(edges[parent], edges[parent + 1])
         seen = before.stop - before.start
-        mask = torch.ones(end - start, seen + end - start, dtype=torch.bool,
-                          device=query.device).tril(seen)
+        if (end - start, seen) not in masks:
+            masks[end - start, seen] = torch.ones(
+                end - start, seen + end - start, dtype=torch.bool, device=query.device,
+            ).tril(seen)
+        keys, values = (
+            torch.cat((states[:, :, before], states[:, :, start:end]), dim=2)
+            .repeat_interleave(groups, dim=1) for states in (key, value))
         outputs.append(F.scaled_dot_product_attention(
-            query[:, :, start:end],
-            torch.cat((key[:, :, before], key[:, :, start:end]), dim=2),
-            torch.cat((value[:, :, before], value[:, :, start:end]), dim=2),
-            attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=True))
+            query[:, :, start:end], keys, values, attn_mask=masks[end - start, seen],
+            dropout_p=dropout, scale=scaling))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
 

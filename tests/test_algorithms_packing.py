@@ -261,6 +261,11 @@ def test_balance_sharing_prefixes_keeps_a_prompts_responses_together():
     assert sorted(i for b in batches for i in b) == list(range(5))
     assert all(_shared_size(b, seqs, prefixes) <= 20 for b in batches)
     assert len(batches) == 3
+    # Two 9-token responses to one 8-token prompt and two sequences of 12, budget 21: kept
+    # together the group takes a micro-batch of its own (3 in all); whole sequences two (2).
+    seqs2 = [torch.tensor([1] * 8 + [2]), torch.tensor([1] * 8 + [3]), torch.ones(12),
+             torch.zeros(12)]
+    assert balance_sharing_prefixes(seqs2, [8, 8, 0, 0], 21) == [[0, 2], [1, 3]]
     with pytest.raises(ValueError, match="sequence 1 has 16 tokens"):  # a sequence is whole
         balance_sharing_prefixes(seqs, prefixes, 15)
 

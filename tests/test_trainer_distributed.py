@@ -246,7 +246,7 @@ def _sgd_steps(model, batches, rank=0, world_size=1, activation_checkpointing=Fa
 
 def _fsdp_rank(rank, world_size, port, out_dir):
     group = _join(rank, world_size, port)
-    batches = [make_groups(2, 4, seed=step) for step in range(2)]  # prompts shared
+    batches = [make_groups(2, 4, seed=0), make_samples(8, seed=1)]  # prompts shared, not
     model = tiny_model()
     shard_model(model, torch.device("cpu"), world_size)
     # Checkpointed layers recompute inside FSDP's hooks: the same update as one process.
@@ -281,7 +281,7 @@ def test_fsdp_on_two_gloo_ranks_matches_one_process_and_resumes_from_its_checkpo
     mp.spawn(_fsdp_rank, args=(2, free_port(), tmp_path), nprocs=2, join=True)
     result = torch.load(tmp_path / "fsdp.pt")
     model = tiny_model()
-    single_stats = _sgd_steps(model, [make_groups(2, 4, seed=step) for step in range(2)])
+    single_stats = _sgd_steps(model, [make_groups(2, 4, seed=0), make_samples(8, seed=1)])
     assert sorted(result["state"]) == sorted(model.state_dict())
     for name, value in model.state_dict().items():
         torch.testing.assert_close(result["state"][name], value, atol=1e-6, rtol=1e-5,

@@ -94,10 +94,6 @@ def pack_sharing_prefixes(
     for index, sequence in enumerate(sequences):
         _sequence_length(index, sequence)
     fields = fields or {}
-    for name, values in fields.items():
-        if len(values) != len(sequences):
-            raise ValueError(f"fields[{name!r}] has {len(values)} tensors for "
-                             f"{len(sequences)} sequences")
     groups = _prefix_groups(sequences, prefix_lengths)
     if all(len(group) == 1 for group in groups):
         return pack_sequences(sequences, fields)
@@ -118,11 +114,7 @@ def pack_sharing_prefixes(
         return torch.cat([values[index][start:end] for index, start, end, _ in pieces])
 
     for name, values in fields.items():
-        for index, (value, sequence) in enumerate(zip(values, sequences)):
-            if value.dim() == 0 or value.shape[0] != sequence.shape[0]:
-                raise ValueError(f"fields[{name!r}][{index}] has "
-                                 f"{value.shape[0] if value.dim() else 'a scalar'} tokens, "
-                                 f"sequences[{index}] has {sequence.shape[0]}")
+        _check_field(name, values, [len(sequence) for sequence in sequences])
     offsets_t = torch.tensor(offsets, dtype=torch.long, device=device)
     lengths_t = torch.tensor(lengths, dtype=torch.long, device=device)
     return PackedBatch(
@@ -144,15 +136,20 @@ def balance_sharing_prefixes(
     """``balance_micro_batches`` for sequences packed sharing prefixes
     (``pack_sharing_prefixes``): the sequences that share a prefix are kept together, in as few
     micro-batches as their packed size allows (the prefix counted once in each), so the
-    prefix is computed as few times as it can be."""
+    prefix is computed as few times as it can be; never more micro-batches than
+    ``balance_micro_batches`` makes of the whole sequences."""
     lengths = [_sequence_length(i, sequence) for i, sequence in enumerate(sequences)]
     _check_lengths(lengths, max_tokens)
     units: list[list[int]] = []
     for group in _prefix_groups(sequences, prefix_lengths):
         units += _fill_units(group, lengths, prefix_lengths[group[0]], max_tokens)
     sizes = [_packed_size(unit, lengths, prefix_lengths) for unit in units]
-    return sorted((sorted(i for unit_index in bin_ for i in units[unit_index])
-                   for bin_ in balance_micro_batches(sizes, max_tokens)), key=lambda b: b[0])
+    shared = sorted((sorted(i for unit_index in bin_ for i in units[unit_index])
+                     for bin_ in balance_micro_batches(sizes, max_tokens)), key=lambda b: b[0])
+    # Kept together, a group's units can fit worse than whole sequences placed one by one:
+    # then those, still packed sharing what each micro-batch's sequences share.
+    plain = balance_micro_batches(lengths, max_tokens)
+    return shared if len(shared) <= len(plain) else plain
 
 
 def _prefix_groups(sequences: Sequence[Tensor], prefix_lengths: Sequence[int]
@@ -321,6 +318,14 @@ def _sequence_length(index: int, sequence: Tensor) -> int:
 def _pack_field(
     name: str, values: Sequence[Tensor], lengths: list[int], device: torch.device | None
 ) -> Tensor:
+    _check_field(name, values, lengths)
+    if not values:
+        return torch.empty(0, device=device)
+    return torch.cat(list(values))
+
+
+def _check_field(name: str, values: Sequence[Tensor], lengths: list[int]) -> None:
+    """A field has one token-aligned tensor per sequence."""
     if len(values) != len(lengths):
         raise ValueError(
             f"fields[{name!r}] has {len(values)} tensors for {len(lengths)} sequences"
@@ -331,9 +336,6 @@ def _pack_field(
             raise ValueError(
                 f"fields[{name!r}][{i}] has {got} tokens, sequences[{i}] has {length}"
             )
-    if not values:
-        return torch.empty(0, device=device)
-    return torch.cat(list(values))
 
 
 def _position_ids(lengths: list[int], device: torch.device | None) -> Tensor:

@@ -203,11 +203,11 @@ class PolicyUpdater:
                 s.version is None and s.token_versions is None for s in samples)):
             raise ValueError("proximal loglinear needs the version of the weights being updated "
                              "and of every sample's tokens")
-        prompts = [_prompt_length(s) if self._share_prompts else 0 for s in samples]
+        prompt_lengths = [_prompt_length(s) if self._share_prompts else 0 for s in samples]
         groups = balance_sharing_prefixes(
-            [s.input_ids for s in samples], prompts, self.config.micro_batch_max_tokens)
+            [s.input_ids for s in samples], prompt_lengths, self.config.micro_batch_max_tokens)
         micro_batches = [_to_device(_pack([samples[i] for i in indices],
-                                          [prompts[i] for i in indices]), self.device)
+                                          [prompt_lengths[i] for i in indices]), self.device)
                          for indices in groups]
         if self.sharded:
             # Every forward is a collective under FSDP: pad to the most micro-batches any
