@@ -14,7 +14,8 @@ responses to one prompt, as a GRPO job's do, which the trainer packs with the pr
 (asyncrl.algorithms.packing); the fp32 step is also timed on the same shapes with every
 sequence's prompt its own, which nothing shares (and so is the block-diagonal mask's step).
 
-With --megatron, the fp32 step is also timed with the Megatron-Core backend, same batch.
+With --megatron, the fp32 step is also timed with the Megatron-Core backend, which computes
+every sequence whole: on the batch whose prompts are each their own, beside that step.
 
     .venv/bin/python bench/trainer_step.py [--sequences 8] [--group-size 8] [--prompt 64]
         [--response 128] [--bf16] [--megatron]
@@ -110,7 +111,7 @@ def main() -> None:
     bf16 = timed_steps("bfloat16") if args.bf16 or native_bf16(torch.device("cpu")) else None
     # Last, on a copy: checkpointing wraps the model's layers for good.
     checkpointed = timed_steps("float32", checkpointing=True, policy=copy.deepcopy(model))
-    megatron = megatron_step(model, samples, args) if args.megatron else None
+    megatron = megatron_step(model, unshared, args) if args.megatron else None
 
     total_tokens, trained_tokens = args.sequences * length, args.sequences * args.response
     print(f"SmolLM2-135M, {torch.get_num_threads()} threads, batch {args.sequences} x "
@@ -139,8 +140,9 @@ def main() -> None:
           f"less; micro-batches of at most {args.micro_batch_max_tokens} tokens)")
     if megatron is not None:
         print(f"trainer step, fp32, Megatron-Core backend (local layer spec): {megatron:.2f} s "
-              f"({trained_tokens / megatron:.0f} trained tokens/s); its time / the pytorch "
-              f"backend's fp32 step: {megatron / fp32:.2f}")
+              f"({trained_tokens / megatron:.0f} trained tokens/s, every prompt its own); its "
+              f"time / the pytorch backend's fp32 step on that batch: "
+              f"{megatron / fp32_unshared:.2f}")
     if bf16 is not None:
         print(f"bf16 / fp32 step speed: {fp32 / bf16:.2f}x")
     print(f"prompts shared / every prompt its own, step speed (fp32): "
