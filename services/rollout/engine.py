@@ -664,9 +664,7 @@ class TorchEngine:
         # A position attends to every cached one up to itself (its prompt included).
         span = torch.arange(read_length, device=self._device)
         mask = span[None, None, :] <= positions[:, :, None]
-        self._cache.prepare(rows, positions, read_length)
-        self._model.model(input_ids=ids, position_ids=positions, attention_mask=mask[:, None],
-                          use_cache=True, **{self._cache_keyword: self._cache})
+        self._hidden(ids, positions, rows, read_length, mask[:, None])
 
     def _decode(self) -> None:
         """One token for every running request."""
@@ -693,17 +691,23 @@ class TorchEngine:
     ) -> Tensor:
         """Logits at position `last[b]` of each row (the last one by default), through the
         model's own decoder layers."""
+        hidden = self._hidden(ids, positions, rows, read_length, mask)
+        if last is None:
+            return self._model.lm_head(hidden[:, -1])
+        return self._model.lm_head(hidden[torch.arange(len(last), device=hidden.device), last])
+
+    def _hidden(self, ids: Tensor, positions: Tensor, rows: slice, read_length: int,
+                mask: Tensor) -> Tensor:
+        """The last hidden states of `ids` at `positions` in the cache's `rows` (written there
+        as they go), through the model's own decoder layers."""
         self._cache.prepare(rows, positions, read_length)
-        hidden = self._model.model(
+        return self._model.model(
             input_ids=ids,
             position_ids=positions,
             attention_mask=mask,
             use_cache=True,
             **{self._cache_keyword: self._cache},
         ).last_hidden_state
-        if last is None:
-            return self._model.lm_head(hidden[:, -1])
-        return self._model.lm_head(hidden[torch.arange(len(last), device=hidden.device), last])
 
     def _sample(self, requests: list[_Request], logits: Tensor) -> tuple[Tensor, Tensor]:
         """One token per request (row of `logits`) and its log-probability under the
