@@ -440,6 +440,42 @@ def test_a_clients_puts_that_meet_go_in_one_round_trip(buffer):
     assert snapshot.accepted_total == 4
 
 
+def test_a_clients_puts_past_the_message_bound_go_in_several_messages(buffer, monkeypatch):
+    """Puts that meet go together only up to PUT_MESSAGE_BYTES of groups per message (a
+    worker with many long groups under way once built one past gRPC's limit, and every put
+    failed): the rest follow in the next messages, each put accepted once."""
+    import asyncio
+
+    from asyncrl.buffer import client as client_module
+    from asyncrl.buffer.client import BufferClient
+    from asyncrl.grpc_service import DEFAULT_MESSAGE_BYTES
+
+    assert client_module.PUT_MESSAGE_BYTES <= DEFAULT_MESSAGE_BYTES // 2
+    group_bytes = len(make_group("g0", GROUP).SerializeToString())
+    monkeypatch.setattr(client_module, "PUT_MESSAGE_BYTES", 2 * group_bytes + 1)
+
+    async def scenario():
+        client = BufferClient(buffer.address, "eta4", "w")
+        sent = []
+        original = client._put_stream.send
+
+        async def counting(request, **kwargs):
+            sent.append(len(request.puts))
+            return await original(request, **kwargs)
+
+        client._put_stream.send = counting
+        slots = [await client.acquire() for _ in range(5)]
+        await asyncio.gather(*(client.put(slot, make_group(f"g{i}", GROUP))
+                               for i, slot in enumerate(slots)))
+        stats_reply = await client.stats()
+        await client.close()
+        return sent, stats_reply
+
+    sent, snapshot = asyncio.run(scenario())
+    assert sent == [2, 2, 1]
+    assert snapshot.accepted_total == 5
+
+
 def test_puts_of_many_callers_at_once_go_in_one_transaction(redis_server):
     """Puts that meet in the buffer, from different workers' requests, go to Redis together:
     one MULTI/EXEC for all of them, each answered on its own and each group stored."""

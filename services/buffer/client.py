@@ -25,6 +25,11 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 #: How long a put message waits for its answer before its call is given up (and retried).
 PUT_TIMEOUT_SECONDS = 30
+#: Bytes of groups one PutGroups message carries at most (a lone larger group goes alone):
+#: well under the buffer's 64 MiB receive limit, and about what the buffer writes to Redis
+#: in one round (store.WRITE_BYTES), so a worker with many long groups under way does not
+#: hold them all back for one huge message.
+PUT_MESSAGE_BYTES = 8 << 20
 
 
 def _refusal(result: buffer_pb2.PutGroupResult) -> grpc.aio.AioRpcError:
@@ -93,9 +98,10 @@ class BufferClient:
             f"{service}/PutGroups",
             request_serializer=buffer_pb2.EncodedPutGroupsRequest.SerializeToString,
             response_deserializer=buffer_pb2.PutGroupsResponse.FromString))
-        # Puts made while a message is on its way go together in the next one (one message
-        # at a time on the stream, so replies need no matching).
-        self._puts = Coalescer(self._send_puts)
+        # Puts made while a message is on its way go together in the next one, up to
+        # PUT_MESSAGE_BYTES (one message at a time on the stream, so replies need no matching).
+        self._puts = Coalescer(self._send_puts, limit=PUT_MESSAGE_BYTES,
+                               weight=lambda put: len(put["group"]))
         self.address = address
         self._outage_seconds = outage_seconds
         self.job = job
