@@ -11,10 +11,8 @@ import grpc
 from asyncrl.grpc_health import add_health
 
 MiB = 1 << 20
-#: gRPC's default 4 MiB is too small for a batch of long sequences or many scored groups.
+#: gRPC's default 4 MiB is too small for a group of long sequences or many scored groups.
 DEFAULT_MESSAGE_BYTES = 64 * MiB
-#: The buffer's GetBatch reply holds a whole training batch of groups.
-BATCH_BYTES = 256 * MiB
 
 
 def message_limits(receive: int = DEFAULT_MESSAGE_BYTES,

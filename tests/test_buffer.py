@@ -46,6 +46,15 @@ def put(stub, job, slot_id, group_id, version=0):
         job=job, slot_id=slot_id, group=make_group(group_id, GROUP, version)), timeout=10)
 
 
+def get_batch(stub, job, consumer, wait_ms=0):
+    """A whole batch of BATCH groups: GetBatch's parts merged, as BufferClient does."""
+    batch = buffer_pb2.Batch()
+    for part in stub.GetBatch(buffer_pb2.GetBatchRequest(
+            job=job, consumer=consumer, num_groups=BATCH, wait_ms=wait_ms), timeout=10):
+        batch.MergeFrom(part)
+    return batch
+
+
 def stats(stub, job):
     return stub.GetStats(buffer_pb2.GetStatsRequest(job=job), timeout=10)
 
@@ -120,7 +129,7 @@ def test_batches_are_whole_groups_oldest_first_and_acknowledged(stub):
     job = "eta4"
     for index in range(7):
         put(stub, job, acquire(stub, job).slot_id, f"g{index}")
-    batch = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t0", num_groups=BATCH), timeout=10)
+    batch = get_batch(stub, job, "t0")
     assert [g.group_id for g in batch.groups] == ["g0", "g1", "g2"]
     assert all(len(g.samples) == GROUP for g in batch.groups) and not batch.redelivered
     assert batch.groups[0].samples[0].behaviour_logprobs == [-0.5] * 4
@@ -130,18 +139,52 @@ def test_batches_are_whole_groups_oldest_first_and_acknowledged(stub):
     with pytest.raises(grpc.RpcError) as error:
         stub.AckBatch(buffer_pb2.AckBatchRequest(job=job, batch_id="nope"), timeout=10)
     assert error.value.code() == grpc.StatusCode.NOT_FOUND
-    second = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t0", num_groups=BATCH), timeout=10)
+    second = get_batch(stub, job, "t0")
     assert [g.group_id for g in second.groups] == ["g3", "g4", "g5"]
     snapshot = stats(stub, job)
     assert (snapshot.consumed_total, snapshot.depth_groups) == (3, 1)
     assert list(snapshot.staleness_counts) == [6]
 
 
+def test_a_batch_comes_in_parts_that_merge_into_it(buffer, stub, monkeypatch):
+    """GetBatch streams a batch in parts of about BATCH_PART_BYTES of groups (one message of
+    hundreds of MB moved at half the speed): the first part carries the batch's id, each
+    group is whole in one part, and the parts merged are the batch, in order."""
+    import asyncio
+
+    from asyncrl.buffer import server
+    from asyncrl.buffer.client import BufferClient
+
+    job = "eta4"
+    for index in range(2 * BATCH):
+        put(stub, job, acquire(stub, job).slot_id, f"g{index}")
+    group_bytes = len(make_group("g0", GROUP).SerializeToString())
+    monkeypatch.setattr(server, "BATCH_PART_BYTES", 2 * group_bytes)
+    parts = list(stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t0",
+                                                          num_groups=BATCH), timeout=10))
+    assert [len(part.groups) for part in parts] == [2, 1]
+    assert parts[0].batch_id and not parts[1].batch_id
+    assert [g.group_id for part in parts for g in part.groups] == ["g0", "g1", "g2"]
+
+    async def from_the_client():
+        client = BufferClient(buffer.address, job, "trainer")
+        try:
+            return await client.get_batch("t1", BATCH)
+        finally:
+            await client.close()
+
+    monkeypatch.setattr(server, "BATCH_PART_BYTES", 1)  # each group a part of its own
+    batch = asyncio.run(from_the_client())
+    assert [g.group_id for g in batch.groups] == ["g3", "g4", "g5"]
+    assert batch.batch_id and batch.batch_id != parts[0].batch_id
+    assert all(len(g.samples) == GROUP for g in batch.groups)
+    assert batch.groups[2].samples[0].behaviour_logprobs == [-0.5] * 4
+
+
 def test_short_buffer_waits_and_returns_an_empty_batch(stub):
     put(stub, "eta4", acquire(stub, "eta4").slot_id, "only")
     started = time.monotonic()
-    batch = stub.GetBatch(buffer_pb2.GetBatchRequest(job="eta4", consumer="t0", num_groups=BATCH,
-                                                     wait_ms=300), timeout=10)
+    batch = get_batch(stub, "eta4", "t0", wait_ms=300)
     assert batch.batch_id == "" and not batch.groups and time.monotonic() - started >= 0.3
     assert stats(stub, "eta4").depth_groups == 1  # still there for the next call
 
@@ -150,18 +193,17 @@ def test_unacknowledged_batch_is_redelivered(stub):
     job = "eta4"
     for index in range(BATCH):
         put(stub, job, acquire(stub, job).slot_id, f"g{index}")
-    first = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t0", num_groups=BATCH), timeout=10)
+    first = get_batch(stub, job, "t0")
     # The same trainer restarted: it gets its batch back at once.
     redelivered_at = time.monotonic()  # at or before Redis stamps the redelivery
-    again = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t0", num_groups=BATCH), timeout=10)
+    again = get_batch(stub, job, "t0")
     assert again.redelivered and again.batch_id == first.batch_id
     assert [g.group_id for g in again.groups] == [g.group_id for g in first.groups]
     # Another trainer takes it over once the ack timeout (1 s) passed, and not before: until
     # then it gets nothing (every group is in that batch). The limit only catches a hang.
     deadline = redelivered_at + 60
     while True:
-        other = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t1", num_groups=BATCH),
-                              timeout=10)
+        other = get_batch(stub, job, "t1")
         if other.batch_id:
             break
         assert not other.groups and time.monotonic() < deadline, other
@@ -179,7 +221,7 @@ def test_stale_groups_are_dropped_and_counted(stub):
     stub.SetVersion(buffer_pb2.SetVersionRequest(job=job, version=2, weights_uri="/w/2"), timeout=10)
     for index in range(BATCH):
         put(stub, job, acquire(stub, job).slot_id, f"new{index}", version=2)
-    batch = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t", num_groups=BATCH), timeout=10)
+    batch = get_batch(stub, job, "t")
     assert [g.group_id for g in batch.groups] == ["new0", "new1", "new2"]
     assert batch.dropped_stale == 3 and stats(stub, job).dropped_stale_total == 3
 
@@ -191,15 +233,13 @@ def test_dropped_groups_give_their_budget_back(stub):
     job = "eta0"
     for index in range(BATCH):
         put(stub, job, acquire(stub, job).slot_id, f"a{index}", version=0)
-    batch = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t", num_groups=BATCH),
-                          timeout=10)
+    batch = get_batch(stub, job, "t")
     stub.AckBatch(buffer_pb2.AckBatchRequest(job=job, batch_id=batch.batch_id), timeout=10)
     stub.SetVersion(buffer_pb2.SetVersionRequest(job=job, version=1, weights_uri="/w/1"), timeout=10)
     for index in range(BATCH):  # generated before the worker had version 1
         put(stub, job, acquire(stub, job).slot_id, f"late{index}", version=0)
     assert not acquire(stub, job).granted  # the step's budget is in use
-    wait = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t", num_groups=BATCH,
-                                                    wait_ms=100), timeout=10)
+    wait = get_batch(stub, job, "t", wait_ms=100)
     assert not wait.groups and wait.dropped_stale == BATCH
     regenerated = [acquire(stub, job) for _ in range(BATCH + 1)]
     assert [slot.granted for slot in regenerated] == [True] * BATCH + [False]
@@ -281,6 +321,9 @@ def test_set_version_announces_where_rollout_workers_look(stub, redis_server):
         (lambda s: s.PutGroup(buffer_pb2.PutGroupRequest(
             job="eta4", slot_id="never-granted", group=make_group("g", GROUP)), timeout=10),
          grpc.StatusCode.FAILED_PRECONDITION, "never granted"),
+        (lambda s: get_batch(s, "eta4", consumer=""), grpc.StatusCode.INVALID_ARGUMENT,
+         "consumer is empty"),
+        (lambda s: get_batch(s, "no-such-job", "t"), grpc.StatusCode.NOT_FOUND, "unknown job"),
     ],
 )
 def test_bad_requests_get_clear_errors_and_change_nothing(stub, call, code, message):
@@ -346,8 +389,7 @@ def test_group_bytes_live_from_put_until_ack_or_drop(stub, redis_server):
     for index in range(BATCH):
         put(stub, job, acquire(stub, job).slot_id, f"old{index}", version=0)
     assert len(stored(job)) == BATCH
-    batch = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t", num_groups=BATCH),
-                          timeout=10)
+    batch = get_batch(stub, job, "t")
     assert [g.group_id for g in batch.groups] == ["old0", "old1", "old2"]
     stub.AckBatch(buffer_pb2.AckBatchRequest(job=job, batch_id=batch.batch_id), timeout=10)
     assert stored(job) == []
@@ -355,8 +397,7 @@ def test_group_bytes_live_from_put_until_ack_or_drop(stub, redis_server):
         put(stub, job, acquire(stub, job).slot_id, f"stale{index}", version=0)
     stub.SetVersion(buffer_pb2.SetVersionRequest(job=job, version=3, weights_uri="/w/3"),
                     timeout=10)
-    wait = stub.GetBatch(buffer_pb2.GetBatchRequest(job=job, consumer="t", num_groups=BATCH,
-                                                    wait_ms=100), timeout=10)
+    wait = get_batch(stub, job, "t", wait_ms=100)
     assert wait.dropped_stale == BATCH and stored(job) == []
     client.close()
 

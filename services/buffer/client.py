@@ -10,7 +10,7 @@ import grpc
 
 from asyncrl.coalesce import Coalescer
 from asyncrl.grpc_health import is_serving
-from asyncrl.grpc_service import BATCH_BYTES, channel
+from asyncrl.grpc_service import channel
 from asyncrl.outage import DEFAULT_OUTAGE_SECONDS, Outage, retry
 from asyncrl.samples import Group, Slot
 from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
@@ -89,7 +89,7 @@ def _unavailable(exc: BaseException) -> bool:
 class BufferClient:
     def __init__(self, address: str, job: str, worker: str = "worker", *, lease_seconds: float = 30,
                  outage_seconds: float = DEFAULT_OUTAGE_SECONDS):
-        self._channel = channel(address, receive=BATCH_BYTES)
+        self._channel = channel(address)
         self.stub = buffer_pb2_grpc.BufferStub(self._channel)
         # PutGroups with each group encoded once (EncodedPutGroupsRequest: PutGroupsRequest's
         # bytes), rather than copied into a request and then encoded: a group is large.
@@ -98,6 +98,10 @@ class BufferClient:
             f"{service}/PutGroups",
             request_serializer=buffer_pb2.EncodedPutGroupsRequest.SerializeToString,
             response_deserializer=buffer_pb2.PutGroupsResponse.FromString))
+        # GetBatch's parts as they came (bytes), merged into one Batch by `_whole_batch`.
+        self._batch_parts = self._channel.unary_stream(
+            f"{service}/GetBatch",
+            request_serializer=buffer_pb2.GetBatchRequest.SerializeToString)
         # Puts made while a message is on its way go together in the next one, up to
         # PUT_MESSAGE_BYTES (one message at a time on the stream, so replies need no matching).
         self._puts = Coalescer(self._send_puts, limit=PUT_MESSAGE_BYTES,
@@ -194,9 +198,20 @@ class BufferClient:
     # ------------------------------------------------------------------ trainer side
 
     async def get_batch(self, consumer: str, num_groups: int, wait_ms: int = 1000) -> buffer_pb2.Batch:
-        return await self._with_retries(lambda: self.stub.GetBatch(buffer_pb2.GetBatchRequest(
-            job=self.job, consumer=consumer, num_groups=num_groups, wait_ms=wait_ms),
-            timeout=wait_ms / 1000 + 30))
+        """The next batch (an empty one if none was ready within `wait_ms`). A call that
+        fails on the way is made again: the buffer hands this consumer the same batch."""
+        request = buffer_pb2.GetBatchRequest(job=self.job, consumer=consumer,
+                                             num_groups=num_groups, wait_ms=wait_ms)
+        return await self._with_retries(
+            lambda: self._whole_batch(request, timeout=wait_ms / 1000 + 30))
+
+    async def _whole_batch(self, request: buffer_pb2.GetBatchRequest, *,
+                           timeout: float) -> buffer_pb2.Batch:
+        """GetBatch's parts merged as they arrive, each decoded straight into the Batch."""
+        batch = buffer_pb2.Batch()
+        async for part in self._batch_parts(request, timeout=timeout):
+            batch.MergeFromString(part)
+        return batch
 
     async def ack(self, batch_id: str) -> None:
         await self._with_retries(lambda: self.stub.AckBatch(

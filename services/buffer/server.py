@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -119,11 +120,13 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         return buffer_pb2.PutGroupsResponse(results=[_put_result_pb(o) for o in outcomes])
 
     @_mapped
-    async def GetBatch(self, request, context) -> bytes:
+    async def GetBatch(self, request, context):
+        """The batch in parts (buffer.proto), each encoded here (`_batch_parts`)."""
         batch = await self._store.get_batch(
             request.job, request.consumer, request.num_groups, request.wait_ms
         )
-        return _batch_bytes(batch)
+        for part in _batch_parts(batch):
+            yield part
 
     @_mapped
     async def AckBatch(self, request, context):
@@ -154,18 +157,27 @@ async def redis_answers(client: redis.Redis, timeout: float = 1.0) -> bool:
 
 
 _GROUPS_TAG = bytes([buffer_pb2.EncodedBatch.DESCRIPTOR.fields_by_name["groups"].number << 3 | 2])
+#: Bytes of groups one GetBatch message carries (a larger group goes alone): 8 MiB parts
+#: moved a 64 MB batch 3.5 times faster than one message (buffer.proto).
+BATCH_PART_BYTES = 8 << 20
 
 
-def _batch_bytes(batch: Batch) -> bytes:
-    """The encoded Batch (as EncodedBatch) with its groups as stored. The small fields are
-    encoded by protobuf; each group is framed as one more `groups` field (tag, length, bytes)
-    here, so that the tens of MB of a batch are copied once, not into a message and out."""
-    head = buffer_pb2.EncodedBatch(batch_id=batch.batch_id, dropped_stale=batch.dropped_stale,
-                                   redelivered=batch.redelivered).SerializeToString()
-    framed = [head]
+def _batch_parts(batch: Batch) -> Iterator[bytes]:
+    """The Batch as the messages of GetBatch, each encoded as an EncodedBatch: the small
+    fields by protobuf in the first, each group framed here as one more `groups` field (tag,
+    length, bytes), so that the tens of MB of a batch are copied once, not into a message and
+    out."""
+    part = [buffer_pb2.EncodedBatch(batch_id=batch.batch_id, dropped_stale=batch.dropped_stale,
+                                    redelivered=batch.redelivered).SerializeToString()]
+    size = 0
     for entry in batch.entries:
-        framed += (_GROUPS_TAG, _varint(len(entry.group_bytes)), entry.group_bytes)
-    return b"".join(framed)
+        group = entry.group_bytes
+        if size and size + len(group) > BATCH_PART_BYTES:
+            yield b"".join(part)
+            part, size = [], 0
+        part += (_GROUPS_TAG, _varint(len(group)), group)
+        size += len(group)
+    yield b"".join(part)
 
 
 def _varint(value: int) -> bytes:
@@ -240,7 +252,7 @@ async def create_server(
     return await grpc_service.start_server(
         "buffer", address,
         lambda server: add_servicer(BufferServicer(store, client, metrics), server),
-        lambda: redis_answers(client), send=grpc_service.BATCH_BYTES)
+        lambda: redis_answers(client))
 
 
 class _Handlers:
@@ -255,8 +267,8 @@ class _Handlers:
 
 def add_servicer(servicer: BufferServicer, server: grpc.aio.Server) -> None:
     """Registers `servicer` as the generated add_BufferServicer_to_server does, except that
-    PutGroup(s) read their requests and GetBatch writes its reply with groups left encoded
-    (Encoded* in buffer.proto, `_batch_bytes`): the same bytes on the wire."""
+    PutGroup(s) read their requests and GetBatch writes its replies with groups left encoded
+    (Encoded* in buffer.proto, `_batch_parts`): the same bytes on the wire."""
     generated = _Handlers()
     buffer_pb2_grpc.add_BufferServicer_to_server(servicer, generated)
     handlers = dict(generated.handlers)
@@ -266,7 +278,7 @@ def add_servicer(servicer: BufferServicer, server: grpc.aio.Server) -> None:
     handlers["PutGroups"] = grpc.stream_stream_rpc_method_handler(
         servicer.PutGroups, request_deserializer=buffer_pb2.EncodedPutGroupsRequest.FromString,
         response_serializer=buffer_pb2.PutGroupsResponse.SerializeToString)
-    handlers["GetBatch"] = grpc.unary_unary_rpc_method_handler(  # it answers encoded bytes
+    handlers["GetBatch"] = grpc.unary_stream_rpc_method_handler(  # it streams encoded bytes
         servicer.GetBatch, request_deserializer=buffer_pb2.GetBatchRequest.FromString)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(generated.service, handlers),))
