@@ -3,14 +3,16 @@
 A put group holds tens of thousands of token ids, log-probs and versions. Decoding them into
 one Python object each costs milliseconds per group, more than the rest of a put, so the
 buffer reads the group as an EncodedGroup (buffer.proto): upb parses the structure and hands
-over each sample's packed token fields as bytes, which are counted and checked all at once,
-one numpy pass over the group's token bytes (not one per field). A group whose token fields
-are not packed (valid protobuf, written by no common library), that holds a varint of 5 bytes
-or more (a negative id, a version past 2**28) or that fails a check is decoded in full and
-checked element by element, which also words the error for the sample at fault.
+over each sample's packed token fields as bytes, which are checked together in a few numpy
+passes over the group's token bytes. A group whose token fields are not packed (valid
+protobuf, written by no common library), that holds a varint of 5 bytes or more (a negative
+id, a version past 2**28) or that fails a check is decoded in full and checked element by
+element, which also words the error for the sample at fault.
 """
 
 from __future__ import annotations
+
+from itertools import accumulate
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -50,21 +52,25 @@ def check_group(data: bytes, job: JobConfig) -> tuple[str, int]:
 
 def _oldest_version(group: buffer_pb2.EncodedGroup) -> int:
     fields, logprob_bytes = _token_fields(group)
-    raw = np.frombuffer(b"".join(fields), np.uint8)
-    going_on = raw >= 0x80  # a varint goes on past this byte
-    sizes = np.array([len(field) for field in fields], np.int64)
-    starts, filled = np.cumsum(sizes) - sizes, sizes > 0
+    going_on = np.frombuffer(b"".join(fields), np.uint8) >= 0x80  # a varint goes on past it
+    ends = list(accumulate(map(len, fields)))
+    starts = [0, *ends[:-1]]
     # Each field must end where its last varint does. No varint may be 5 bytes or longer:
     # a token id that long may be negative as int32, a version is past 2**28 (or negative).
-    if going_on[(starts + sizes - 1)[filled]].any() or _four_in_a_row(going_on):
+    last_bytes = [end - 1 for start, end in zip(starts, ends) if end > start]
+    if going_on[last_bytes].any() or _four_in_a_row(going_on):
         raise _Unchecked
-    counts = sizes.copy()  # varints per field: its bytes less those a varint goes on past
-    if filled.any():
-        counts[filled] -= np.add.reduceat(going_on, starts[filled], dtype=np.int64)
-    prompts, responses, versions = counts[0::3], counts[1::3], counts[2::3]
-    if not prompts.all() or (versions != responses).any() or \
-            (np.array(logprob_bytes) != 4 * responses).any():
-        raise _Unchecked
+
+    def varints(field: int) -> int:  # its bytes less those a varint goes on past
+        start, end = starts[field], ends[field]
+        return end - start - int(np.count_nonzero(going_on[start:end]))
+
+    for sample, logprobs in enumerate(logprob_bytes):
+        prompt, responses, versions = 3 * sample, 3 * sample + 1, 3 * sample + 2
+        count = varints(responses)
+        # A prompt field that is not empty holds a varint at least (it ends on one).
+        if ends[prompt] == starts[prompt] or varints(versions) != count or logprobs != 4 * count:
+            raise _Unchecked
     return _smallest(b"".join(fields[2::3]))
 
 

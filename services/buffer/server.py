@@ -83,9 +83,10 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
 
     @_mapped
     async def PutGroup(self, request: buffer_pb2.EncodedPutGroupRequest, context):
-        group_id, oldest = check_group(request.group, self._store.job(request.job))
+        group = request.group  # each read of a bytes field copies it
+        group_id, oldest = check_group(group, self._store.job(request.job))
         put = await self._store.put_group(
-            request.job, request.slot_id, group_id, oldest, request.group,
+            request.job, request.slot_id, group_id, oldest, group,
             next_worker=request.worker if request.acquire_next else None,
         )
         return _put_pb(put)
@@ -107,12 +108,13 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         outcomes: list = [None] * len(request.puts)
         puts = []
         for index, put in enumerate(request.puts):
+            group = put.group  # each read of a bytes field copies it
             try:
-                group_id, oldest = check_group(put.group, job)
+                group_id, oldest = check_group(group, job)
             except BufferError as exc:
                 outcomes[index] = exc
                 continue
-            puts.append((index, Put(put.slot_id, group_id, oldest, put.group,
+            puts.append((index, Put(put.slot_id, group_id, oldest, group,
                                     put.worker if put.acquire_next else None)))
         stored = await self._store.put_groups(job.name, [put for _, put in puts])
         for (index, _), outcome in zip(puts, stored):
