@@ -8,7 +8,8 @@ worker has one group of 8 samples under way at a time (like redis-benchmark's cl
 request each; --in-flight for more, as the rollout workflow runs several, whose puts that
 meet go as one message): it waits at the staleness gate for a slot and puts the group on its
 PutGroups stream, asking for its next slot in the same round trip. The trainer does what the
-trainer service does per step: GetBatch, AckBatch, SetVersion. Samples/s is counted from
+trainer service does per step but train: GetBatch (receiving every part, not decoding the
+groups), AckBatch, SetVersion. Samples/s is counted from
 Redis' own totals (samples acknowledged by the trainer) over a window after a warm-up.
 redis-benchmark runs SET with N clients and values of one sample's stored size against a
 fresh, like-configured redis-server just before and just after the buffer (their mean is the
@@ -157,22 +158,34 @@ def _worker(address: str, name: str, group: buffer_pb2.EncodedGroup, in_flight: 
 
 def _trainer(address: str, batch_groups: int, seconds: float, version: multiprocessing.Value,
              start: multiprocessing.Barrier, results: multiprocessing.Queue) -> None:
-    """The trainer's loop without the training: a batch, its ack, the next version."""
+    """The trainer's loop without the training: a batch, its ack, the next version. The
+    batch's parts are received whole with their groups left encoded: decoding them into
+    samples is the trainer's own work, like the training, done on its own cores in a cluster
+    (here it would take a third of a core from the buffer at 8k tokens)."""
     async def run() -> int:
         client = BufferClient(address, JOB, "trainer")
+        channel = grpc_service.channel(address)
+        batch_parts = channel.unary_stream(
+            f"/{buffer_pb2.DESCRIPTOR.services_by_name['Buffer'].full_name}/GetBatch",
+            request_serializer=buffer_pb2.GetBatchRequest.SerializeToString,
+            response_deserializer=buffer_pb2.EncodedBatch.FromString)
+        request = buffer_pb2.GetBatchRequest(job=JOB, consumer="trainer-0",
+                                             num_groups=batch_groups, wait_ms=200)
         while not await client.healthy():
             await asyncio.sleep(0.1)
         start.wait()
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            batch = await client.get_batch("trainer-0", batch_groups, wait_ms=200)
-            if not batch.batch_id:
+            parts = [part async for part in batch_parts(request, timeout=30)]
+            if not parts[0].batch_id:
                 continue
-            await client.ack(batch.batch_id)
+            assert sum(len(part.groups) for part in parts) == batch_groups
+            await client.ack(parts[0].batch_id)
             step = version.value + 1
             await client.set_version(step, f"file:///weights/{step}", step=step)
             version.value = step
         await client.close()
+        await channel.close()
         return version.value
 
     results.put(("steps", asyncio.run(run())))
