@@ -53,7 +53,8 @@ class _PutStream:
         call = self._call
         try:
             await call.write(request)
-            reply = await asyncio.wait_for(call.read(), timeout)
+            async with asyncio.timeout(timeout):  # no task per message, as wait_for makes
+                reply = await call.read()
         except BaseException as exc:
             self._drop(call)
             if isinstance(exc, asyncio.TimeoutError):
