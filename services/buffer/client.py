@@ -26,9 +26,9 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 #: How long a put message waits for its answer before its call is given up (and retried).
 PUT_TIMEOUT_SECONDS = 30
 #: Bytes of groups one PutGroups message carries at most (a lone larger group goes alone):
-#: well under the buffer's 64 MiB receive limit, and about what the buffer writes to Redis
-#: in one round (store.WRITE_BYTES), so a worker with many long groups under way does not
-#: hold them all back for one huge message.
+#: well under the buffer's 64 MiB receive limit, and as much as one buffer replica has on
+#: its way to Redis at once (store.WRITE_BYTES), so a worker with many long groups under way
+#: does not hold them all back for one huge message.
 PUT_MESSAGE_BYTES = 8 << 20
 
 
