@@ -17,7 +17,9 @@ baseline: the machine is shared); the ratio is the buffer's samples/s to it. Eve
 by checking that each group a worker put was trained, dropped as stale or is still waiting.
 Between the two, the same workers put into a server with the buffer's gRPC handlers that
 does no work at all ("gRPC only"): the ceiling of any buffer written as a Python gRPC service
-with these clients sharing these cores.
+with these clients sharing these cores. Each process' own CPU counters over the window give
+the CPU per group put of the buffer, Redis and the workers (and of the gRPC-only server and
+its workers): steadier than the rates on a shared machine, and they say where a put's cost is.
 
     .venv/bin/python bench/buffer_throughput.py [--seconds 10] [--workers 32 128]
         [--tokens 1024 8192] [--in-flight 1] [--replicas 1] [--profile DIR]
@@ -41,6 +43,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import redis
 import yaml
 
@@ -213,17 +216,28 @@ def _buffer_command(job_file: Path, redis_url: str, port: int, profile: Path | N
 
 
 @dataclass
+class BufferRun:
+    put_per_s: float       # samples
+    trained_per_s: float   # samples acknowledged by the trainer
+    stale: int             # groups dropped as stale
+    lost: int              # put groups that went missing
+    cores: dict[str, float]  # cores used by the buffer replicas, Redis and the workers
+
+
+@dataclass
 class Cell:
     workers: int
     tokens: int
     bytes_per_sample: int
     batch_groups: int
-    put_per_s: float
-    samples_per_s: float
+    buffer: BufferRun
     redis_set_per_s: float
     grpc_only_per_s: float
-    stale: int
-    lost: int
+    grpc_only_cores: dict[str, float]
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.buffer.trained_per_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -237,6 +251,15 @@ class Cell:
     def grpc_only_ratio(self) -> float:
         return self.grpc_only_per_s / self.redis_set_per_s
 
+    def cpu_us_per_group(self) -> dict[str, float]:
+        """Microseconds of CPU per group put: the buffer's, Redis', the workers', and with the
+        gRPC-only server its own and its workers'."""
+        groups, grpc_only_groups = (self.buffer.put_per_s / GROUP_SIZE,
+                                    self.grpc_only_per_s / GROUP_SIZE)
+        return {**{name: cores / groups * 1e6 for name, cores in self.buffer.cores.items()},
+                **{f"gRPC-only {name}": cores / grpc_only_groups * 1e6
+                   for name, cores in self.grpc_only_cores.items()}}
+
 
 def _totals(client: redis.Redis) -> dict[str, int]:
     """The job's totals as Redis holds them (groups)."""
@@ -248,11 +271,23 @@ def batch_groups(group: buffer_pb2.EncodedGroup) -> int:
     return min(BATCH_GROUPS, BATCH_BYTES // len(group.SerializeToString()))
 
 
+def _cpu_seconds(pids: list[int]) -> float:
+    """User and system CPU seconds the processes `pids` have used so far."""
+    total = 0.0
+    for pid in pids:
+        times = psutil.Process(pid).cpu_times()
+        total += times.user + times.system
+    return total
+
+
 def _drive(addresses: list[str], workers: int, in_flight: int, group: buffer_pb2.EncodedGroup,
-           seconds: float, totals, with_trainer: bool = True) -> tuple[dict[str, float], list]:
+           seconds: float, totals, servers: dict[str, list[int]], with_trainer: bool = True
+           ) -> tuple[dict[str, float], list]:
     """Runs `workers` worker processes (spread over `addresses`) and, `with_trainer`, the
     trainer process; once all are connected and warmed up, the rate per second of each of
-    `totals()`'s counts over `seconds`, and what the processes reported when they ended."""
+    `totals()`'s counts over `seconds`, the cores each of `servers` (name: pids) and the
+    workers used meanwhile ("<name> cores", "worker cores"), and what the processes reported
+    when they ended."""
     # fork: the children share the built group and import nothing again (128 interpreters
     # starting from scratch would take longer than the measurement on 2 cores).
     context = multiprocessing.get_context("fork")
@@ -272,9 +307,12 @@ def _drive(addresses: list[str], workers: int, in_flight: int, group: buffer_pb2
             child.start()
         start.wait(timeout=120)
         time.sleep(WARMUP_SECONDS)
+        watched = {**servers, "worker": [child.pid for child in children[with_trainer:]]}
+        cpu_before = {name: _cpu_seconds(pids) for name, pids in watched.items()}
         began, before = time.monotonic(), totals()
         time.sleep(seconds)
         ended, after = time.monotonic(), totals()
+        cpu_after = {name: _cpu_seconds(pids) for name, pids in watched.items()}
         reported = [results.get(timeout=60) for _ in children]
         for child in children:
             child.join(timeout=30)
@@ -282,13 +320,14 @@ def _drive(addresses: list[str], workers: int, in_flight: int, group: buffer_pb2
         for child in children:
             if child.is_alive():
                 child.kill()
-    return {name: (after[name] - before[name]) / (ended - began) for name in after}, reported
+    rates = {name: (after[name] - before[name]) / (ended - began) for name in after}
+    rates.update({f"{name} cores": (cpu_after[name] - cpu_before[name]) / (ended - began)
+                  for name in watched})
+    return rates, reported
 
 
 def run_buffer(workers: int, in_flight: int, tokens: int, seconds: float, replicas: int,
-               profile: Path | None) -> tuple[float, float, int, int]:
-    """Samples/s put and samples/s acknowledged by the trainer, groups dropped as stale, and
-    how many put groups went missing."""
+               profile: Path | None) -> BufferRun:
     group = make_group(tokens, seed=tokens)
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis") as server:
         job_file = _write_job(Path(tmp) / "job.yaml", workers, in_flight, batch_groups(group))
@@ -299,8 +338,10 @@ def run_buffer(workers: int, in_flight: int, tokens: int, seconds: float, replic
             for i, port in enumerate(ports)]
         client = redis.Redis(port=server.port)
         try:
+            servers = {"buffer": [buffer.pid for buffer in buffers],
+                       "redis": [client.info("server")["process_id"]]}
             rates, reported = _drive([f"127.0.0.1:{port}" for port in ports], workers,
-                                     in_flight, group, seconds, lambda: _totals(client))
+                                     in_flight, group, seconds, lambda: _totals(client), servers)
             final = _totals(client)
             put = sum(count for kind, count in reported if kind == "put")
             waiting = client.xlen(key(JOB, "groups"))
@@ -314,8 +355,9 @@ def run_buffer(workers: int, in_flight: int, tokens: int, seconds: float, replic
                 buffer.send_signal(signal.SIGINT)  # a clean exit writes the profile
             for buffer in buffers:
                 buffer.wait(timeout=30)
-    return (rates["accepted"] * GROUP_SIZE, rates["consumed"] * GROUP_SIZE,
-            final["dropped_stale"], lost)
+    return BufferRun(rates["accepted"] * GROUP_SIZE, rates["consumed"] * GROUP_SIZE,
+                     final["dropped_stale"], lost,
+                     {name: rates[f"{name} cores"] for name in ("buffer", "redis", "worker")})
 
 
 class _GrpcOnly(BufferServicer):
@@ -370,8 +412,10 @@ def _serve_grpc_only(port: int, puts: multiprocessing.Value, stop) -> None:
     asyncio.run(run())
 
 
-def run_grpc_only(workers: int, in_flight: int, tokens: int, seconds: float) -> float:
-    """Samples/s the workers put into a `_GrpcOnly` server (one process, no trainer)."""
+def run_grpc_only(workers: int, in_flight: int, tokens: int,
+                  seconds: float) -> tuple[float, dict[str, float]]:
+    """Samples/s the workers put into a `_GrpcOnly` server (one process, no trainer), and the
+    cores the server and the workers used."""
     context = multiprocessing.get_context("fork")
     puts, stop, port = context.Value("q", 0, lock=False), context.Event(), free_port()
     server = context.Process(target=_serve_grpc_only, args=(port, puts, stop))
@@ -379,13 +423,15 @@ def run_grpc_only(workers: int, in_flight: int, tokens: int, seconds: float) -> 
     try:
         rates, _ = _drive([f"127.0.0.1:{port}"], workers, in_flight,
                           make_group(tokens, seed=tokens), seconds,
-                          lambda: {"put": puts.value}, with_trainer=False)
+                          lambda: {"put": puts.value}, {"server": [server.pid]},
+                          with_trainer=False)
     finally:
         stop.set()
         server.join(timeout=30)
         if server.is_alive():
             server.kill()
-    return rates["put"] * GROUP_SIZE
+    return rates["put"] * GROUP_SIZE, {name: rates[f"{name} cores"]
+                                        for name in ("server", "worker")}
 
 
 def redis_set_rate(workers: int, value_bytes: int, seconds: float) -> float:
@@ -425,12 +471,13 @@ def main() -> None:
             group = make_group(tokens, seed=tokens)
             size = sample_bytes(group)
             before = redis_set_rate(workers, size, args.seconds / 2)
-            put, trained, stale, lost = run_buffer(workers, args.in_flight, tokens,
-                                                   args.seconds, args.replicas, args.profile)
-            grpc_only = run_grpc_only(workers, args.in_flight, tokens, args.seconds)
+            buffer = run_buffer(workers, args.in_flight, tokens, args.seconds, args.replicas,
+                                args.profile)
+            grpc_only, grpc_only_cores = run_grpc_only(workers, args.in_flight, tokens,
+                                                       args.seconds)
             after = redis_set_rate(workers, size, args.seconds / 2)
-            cells.append(Cell(workers, tokens, size, batch_groups(group), put, trained,
-                              (before + after) / 2, grpc_only, stale, lost))
+            cells.append(Cell(workers, tokens, size, batch_groups(group), buffer,
+                              (before + after) / 2, grpc_only, grpc_only_cores))
 
     print(f"buffer ({args.replicas} replica(s)) vs redis-benchmark SET, Redis AOF appendfsync "
           f"always; groups of {GROUP_SIZE} samples, {args.in_flight} under way per worker, "
@@ -445,9 +492,20 @@ def main() -> None:
           f"{'gRPC only':>9} {'ratio':>6} {'stale':>5} {'lost':>4}")
     for c in cells:
         print(f"{c.workers:>7} {c.tokens:>6} {c.bytes_per_sample:>8,} {c.batch_groups:>5} "
-              f"{c.put_per_s:>7,.0f} {c.samples_per_s:>10,.0f} "
+              f"{c.buffer.put_per_s:>7,.0f} {c.samples_per_s:>10,.0f} "
               f"{c.tokens_per_s:>11,.0f} {c.redis_set_per_s:>11,.0f} {c.ratio:>6.0%} "
-              f"{c.grpc_only_per_s:>9,.0f} {c.grpc_only_ratio:>6.0%} {c.stale:>5} {c.lost:>4}")
+              f"{c.grpc_only_per_s:>9,.0f} {c.grpc_only_ratio:>6.0%} {c.buffer.stale:>5} "
+              f"{c.buffer.lost:>4}")
+    print("CPU per group put (us; user + system, from each process' own counters): the buffer "
+          "(all replicas), Redis, the worker processes; with the gRPC-only server, the server "
+          "and its workers")
+    names = list(cells[0].cpu_us_per_group())
+    print(f"{'workers':>7} {'tokens':>6} " + " ".join(f"{name:>{max(len(name), 6)}}"
+                                                       for name in names))
+    for c in cells:
+        cpu = c.cpu_us_per_group()
+        print(f"{c.workers:>7} {c.tokens:>6} " + " ".join(
+            f"{cpu[name]:>{max(len(name), 6)},.0f}" for name in names))
     best = max(cells, key=lambda c: c.tokens_per_s)
     per_replica = best.tokens_per_s / args.replicas
     print(f"one buffer replica sustains {per_replica:,.0f} tokens/s "
