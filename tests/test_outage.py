@@ -55,7 +55,9 @@ def test_a_non_redis_answer_is_an_outage_retried_until_the_bound():
     finally:
         answerer.close()
     assert f"Redis at 127.0.0.1:{answerer.port} has been unreachable" in str(error)
-    assert "Protocol Error" in str(error) and "400 Bad Request" in str(error)
+    # hiredis words it 'Protocol error, got "H" as reply type byte' (redis-py's own parser
+    # quotes the answer: "Protocol Error: HTTP/1.1 400 Bad Request").
+    assert "protocol error" in str(error).lower()
     assert answerer.connections >= 2  # retried, not given up at the first answer
     assert redis_down(error.__cause__)
 
