@@ -534,8 +534,8 @@ def test_puts_of_many_callers_at_once_go_in_one_transaction(redis_server):
     def encoded(group_id):
         return make_group(group_id, GROUP).SerializeToString()
 
-    def transactions():
-        return inspect.info("commandstats").get("cmdstat_exec", {}).get("calls", 0)
+    def calls(command):
+        return inspect.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0)
 
     async def scenario():
         client = aredis.from_url(redis_server.url)
@@ -543,27 +543,73 @@ def test_puts_of_many_callers_at_once_go_in_one_transaction(redis_server):
         await store.register()
         slots = [(await store.acquire_slot(job.name, f"w{i}")).slot_id for i in range(11)]
         await store.put_group(job.name, slots.pop(), "first", 0, encoded("first"))  # loads PUT
-        before = transactions()
+        before = calls("exec"), calls("evalsha")
         outcomes = await asyncio.gather(
             *(store.put_group(job.name, slot, f"g{i}", 0, encoded(f"g{i}"))
               for i, slot in enumerate(slots)),
             store.put_group(job.name, slots[0], "g0", 0, encoded("g0")),  # a retry
             store.put_group(job.name, "never-granted", "x", 0, encoded("x")),
             return_exceptions=True)
-        after = transactions()
+        after = calls("exec"), calls("evalsha")
         stored = [await client.get(key(job.name, f"group:{slot}")) for slot in slots]
         stats = await store.stats(job.name)
         await client.aclose()
-        return outcomes, after - before, stored, stats
+        return outcomes, [b - a for a, b in zip(before, after)], stored, stats
 
-    outcomes, sent, stored, stats = asyncio.run(scenario())
+    outcomes, (sent, scripts_run), stored, stats = asyncio.run(scenario())
     assert sent == 1
+    assert scripts_run == 1  # one PUT script run for all the puts of a transaction
     assert all(o.newly_accepted for o in outcomes[:10])
     assert sorted(o.accepted_total for o in outcomes[:10]) == list(range(2, 12))
     assert not outcomes[10].newly_accepted
     assert isinstance(outcomes[11], FailedPrecondition)
     assert stored == [encoded(f"g{i}") for i in range(10)]
     assert stats.accepted_total == 11 and stats.depth_groups == 11
+
+
+def test_puts_of_two_jobs_that_meet_each_land_in_their_own_job(redis_server):
+    """One transaction carries puts of two jobs (one PUT script run per job); each put is
+    answered for its own slot, even when Redis lost its scripts (SCRIPT FLUSH: a restart
+    without them), which the buffer loads again without storing any group twice."""
+    import asyncio
+
+    import redis.asyncio as aredis
+
+    from asyncrl.buffer.store import BufferStore, FailedPrecondition
+    from asyncrl.redis_keys import key
+
+    jobs = [JobConfig(name=name, max_staleness=4, batch_size=BATCH, group_size=GROUP)
+            for name in ("left", "right")]
+
+    async def scenario():
+        client = aredis.from_url(redis_server.url)
+        store = BufferStore(client, jobs)
+        await store.register()
+        slots = {job.name: [(await store.acquire_slot(job.name, "w")).slot_id for _ in range(3)]
+                 for job in jobs}
+        await client.script_flush()
+        puts = [(name, slot, f"{name}{i}") for i in range(3) for name, names_slots in
+                slots.items() for slot in names_slots[i:i + 1]]
+        outcomes = await asyncio.gather(
+            *(store.put_group(name, slot, group_id, 0,
+                              make_group(group_id, GROUP).SerializeToString())
+              for name, slot, group_id in puts),
+            store.put_group("right", slots["left"][0], "wrong-job", 0,
+                            make_group("wrong-job", GROUP).SerializeToString()),
+            return_exceptions=True)
+        streams = {job.name: [fields[b"id"].decode() for _, fields in
+                              await client.xrange(key(job.name, "groups"))] for job in jobs}
+        totals = {job.name: (await store.stats(job.name)).accepted_total for job in jobs}
+        await client.aclose()
+        return puts, outcomes, streams, totals
+
+    puts, outcomes, streams, totals = asyncio.run(scenario())
+    for (name, _, _), outcome in zip(puts, outcomes):
+        assert outcome.newly_accepted, (name, outcome)
+    assert isinstance(outcomes[-1], FailedPrecondition)  # a left slot is unknown to right
+    assert streams == {"left": ["left0", "left1", "left2"],
+                       "right": ["right0", "right1", "right2"]}
+    assert totals == {"left": 3, "right": 3}
 
 
 def test_a_batch_read_partly_ahead_holds_each_groups_own_bytes(redis_server):

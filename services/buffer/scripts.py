@@ -70,38 +70,48 @@ end
 return released
 """
 
-# Runs in one transaction right after `SET group:<slot> <bytes> NX EX <seconds>`, which it
-# keeps (PERSIST) if it accepts the group and deletes otherwise.
-# ARGV: prefix, slot id, oldest token version, group id, next slot id ('' for none).
-# -> {0, 'unknown'|'expired'} | {1, stream id, accepted, next} | {2, stream id, 0, next} (a retry
-# of a done put), `next` as _GRANT answers for the next slot, or 0.
+# Runs in one transaction right after the `SET group:<slot> <bytes> NX EX <seconds>` of each
+# of its puts, whose bytes it keeps (PERSIST) if it accepts the group and deletes otherwise.
+# One run takes all the puts of a transaction, in order: a script run costs Redis far more
+# than the commands in it (about 150 us against 40 for one put's).
+# ARGV: prefix, then per put: slot id, oldest token version, group id, next slot id ('' for
+# none). -> per put, {0, 'unknown'|'expired'} | {1, stream id, accepted, next} |
+# {2, stream id, 0, next} (a retry of a done put), `next` as _GRANT answers for the next slot,
+# or 0.
 PUT = _NOW + _GRANT + """
-local p, slot = ARGV[1], ARGV[2]
-local function next_slot() return ARGV[5] ~= '' and grant(p, ARGV[5]) or 0 end
-local bytes = p .. 'group:' .. slot
-local done = redis.call('GET', p .. 'put:' .. slot)
-if done then
-  -- A retry: its SET changed nothing while the group waits; once the group was trained or
-  -- dropped, its SET made a copy nobody will read.
-  if not redis.call('XRANGE', p .. 'groups', done, done)[1] then redis.call('DEL', bytes) end
-  return {2, done, 0, next_slot()}
+local p = ARGV[1]
+local function put(slot, oldest, group_id, next_id)
+  local function next_slot() return next_id ~= '' and grant(p, next_id) or 0 end
+  local bytes = p .. 'group:' .. slot
+  local done = redis.call('GET', p .. 'put:' .. slot)
+  if done then
+    -- A retry: its SET changed nothing while the group waits; once the group was trained or
+    -- dropped, its SET made a copy nobody will read.
+    if not redis.call('XRANGE', p .. 'groups', done, done)[1] then redis.call('DEL', bytes) end
+    return {2, done, 0, next_slot()}
+  end
+  local score = redis.call('ZSCORE', p .. 'slots', slot)
+  if not score then
+    redis.call('DEL', bytes)
+    return {0, 'unknown'}
+  end
+  redis.call('ZREM', p .. 'slots', slot)
+  if tonumber(score) <= now then
+    redis.call('HINCRBY', p .. 'state', 'expired', 1)
+    redis.call('DEL', bytes)
+    return {0, 'expired'}
+  end
+  redis.call('PERSIST', bytes)
+  local id = redis.call('XADD', p .. 'groups', '*', 'slot', slot, 'v', oldest, 'id', group_id)
+  redis.call('SET', p .. 'put:' .. slot, id, 'EX', 86400)
+  local accepted = redis.call('HINCRBY', p .. 'state', 'accepted', 1)
+  return {1, id, accepted, next_slot()}
 end
-local score = redis.call('ZSCORE', p .. 'slots', slot)
-if not score then
-  redis.call('DEL', bytes)
-  return {0, 'unknown'}
+local replies = {}
+for i = 2, #ARGV, 4 do
+  replies[#replies + 1] = put(ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
 end
-redis.call('ZREM', p .. 'slots', slot)
-if tonumber(score) <= now then
-  redis.call('HINCRBY', p .. 'state', 'expired', 1)
-  redis.call('DEL', bytes)
-  return {0, 'expired'}
-end
-redis.call('PERSIST', bytes)
-local id = redis.call('XADD', p .. 'groups', '*', 'slot', slot, 'v', ARGV[3], 'id', ARGV[4])
-redis.call('SET', p .. 'put:' .. slot, id, 'EX', 86400)
-local accepted = redis.call('HINCRBY', p .. 'state', 'accepted', 1)
-return {1, id, accepted, next_slot()}
+return replies
 """
 
 _ENTRIES = """

@@ -261,23 +261,35 @@ class BufferStore:
         return outcomes
 
     async def _write_puts(self, todo: list[tuple[JobConfig, Put, str]]) -> list:
-        """For each put its group's bytes (SET, kept only if PUT accepts them) and the PUT
-        script, all in one transaction: one round trip, and the bytes never pass through Lua
-        (scripts.py). The PUT scripts' replies."""
+        """For each put its group's bytes (SET, kept only if PUT accepts them), and one PUT
+        script run per job for all its puts, all in one transaction: one round trip, and the
+        bytes never pass through Lua (scripts.py). Each put's reply from the PUT script."""
         script = self._scripts["PUT"]
+        by_job: dict[str, list[int]] = {}   # job -> its puts' places in `todo`
+        for index, (job, _, _) in enumerate(todo):
+            by_job.setdefault(job.name, []).append(index)
         for attempt in range(2):
             async with self._client.pipeline(transaction=True) as pipe:
-                for job, put, next_slot in todo:
+                for job, put, _ in todo:
                     pipe.set(key(job.name, f"group:{put.slot_id}"), put.group_bytes, nx=True,
                              ex=ORPHAN_SECONDS)
-                    pipe.evalsha(script.sha, 1, key(job.name, "state"), prefix(job.name),
-                                 put.slot_id, put.oldest_version, put.group_id, next_slot)
+                for name, places in by_job.items():
+                    pipe.evalsha(script.sha, 1, key(name, "state"), prefix(name), *(
+                        arg for place in places for arg in (
+                            todo[place][1].slot_id, todo[place][1].oldest_version,
+                            todo[place][1].group_id, todo[place][2])))
                 try:
-                    return (await pipe.execute())[1::2]
+                    per_job = (await pipe.execute())[len(todo):]
                 except NoScriptError:  # a Redis restarted without its scripts
                     if attempt:
                         raise
                     await self._client.script_load(script.script)
+                    continue
+            replies: list = [None] * len(todo)
+            for places, job_replies in zip(by_job.values(), per_job):
+                for place, reply in zip(places, job_replies):
+                    replies[place] = reply
+            return replies
 
     # ------------------------------------------------------------------ trainer side
 
