@@ -342,18 +342,16 @@ class BufferStore:
 
     async def _read_groups(self, job: JobConfig, slots: list[str]) -> list[bytes | None]:
         """The bytes of the groups put with `slots` (None where deleted), in at most
-        READ_CONNECTIONS pipelines side by side: Redis writes at most 64 KB of replies per
+        READ_CONNECTIONS MGETs side by side: Redis writes at most 64 KB of replies per
         connection and turn of its event loop, so a whole batch on one connection would take
-        a turn (and, with appendfsync always, a sync) per 64 KB."""
+        a turn (and, with appendfsync always, a sync) per 64 KB. One MGET each, not a GET per
+        group: 20 us less of the buffer's CPU per 1k-token group."""
         if not slots:
             return []
         per = -(-len(slots) // READ_CONNECTIONS)
 
         async def read(part: list[str]) -> list[bytes | None]:
-            async with self._client.pipeline(transaction=False) as pipe:
-                for slot in part:
-                    pipe.get(key(job.name, f"group:{slot}"))
-                return await pipe.execute()
+            return await self._client.mget([key(job.name, f"group:{slot}") for slot in part])
 
         parts = await asyncio.gather(*(read(slots[i:i + per]) for i in range(0, len(slots), per)))
         return [group for part in parts for group in part]
