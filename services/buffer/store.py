@@ -274,10 +274,11 @@ class BufferStore:
                     pipe.set(key(job.name, f"group:{put.slot_id}"), put.group_bytes, nx=True,
                              ex=ORPHAN_SECONDS)
                 for name, places in by_job.items():
-                    pipe.evalsha(script.sha, 1, key(name, "state"), prefix(name), *(
-                        arg for place in places for arg in (
-                            todo[place][1].slot_id, todo[place][1].oldest_version,
-                            todo[place][1].group_id, todo[place][2])))
+                    args = []
+                    for place in places:
+                        _, put, next_slot = todo[place]
+                        args += (put.slot_id, put.oldest_version, put.group_id, next_slot)
+                    pipe.evalsha(script.sha, 1, key(name, "state"), prefix(name), *args)
                 try:
                     per_job = (await pipe.execute())[len(todo):]
                 except NoScriptError:  # a Redis restarted without its scripts
