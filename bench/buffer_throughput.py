@@ -284,12 +284,11 @@ def _cpu_seconds(pids: list[int]) -> float:
 
 def _drive(addresses: list[str], workers: int, in_flight: int, group: buffer_pb2.EncodedGroup,
            seconds: float, totals, servers: dict[str, list[int]], with_trainer: bool = True
-           ) -> tuple[dict[str, float], list]:
+           ) -> tuple[dict[str, float], dict[str, float], list]:
     """Runs `workers` worker processes (spread over `addresses`) and, `with_trainer`, the
     trainer process; once all are connected and warmed up, the rate per second of each of
     `totals()`'s counts over `seconds`, the cores each of `servers` (name: pids) and the
-    workers used meanwhile ("<name> cores", "worker cores"), and what the processes reported
-    when they ended."""
+    workers ("worker") used meanwhile, and what the processes reported when they ended."""
     # fork: the children share the built group and import nothing again (128 interpreters
     # starting from scratch would take longer than the measurement on 2 cores).
     context = multiprocessing.get_context("fork")
@@ -323,9 +322,8 @@ def _drive(addresses: list[str], workers: int, in_flight: int, group: buffer_pb2
             if child.is_alive():
                 child.kill()
     rates = {name: (after[name] - before[name]) / (ended - began) for name in after}
-    rates.update({f"{name} cores": (cpu_after[name] - cpu_before[name]) / (ended - began)
-                  for name in watched})
-    return rates, reported
+    cores = {name: (cpu_after[name] - cpu_before[name]) / (ended - began) for name in watched}
+    return rates, cores, reported
 
 
 def run_buffer(workers: int, in_flight: int, tokens: int, seconds: float, replicas: int,
@@ -342,8 +340,9 @@ def run_buffer(workers: int, in_flight: int, tokens: int, seconds: float, replic
         try:
             servers = {"buffer": [buffer.pid for buffer in buffers],
                        "redis": [client.info("server")["process_id"]]}
-            rates, reported = _drive([f"127.0.0.1:{port}" for port in ports], workers,
-                                     in_flight, group, seconds, lambda: _totals(client), servers)
+            rates, cores, reported = _drive([f"127.0.0.1:{port}" for port in ports], workers,
+                                            in_flight, group, seconds, lambda: _totals(client),
+                                            servers)
             final = _totals(client)
             put = sum(count for kind, count in reported if kind == "put")
             waiting = client.xlen(key(JOB, "groups"))
@@ -358,8 +357,7 @@ def run_buffer(workers: int, in_flight: int, tokens: int, seconds: float, replic
             for buffer in buffers:
                 buffer.wait(timeout=30)
     return BufferRun(rates["accepted"] * GROUP_SIZE, rates["consumed"] * GROUP_SIZE,
-                     final["dropped_stale"], lost,
-                     {name: rates[f"{name} cores"] for name in ("buffer", "redis", "worker")})
+                     final["dropped_stale"], lost, cores)
 
 
 class _GrpcOnly(BufferServicer):
@@ -423,7 +421,7 @@ def run_grpc_only(workers: int, in_flight: int, tokens: int,
     server = context.Process(target=_serve_grpc_only, args=(port, puts, stop))
     server.start()
     try:
-        rates, _ = _drive([f"127.0.0.1:{port}"], workers, in_flight,
+        rates, cores, _ = _drive([f"127.0.0.1:{port}"], workers, in_flight,
                           make_group(tokens, seed=tokens), seconds,
                           lambda: {"put": puts.value}, {"server": [server.pid]},
                           with_trainer=False)
@@ -432,8 +430,7 @@ def run_grpc_only(workers: int, in_flight: int, tokens: int,
         server.join(timeout=30)
         if server.is_alive():
             server.kill()
-    return rates["put"] * GROUP_SIZE, {name: rates[f"{name} cores"]
-                                        for name in ("server", "worker")}
+    return rates["put"] * GROUP_SIZE, cores
 
 
 def redis_set_rate(workers: int, value_bytes: int, seconds: float) -> float:
