@@ -33,10 +33,13 @@ import csv
 import io
 import itertools
 import math
+import mmap
 import multiprocessing
 import os
 import random
+import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -119,8 +122,27 @@ def sample_bytes(group: buffer_pb2.EncodedGroup) -> int:
 # ---------------------------------------------------------------- the processes of a cell
 
 
+class SharedVersion:
+    """The trainer's newest version, which workers stamp their groups with: an int64 in a
+    mapped file, which the forked Python workers share and the Go workers map too."""
+
+    def __init__(self, path: Path):
+        path.write_bytes(bytes(8))
+        self.path = path
+        with path.open("r+b") as file:
+            self._map = mmap.mmap(file.fileno(), 8)
+
+    @property
+    def value(self) -> int:
+        return struct.unpack_from("<q", self._map)[0]
+
+    @value.setter
+    def value(self, version: int) -> None:
+        struct.pack_into("<q", self._map, 0, version)
+
+
 def _worker(address: str, name: str, group: buffer_pb2.EncodedGroup, in_flight: int,
-            seconds: float, version: multiprocessing.Value, start: multiprocessing.Barrier,
+            seconds: float, version: SharedVersion, start: multiprocessing.Barrier,
             results: multiprocessing.Queue) -> None:
     """A rollout worker with `in_flight` groups under way, as the rollout workflow runs
     several: each waits at the gate for a slot, is generated with the newest weights
@@ -159,7 +181,7 @@ def _worker(address: str, name: str, group: buffer_pb2.EncodedGroup, in_flight: 
     results.put(("put", asyncio.run(run())))
 
 
-def _trainer(address: str, batch_groups: int, seconds: float, version: multiprocessing.Value,
+def _trainer(address: str, batch_groups: int, seconds: float, version: SharedVersion,
              start: multiprocessing.Barrier, results: multiprocessing.Queue) -> None:
     """The trainer's loop without the training: a batch, its ack, the next version. The
     batch's parts are received whole with their groups left encoded: decoding them into
@@ -223,6 +245,11 @@ class BufferRun:
     lost: int              # put groups that went missing
     cores: dict[str, float]  # cores used by the buffer replicas, Redis and the workers
 
+    def cpu_us_per_group(self) -> dict[str, float]:
+        """Microseconds of CPU per group put of each process kind in `cores`."""
+        return {name: cores / (self.put_per_s / GROUP_SIZE) * 1e6
+                for name, cores in self.cores.items()}
+
 
 @dataclass
 class Cell:
@@ -230,7 +257,8 @@ class Cell:
     tokens: int
     bytes_per_sample: int
     batch_groups: int
-    buffer: BufferRun
+    buffer: BufferRun      # with Python workers
+    go: BufferRun | None   # with Go workers
     redis_set_per_s: float
     grpc_only_per_s: float
     grpc_only_cores: dict[str, float]
@@ -248,17 +276,23 @@ class Cell:
         return self.samples_per_s / self.redis_set_per_s
 
     @property
+    def go_ratio(self) -> float:
+        return self.go.trained_per_s / self.redis_set_per_s
+
+    @property
     def grpc_only_ratio(self) -> float:
         return self.grpc_only_per_s / self.redis_set_per_s
 
     def cpu_us_per_group(self) -> dict[str, float]:
-        """Microseconds of CPU per group put: the buffer's, Redis', the workers', and with the
-        gRPC-only server its own and its workers'."""
-        groups, grpc_only_groups = (self.buffer.put_per_s / GROUP_SIZE,
-                                    self.grpc_only_per_s / GROUP_SIZE)
-        return {**{name: cores / groups * 1e6 for name, cores in self.buffer.cores.items()},
+        """Microseconds of CPU per group put: the buffer's, Redis', the workers'; with the
+        gRPC-only server its own and its workers'; and with Go workers the buffer's, Redis'
+        and theirs."""
+        grpc_only_groups = self.grpc_only_per_s / GROUP_SIZE
+        go = self.go.cpu_us_per_group() if self.go else {}
+        return {**self.buffer.cpu_us_per_group(),
                 **{f"gRPC-only {name}": cores / grpc_only_groups * 1e6
-                   for name, cores in self.grpc_only_cores.items()}}
+                   for name, cores in self.grpc_only_cores.items()},
+                **{f"Go {name}": us for name, us in go.items()}}
 
 
 def _totals(client: redis.Redis) -> dict[str, int]:
@@ -283,58 +317,122 @@ def _cpu_seconds(pids: list[int]) -> float:
 
 
 def _drive(addresses: list[str], workers: int, in_flight: int, group: buffer_pb2.EncodedGroup,
-           seconds: float, totals, servers: dict[str, list[int]], with_trainer: bool = True
-           ) -> tuple[dict[str, float], dict[str, float], list]:
-    """Runs `workers` worker processes (spread over `addresses`) and, `with_trainer`, the
-    trainer process; once all are connected and warmed up, the rate per second of each of
-    `totals()`'s counts over `seconds`, the cores each of `servers` (name: pids) and the
-    workers ("worker") used meanwhile, and what the processes reported when they ended."""
+           seconds: float, totals, servers: dict[str, list[int]], with_trainer: bool = True,
+           go_worker: Path | None = None) -> tuple[dict[str, float], dict[str, float], list]:
+    """Runs `workers` worker processes (spread over `addresses`; Python ones, or `go_worker`'s)
+    and, `with_trainer`, the trainer process; once all are connected and warmed up, the rate
+    per second of each of `totals()`'s counts over `seconds`, the cores each of `servers`
+    (name: pids) and the workers ("worker") used meanwhile, and what the processes reported
+    when they ended."""
     # fork: the children share the built group and import nothing again (128 interpreters
     # starting from scratch would take longer than the measurement on 2 cores).
     context = multiprocessing.get_context("fork")
     run_for = WARMUP_SECONDS + seconds + 0.5
-    start = context.Barrier(workers + 1 + with_trainer)
-    version = context.Value("q", 0, lock=False)
+    python_workers = 0 if go_worker else workers
+    start = context.Barrier(python_workers + 1 + with_trainer)
     results = context.Queue()
-    children = [context.Process(target=_trainer, args=(
-        addresses[0], batch_groups(group), run_for, version, start, results))
-        for _ in range(with_trainer)]
-    children += [context.Process(target=_worker, args=(
-        addresses[i % len(addresses)], f"w{i}", group, in_flight, run_for, version, start,
-        results))
-        for i in range(workers)]
-    try:
-        for child in children:
-            child.start()
-        start.wait(timeout=120)
-        time.sleep(WARMUP_SECONDS)
-        watched = {**servers, "worker": [child.pid for child in children[with_trainer:]]}
-        cpu_before = {name: _cpu_seconds(pids) for name, pids in watched.items()}
-        began, before = time.monotonic(), totals()
-        time.sleep(seconds)
-        ended, after = time.monotonic(), totals()
-        cpu_after = {name: _cpu_seconds(pids) for name, pids in watched.items()}
-        reported = [results.get(timeout=60) for _ in children]
-        for child in children:
-            child.join(timeout=30)
-    finally:
-        for child in children:
-            if child.is_alive():
-                child.kill()
+    with tempfile.TemporaryDirectory() as tmp:
+        version = SharedVersion(Path(tmp) / "version")
+        children = [context.Process(target=_trainer, args=(
+            addresses[0], batch_groups(group), run_for, version, start, results))
+            for _ in range(with_trainer)]
+        children += [context.Process(target=_worker, args=(
+            addresses[i % len(addresses)], f"w{i}", group, in_flight, run_for, version, start,
+            results))
+            for i in range(python_workers)]
+        go_workers: list[subprocess.Popen] = []
+        try:
+            for child in children:
+                child.start()
+            if go_worker:
+                go_workers = _start_go_workers(go_worker, addresses, workers, in_flight, group,
+                                               run_for, version, Path(tmp))
+            start.wait(timeout=120)
+            for process in go_workers:
+                process.stdin.write("go\n")
+                process.stdin.flush()
+            time.sleep(WARMUP_SECONDS)
+            worker_pids = ([process.pid for process in go_workers]
+                           + [child.pid for child in children[with_trainer:]])
+            watched = {**servers, "worker": worker_pids}
+            cpu_before = {name: _cpu_seconds(pids) for name, pids in watched.items()}
+            began, before = time.monotonic(), totals()
+            time.sleep(seconds)
+            ended, after = time.monotonic(), totals()
+            cpu_after = {name: _cpu_seconds(pids) for name, pids in watched.items()}
+            reported = [results.get(timeout=60) for _ in children]
+            reported += [_go_worker_result(process) for process in go_workers]
+            for child in children:
+                child.join(timeout=30)
+        finally:
+            for child in children:
+                if child.is_alive():
+                    child.kill()
+            for process in go_workers:
+                if process.poll() is None:
+                    process.kill()
+                process.wait()
     rates = {name: (after[name] - before[name]) / (ended - began) for name in after}
     cores = {name: (cpu_after[name] - cpu_before[name]) / (ended - began) for name in watched}
     return rates, cores, reported
 
 
+def _start_go_workers(binary: Path, addresses: list[str], workers: int, in_flight: int,
+                      group: buffer_pb2.EncodedGroup, seconds: float, version: SharedVersion,
+                      tmp: Path) -> list[subprocess.Popen]:
+    """`workers` Go worker processes, each holding its first slots and waiting for a line on
+    stdin to start."""
+    group_file = tmp / "group.bin"
+    group_file.write_bytes(group.SerializeToString())
+    processes = []
+    try:
+        for i in range(workers):
+            processes.append(subprocess.Popen(
+                [str(binary), "-address", addresses[i % len(addresses)], "-job", JOB,
+                 "-name", f"w{i}", "-group", str(group_file), "-version", str(version.path),
+                 "-seconds", str(seconds), "-in-flight", str(in_flight)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        for process in processes:
+            if process.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a Go worker did not start (exit code {process.wait()})")
+    except BaseException:
+        for process in processes:
+            process.kill()
+        raise
+    return processes
+
+
+def _go_worker_result(process: subprocess.Popen) -> tuple[str, int]:
+    """("put", groups put) as a Go worker printed it when done."""
+    kind, count = process.stdout.readline().split()
+    if process.wait(timeout=60) != 0 or kind != "put":
+        raise RuntimeError(f"a Go worker failed (exit code {process.returncode})")
+    return kind, int(count)
+
+
+GO_WORKER_DIR = ROOT / "bench" / "go_worker"
+
+
+def build_go_worker() -> Path | None:
+    """bench/go_worker's binary, built now (None, and why, if Go is not installed)."""
+    if shutil.which("go") is None:
+        print("go is not installed: no column for the Go workers", file=sys.stderr)
+        return None
+    subprocess.run(["bash", str(GO_WORKER_DIR / "build.sh")], check=True)
+    return GO_WORKER_DIR / "go-worker"
+
+
 def run_buffer(workers: int, in_flight: int, tokens: int, seconds: float, replicas: int,
-               profile: Path | None) -> BufferRun:
+               profile: Path | None, go_worker: Path | None = None) -> BufferRun:
+    """The buffer with `workers` Python worker processes, or `go_worker`'s."""
     group = make_group(tokens, seed=tokens)
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis") as server:
         job_file = _write_job(Path(tmp) / "job.yaml", workers, in_flight, batch_groups(group))
         ports = [free_port() for _ in range(replicas)]
         buffers = [subprocess.Popen(_buffer_command(
             job_file, server.url, port,
-            profile / f"buffer-{workers}w-{tokens}t-{i}.prof" if profile else None))
+            profile / f"buffer-{workers}w-{tokens}t-{'go-' if go_worker else ''}{i}.prof"
+            if profile else None))
             for i, port in enumerate(ports)]
         client = redis.Redis(port=server.port)
         try:
@@ -342,7 +440,7 @@ def run_buffer(workers: int, in_flight: int, tokens: int, seconds: float, replic
                        "redis": [client.info("server")["process_id"]]}
             rates, cores, reported = _drive([f"127.0.0.1:{port}" for port in ports], workers,
                                             in_flight, group, seconds, lambda: _totals(client),
-                                            servers)
+                                            servers, go_worker=go_worker)
             final = _totals(client)
             put = sum(count for kind, count in reported if kind == "put")
             waiting = client.xlen(key(JOB, "groups"))
@@ -460,9 +558,12 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=1, help="groups under way per worker")
     parser.add_argument("--replicas", type=int, default=1, help="buffer processes")
     parser.add_argument("--profile", type=Path, help="write each buffer's cProfile here")
+    parser.add_argument("--no-go", action="store_true",
+                        help="only Python workers (no run with bench/go_worker's)")
     args = parser.parse_args()
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
+    go_worker = None if args.no_go else build_go_worker()
 
     cells = []
     for workers in args.workers:
@@ -472,10 +573,12 @@ def main() -> None:
             before = redis_set_rate(workers, size, args.seconds / 2)
             buffer = run_buffer(workers, args.in_flight, tokens, args.seconds, args.replicas,
                                 args.profile)
+            go = go_worker and run_buffer(workers, args.in_flight, tokens, args.seconds,
+                                          args.replicas, args.profile, go_worker)
             grpc_only, grpc_only_cores = run_grpc_only(workers, args.in_flight, tokens,
                                                        args.seconds)
             after = redis_set_rate(workers, size, args.seconds / 2)
-            cells.append(Cell(workers, tokens, size, batch_groups(group), buffer,
+            cells.append(Cell(workers, tokens, size, batch_groups(group), buffer, go,
                               (before + after) / 2, grpc_only, grpc_only_cores))
 
     print(f"buffer ({args.replicas} replica(s)) vs redis-benchmark SET, Redis AOF appendfsync "
@@ -485,19 +588,26 @@ def main() -> None:
           "redis-benchmark's SET/s from the trained ones; gRPC only: samples/s the same workers "
           "put into a server with the buffer's gRPC handlers that does no work (no trainer, no "
           "Redis), and its ratio: the ceiling of a Python gRPC buffer with these clients on "
-          "these cores")
+          "these cores; Go workers: trained samples/s and ratio with the same number of "
+          "bench/go_worker processes (the same calls, a fraction of the client CPU) in place "
+          "of the Python ones; stale and lost: groups dropped as stale and gone missing, "
+          "Python / Go workers")
     print(f"{'workers':>7} {'tokens':>6} {'B/sample':>8} {'batch':>5} {'put/s':>7} "
           f"{'samples/s':>10} {'tokens/s':>11} {'redis SET/s':>11} {'ratio':>6} "
-          f"{'gRPC only':>9} {'ratio':>6} {'stale':>5} {'lost':>4}")
+          f"{'gRPC only':>9} {'ratio':>6} {'Go workers':>10} {'ratio':>6} {'stale':>9} "
+          f"{'lost':>5}")
     for c in cells:
+        go = (f"{c.go.trained_per_s:>10,.0f} {c.go_ratio:>6.0%}" if c.go
+              else f"{'-':>10} {'-':>6}")
         print(f"{c.workers:>7} {c.tokens:>6} {c.bytes_per_sample:>8,} {c.batch_groups:>5} "
               f"{c.buffer.put_per_s:>7,.0f} {c.samples_per_s:>10,.0f} "
               f"{c.tokens_per_s:>11,.0f} {c.redis_set_per_s:>11,.0f} {c.ratio:>6.0%} "
-              f"{c.grpc_only_per_s:>9,.0f} {c.grpc_only_ratio:>6.0%} {c.buffer.stale:>5} "
-              f"{c.buffer.lost:>4}")
+              f"{c.grpc_only_per_s:>9,.0f} {c.grpc_only_ratio:>6.0%} {go} "
+              f"{c.buffer.stale:>4}/{c.go.stale if c.go else '-':<4} "
+              f"{c.buffer.lost:>2}/{c.go.lost if c.go else '-':<2}")
     print("CPU per group put (us; user + system, from each process' own counters): the buffer "
           "(all replicas), Redis, the worker processes; with the gRPC-only server, the server "
-          "and its workers")
+          "and its workers; with the Go workers, the buffer, Redis and the workers")
     names = list(cells[0].cpu_us_per_group())
     print(f"{'workers':>7} {'tokens':>6} " + " ".join(f"{name:>{max(len(name), 6)}}"
                                                        for name in names))
