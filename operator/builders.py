@@ -164,7 +164,7 @@ def config_hash(job: RLJob) -> str:
     manifest = resolved_manifest(job)
     spec = manifest["spec"]
     spec["suspend"] = False
-    for section in ("rollout", "reward", "trainer"):
+    for section in ("rollout", "reward", "trainer", "buffer"):
         spec[section]["replicas"] = 1
     return hashlib.sha256(yaml.safe_dump(manifest, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -276,7 +276,7 @@ def buffer_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
                            ports=[("grpc", BUFFER_PORT), ("metrics", BUFFER_METRICS)],
                            resources=_resources(job.spec.buffer.resources, "buffer", gpus=0),
                            **_grpc_probes(BUFFER_PORT))
-    return _deployment(job, config, "buffer", 1, [container])
+    return _deployment(job, config, "buffer", job.spec.buffer.replicas, [container])
 
 
 def buffer_service(job: RLJob) -> dict[str, Any]:
@@ -612,8 +612,10 @@ def workloads(job: RLJob) -> list[tuple[str, str]]:
 
 
 def desired_replicas(job: RLJob, component: str) -> int:
-    if component in ("redis", "buffer"):
+    if component == "redis":
         return 1
+    if component == "buffer":  # it keeps serving a suspended job (GetStats, the gate)
+        return job.spec.buffer.replicas
     if job.spec.suspend:
         return 0
     return getattr(job.spec, component).replicas

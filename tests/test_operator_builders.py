@@ -487,6 +487,21 @@ def test_scaling_changes_replicas_only(tiny):
     assert a["spec"]["template"] == b["spec"]["template"]
 
 
+def test_buffer_replicas_scale_the_buffer_alone(tiny):
+    scaled = job_from(buffer__replicas=3)
+    a, b = builders.buffer_deployment(tiny, CONFIG), builders.buffer_deployment(scaled, CONFIG)
+    assert (a["spec"]["replicas"], b["spec"]["replicas"]) == (1, 3)
+    assert builders.desired_replicas(scaled, "buffer") == 3
+    # More buffer pods restart none of the job's pods, the buffer's own included.
+    assert a["spec"]["template"] == b["spec"]["template"]
+    assert builders.trainer_statefulset(tiny, CONFIG)["spec"]["template"] == \
+        builders.trainer_statefulset(scaled, CONFIG)["spec"]["template"]
+    # A suspended job's buffer keeps serving, with all its replicas.
+    suspended = job_from(buffer__replicas=3, suspend=True)
+    assert builders.buffer_deployment(suspended, CONFIG)["spec"]["replicas"] == 3
+    assert builders.desired_replicas(suspended, "buffer") == 3
+
+
 def test_a_config_change_rolls_the_pods(tiny):
     changed = job_from(algorithm__learningRate=0.5)
     a = builders.trainer_statefulset(tiny, CONFIG)["spec"]["template"]["metadata"]

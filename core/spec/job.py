@@ -449,6 +449,14 @@ class BufferSpec(SpecModel):
     """The buffer service: staleness gate, accepted samples and batches, in Redis."""
 
     redis: RedisSpec = Field(default_factory=RedisSpec, description="Where state is kept.")
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        description="Buffer pods behind the job's buffer Service (`asyncrl run` starts one "
+        "buffer process). All state is in Redis, so they agree; each rollout worker's "
+        "connection goes to one of them. One Python process serves about a core's worth of "
+        "puts; more spread a large rollout fleet.",
+    )
     lease_seconds: int = Field(
         default=30,
         ge=1,
