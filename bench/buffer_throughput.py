@@ -21,8 +21,14 @@ with these clients sharing these cores. Each process' own CPU counters over the 
 the CPU per group put of the buffer, Redis and the workers (and of the gRPC-only server and
 its workers): steadier than the rates on a shared machine, and they say where a put's cost is.
 
+The buffer also runs with N Go workers (bench/go_worker, built by its build.sh when Go is
+installed; --no-go skips them) in place of the Python ones: separate processes making the same
+calls, one thread each, as redis-benchmark's clients are one C process. A Python worker
+process costs more CPU per put than the buffer itself, and on two shared cores that CPU is
+taken from the buffer and Redis; in a cluster the workers run on their own machines.
+
     .venv/bin/python bench/buffer_throughput.py [--seconds 10] [--workers 32 128]
-        [--tokens 1024 8192] [--in-flight 1] [--replicas 1] [--profile DIR]
+        [--tokens 1024 8192] [--in-flight 1] [--replicas 1] [--profile DIR] [--no-go]
 """
 
 from __future__ import annotations
@@ -403,11 +409,11 @@ def _start_go_workers(binary: Path, addresses: list[str], workers: int, in_fligh
 
 
 def _go_worker_result(process: subprocess.Popen) -> tuple[str, int]:
-    """("put", groups put) as a Go worker printed it when done."""
-    kind, count = process.stdout.readline().split()
-    if process.wait(timeout=60) != 0 or kind != "put":
-        raise RuntimeError(f"a Go worker failed (exit code {process.returncode})")
-    return kind, int(count)
+    """("put", groups put) as a Go worker printed it when done (within a minute)."""
+    out, _ = process.communicate(timeout=60)
+    if process.returncode != 0 or not out.startswith("put "):
+        raise RuntimeError(f"a Go worker failed (exit code {process.returncode}): {out!r}")
+    return "put", int(out.split()[1])
 
 
 GO_WORKER_DIR = ROOT / "bench" / "go_worker"

@@ -19,5 +19,4 @@ done
     --go-grpc_out=pb --go-grpc_opt=paths=source_relative${maps} \
     "$root"/protos/asyncrl/v1/buffer.proto "$root"/protos/asyncrl/v1/common.proto
 mv pb/asyncrl/v1/*.go pb/ && rm -rf pb/asyncrl
-go mod tidy >/dev/null 2>&1 || go mod tidy
 go build -o go-worker .

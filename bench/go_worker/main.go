@@ -29,7 +29,9 @@ import (
 	"unsafe"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
 	"asyncrl.dev/bench/go_worker/pb"
@@ -88,7 +90,9 @@ func main() {
 
 	slots := make([]string, *inFlight)
 	for i := range slots {
-		slots[i] = w.acquire()
+		if slots[i] = w.acquire(time.Now().Add(time.Minute)); slots[i] == "" {
+			log.Fatal("no slot granted within a minute")
+		}
 	}
 	fmt.Println("ready")
 	if _, err := bufio.NewReader(os.Stdin).ReadString('\n'); err != nil {
@@ -124,13 +128,17 @@ func mapVersion(path string) *int64 {
 }
 
 // acquire waits at the staleness gate for a slot, as BufferClient.acquire does (and, at the
-// start, for the buffer to listen).
-func (w *worker) acquire() string {
-	for {
-		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+// start, for the buffer to listen), until `deadline`: "" if none was granted by then (the
+// gate stays shut once the bench's trainer has stopped).
+func (w *worker) acquire(deadline time.Time) string {
+	for time.Now().Before(deadline) {
+		ctx, cancel := context.WithDeadline(context.Background(), deadline)
 		reply, err := w.buffer.AcquireSlot(ctx, &pb.AcquireSlotRequest{Job: w.job, Worker: w.name},
 			grpc.WaitForReady(true))
 		cancel()
+		if status.Code(err) == codes.DeadlineExceeded {
+			break
+		}
 		if err != nil {
 			log.Fatalf("AcquireSlot: %v", err)
 		}
@@ -139,6 +147,7 @@ func (w *worker) acquire() string {
 		}
 		time.Sleep(time.Duration(max(reply.RetryAfterMs, 20)) * time.Millisecond)
 	}
+	return ""
 }
 
 // rollouts puts groups until the deadline, each with the slot the last put was granted (or
@@ -148,7 +157,9 @@ func (w *worker) rollouts(group *pb.EncodedGroup, slot string, deadline time.Tim
 	stamped := int64(-1)
 	for n := 0; time.Now().Before(deadline); n++ {
 		if slot == "" {
-			slot = w.acquire()
+			if slot = w.acquire(deadline); slot == "" {
+				break
+			}
 		}
 		if version := atomic.LoadInt64(w.version); version != stamped {
 			stamped = version
