@@ -243,7 +243,7 @@ def redis_statefulset(job: RLJob, config: OperatorConfig) -> dict[str, Any] | No
     }
     pod = _pod_spec(job, [container], uid=REDIS_UID)
     spec: dict[str, Any] = {
-        "serviceName": child_name(job, "redis"), "replicas": 1,
+        "serviceName": child_name(job, "redis"), "replicas": desired_replicas(job, "redis"),
         "selector": {"matchLabels": selector_labels(job, "redis")},
         "template": {"metadata": {"labels": labels(job, "redis")}, "spec": pod},
     }
@@ -276,7 +276,7 @@ def buffer_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
                            ports=[("grpc", BUFFER_PORT), ("metrics", BUFFER_METRICS)],
                            resources=_resources(job.spec.buffer.resources, "buffer", gpus=0),
                            **_grpc_probes(BUFFER_PORT))
-    return _deployment(job, config, "buffer", job.spec.buffer.replicas, [container])
+    return _deployment(job, config, "buffer", desired_replicas(job, "buffer"), [container])
 
 
 def buffer_service(job: RLJob) -> dict[str, Any]:
@@ -295,8 +295,7 @@ def reward_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
                            resources=_resources(reward.resources, "reward",
                                                 gpus=reward.placement.gpus),
                            **_grpc_probes(REWARD_PORT))
-    replicas = 0 if job.spec.suspend else reward.replicas
-    deployment = _deployment(job, config, "reward", replicas, [container],
+    deployment = _deployment(job, config, "reward", desired_replicas(job, "reward"), [container],
                              placement=reward.placement)
     pod = deployment["spec"]["template"]["spec"]
     pod["enableServiceLinks"] = False
@@ -350,8 +349,7 @@ def rollout_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
                            probe=health, readiness=ready,
                            startup_seconds=rollout_startup_seconds(job),
                            mounts=[_run_mount(read_only=True)])
-    replicas = 0 if job.spec.suspend else rollout.replicas
-    deployment = _deployment(job, config, "rollout", replicas, [container],
+    deployment = _deployment(job, config, "rollout", desired_replicas(job, "rollout"), [container],
                              placement=rollout.placement, volumes=[_run_volume(job)])
     pod = deployment["spec"]["template"]["spec"]
     if rollout.placement.gpus:
@@ -412,7 +410,6 @@ def trainer_statefulset(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
                            resources=_resources(trainer.resources, "trainer",
                                                 gpus=trainer.placement.gpus),
                            **_grpc_probes(TRAINER_PORT), mounts=[_run_mount()])
-    replicas = 0 if job.spec.suspend else trainer.replicas
     pod = _pod_spec(job, [container], placement=trainer.placement, volumes=[_run_volume(job)],
                     gpu_tolerations=config.gpu_tolerations)
     if trainer.placement.gpus:
@@ -425,7 +422,7 @@ def trainer_statefulset(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
         "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(job, "trainer"),
         "spec": {
             "serviceName": child_name(job, "trainer-headless"),
-            "replicas": replicas,
+            "replicas": desired_replicas(job, "trainer"),
             # All nodes of a torch job start together; none waits for another to be Ready.
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector_labels(job, "trainer")},
