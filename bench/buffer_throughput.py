@@ -253,8 +253,12 @@ class BufferRun:
 
     def cpu_us_per_group(self) -> dict[str, float]:
         """Microseconds of CPU per group put of each process kind in `cores`."""
-        return {name: cores / (self.put_per_s / GROUP_SIZE) * 1e6
-                for name, cores in self.cores.items()}
+        return _us_per_group(self.cores, self.put_per_s)
+
+
+def _us_per_group(cores: dict[str, float], put_samples_per_s: float) -> dict[str, float]:
+    """Each of `cores` (cores used) as microseconds of CPU per group put."""
+    return {name: used / (put_samples_per_s / GROUP_SIZE) * 1e6 for name, used in cores.items()}
 
 
 @dataclass
@@ -293,11 +297,10 @@ class Cell:
         """Microseconds of CPU per group put: the buffer's, Redis', the workers'; with the
         gRPC-only server its own and its workers'; and with Go workers the buffer's, Redis'
         and theirs."""
-        grpc_only_groups = self.grpc_only_per_s / GROUP_SIZE
+        grpc_only = _us_per_group(self.grpc_only_cores, self.grpc_only_per_s)
         go = self.go.cpu_us_per_group() if self.go else {}
         return {**self.buffer.cpu_us_per_group(),
-                **{f"gRPC-only {name}": cores / grpc_only_groups * 1e6
-                   for name, cores in self.grpc_only_cores.items()},
+                **{f"gRPC-only {name}": us for name, us in grpc_only.items()},
                 **{f"Go {name}": us for name, us in go.items()}}
 
 
