@@ -3,9 +3,11 @@ and the rules that join them."""
 
 from __future__ import annotations
 
+from pathlib import PurePosixPath
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
 
 from asyncrl.spec.base import BUILTIN_MODELS, SpecModel, rule_error
 from asyncrl.spec.resources import Placement, Resources, _check_gpu_placement, _require_gpus
@@ -73,28 +75,196 @@ def _refuse_unimplemented(value: Any, unimplemented: str, what: str, *, fix: str
     return value
 
 
+#: Prompt formats of published datasets: their fields, as `dataset.fields` would name them.
+DATASET_PRESETS = ("gsm8k", "math", "humaneval", "mbpp")
+#: The reward kind that scores each preset's references.
+PRESET_REWARD = {"gsm8k": "math", "math": "math", "humaneval": "code", "mbpp": "code"}
+
+
+class DatasetFields(SpecModel):
+    """Which fields of a dataset row make the prompt and what its responses are checked
+    against (dataset.kind: file). A preset fills these in for its published layout."""
+
+    prompt: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Field holding the prompt text (sent as one user turn). Unset: 'prompt', "
+        "unless messages or template is set.",
+    )
+    messages: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Field holding the prompt as chat turns (a list of {role, content}); "
+        "instead of prompt and template.",
+    )
+    template: str | None = Field(
+        default=None,
+        min_length=1,
+        description="The prompt text made from the row's fields, e.g. 'Solve: {question}' "
+        "(Python format syntax; {{ and }} are literal braces); instead of prompt.",
+    )
+    answer: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Field holding the reference answer (reward.kind math).",
+    )
+    tests: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Field holding the tests (reward.kind code): assert-style code (a string "
+        "or a list of strings), or stdin/stdout cases (a list of {input, output}).",
+    )
+    id: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Field holding a unique prompt id; unset: the file name and row number.",
+    )
+
+    @model_validator(mode="after")
+    def _one_prompt_source(self) -> DatasetFields:
+        given = [name for name in ("prompt", "messages", "template") if getattr(self, name)]
+        if len(given) > 1:
+            raise rule_error(
+                f"{' and '.join(given)} both say where the prompt comes from",
+                field=given[1],
+                fix="keep one of prompt (a text field), messages (a field of chat turns) and "
+                "template (text made from the row's fields)",
+            )
+        return self
+
+
 class DatasetSpec(SpecModel):
     """Where prompts (and their reference answers or tests) come from."""
 
-    kind: Literal["arith", "code"] = Field(
+    # The CRD half of _fields_match_kind (a CEL rule), so the API server refuses the same.
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": "self.kind != 'file' || has(self.path)",
+        "message": "kind file reads prompts from files: set path",
+        "fieldPath": ".path",
+        "reason": "FieldValueRequired",
+    }]})
+
+    kind: Literal["arith", "code", "file"] = Field(
         default="arith",
         description="arith: generated arithmetic problems (math reward); code: generated "
-        "programming tasks with unit tests (code reward).",
+        "programming tasks with unit tests (code reward); file: prompts read from the files "
+        "at path (JSONL, JSON, Parquet, CSV, or a datasets save_to_disk directory).",
     )
-    num_prompts: int = Field(default=2000, ge=1, description="Prompts to generate.")
+    path: str | None = Field(
+        default=None,
+        min_length=1,
+        description="kind file: a .jsonl, .json, .parquet or .csv file, a glob or a directory "
+        "of them, or a directory written by datasets' save_to_disk; local to the process that "
+        "reads it (in a cluster: in the image, or on dataset.volume).",
+    )
+    eval_path: str | None = Field(
+        default=None,
+        min_length=1,
+        description="kind file: evaluation prompts from their own files (same layout as path); "
+        "unset: evalFraction of path's rows are held out.",
+    )
+    preset: Literal["gsm8k", "math", "humaneval", "mbpp"] | None = Field(
+        default=None,
+        description="kind file: the layout of a published dataset, which sets fields and the "
+        "prompt's instruction: gsm8k (question, answer ending in '#### N'), math (problem, "
+        "solution with \\boxed{}), humaneval (prompt, test, entry_point), mbpp (text, "
+        "test_list).",
+    )
+    fields: DatasetFields | None = Field(
+        default=None,
+        description="kind file: which row fields make the prompt and its reference (with a "
+        "preset: overrides of the preset's).",
+    )
+    system_prompt: str | None = Field(
+        default=None,
+        min_length=1,
+        description="A system turn put before every prompt.",
+    )
+    max_prompt_tokens: int = Field(
+        default=1024,
+        ge=1,
+        description="Prompts longer than this (in tokens, chat template applied) are dropped "
+        "and counted, never truncated; also sizes the rollout engine's sequences.",
+    )
+    epochs: int | None = Field(
+        default=None,
+        ge=1,
+        description="Passes over the training prompts, each in a new seeded order; the job "
+        "ends when they are used (or at algorithm.maxSteps, whichever comes first). Unset: "
+        "as many as maxSteps takes.",
+    )
+    volume: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="In a cluster: an existing PersistentVolumeClaim holding the files, "
+        "mounted read-only at the first folder of path (which must then be absolute, e.g. "
+        "/data/gsm8k/train.jsonl mounts it at /data) in the pods that read prompts.",
+    )
+    num_prompts: int = Field(
+        default=2000, ge=1, description="kinds arith and code: prompts to generate."
+    )
     eval_fraction: float = Field(
         default=0.05, ge=0, le=0.5, description="Share of the prompts held out for evaluation."
     )
-    seed: int = Field(default=0, description="Seed for generating, shuffling and splitting.")
+    seed: int = Field(
+        default=0, description="Seed for generating, shuffling (each epoch) and splitting."
+    )
     difficulty: int = Field(
-        default=2, ge=1, le=5, description="Difficulty of generated problems, 1 (easy) to 5."
+        default=2,
+        ge=1,
+        le=5,
+        description="kinds arith and code: difficulty of generated problems, 1 (easy) to 5.",
     )
 
-    @field_validator("kind", mode="before")
-    @classmethod
-    def _kind_has_prompts(cls, value: Any) -> Any:
-        return _refuse_unimplemented(value, "jsonl", "reading prompts from a JSONL file",
-                                     fix="use kind: arith or kind: code (generated prompts)")
+    @model_validator(mode="after")
+    def _fields_match_kind(self) -> DatasetSpec:
+        file_only = ("path", "eval_path", "preset", "fields", "volume")
+        if self.kind != "file":
+            given = [f for f in file_only if getattr(self, f) is not None]
+            if given:
+                raise rule_error(
+                    f"{to_camel(given[0])} is read only with kind: file, and kind is {self.kind}",
+                    field=to_camel(given[0]),
+                    fix=f"remove {to_camel(given[0])}, or set kind: file",
+                )
+            return self
+        generated_only = {"num_prompts", "difficulty"} & self.model_fields_set
+        if generated_only:
+            name = to_camel(sorted(generated_only)[0])
+            raise rule_error(
+                f"{name} sizes generated datasets; kind file reads every row of path",
+                field=name, fix=f"remove {name}",
+            )
+        if self.path is None:
+            raise rule_error("kind file reads prompts from files, and no path is given",
+                             field="path", fix="set path to a file, glob or directory")
+        if self.eval_path is not None and "eval_fraction" in self.model_fields_set:
+            raise rule_error(
+                "evalPath and evalFraction both say which prompts are held out",
+                field="evalFraction", fix="remove evalFraction, or evalPath")
+        if self.volume is not None:
+            for name, value in (("path", self.path), ("evalPath", self.eval_path)):
+                if value is not None and not _under_a_folder(value):
+                    raise rule_error(
+                        f"the volume is mounted at {name}'s first folder, and {value!r} has "
+                        "none", field=name,
+                        fix=f"give an absolute {name} under the mount, e.g. /data/train.jsonl")
+            roots = {PurePosixPath(p).parts[1] for p in (self.path, self.eval_path) if p}
+            if len(roots) > 1:
+                raise rule_error(
+                    "the volume is mounted at one folder, and path and evalPath are under "
+                    f"different ones ({', '.join(sorted(roots))})", field="evalPath",
+                    fix="put both under the same first folder, e.g. /data/train.jsonl and "
+                    "/data/test.jsonl")
+        return self
+
+
+def _under_a_folder(path: str) -> bool:
+    """An absolute path with at least one folder above its last part (/data/x, not /x)."""
+    parts = PurePosixPath(path).parts
+    return len(parts) >= 3 and parts[0] == "/"
 
 
 class KLSpec(SpecModel):
@@ -360,15 +530,77 @@ class CodeReward(SpecModel):
     )
 
 
+class PythonReward(SpecModel):
+    """A user's Python function as the reward (reward.kind: python)."""
+
+    function: str = Field(
+        min_length=1,
+        pattern=r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$",
+        description="'package.module:name' of a function (sync or async) called with the "
+        "response text and the dataset row (a dict of all its fields) as response= and row=, "
+        "returning a float, or a dict with a 'score' and extra numbers logged as metrics.",
+    )
+    path: str | None = Field(
+        default=None,
+        min_length=1,
+        description="A folder added to the import path (in a cluster: in the image, or on "
+        "reward.python.volume).",
+    )
+    volume: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="In a cluster: an existing PersistentVolumeClaim holding path, mounted "
+        "read-only at path's first folder in the reward pods.",
+    )
+    timeout_seconds: float = Field(
+        default=10.0, gt=0, description="Time limit for scoring one response."
+    )
+
+    @model_validator(mode="after")
+    def _volume_needs_path(self) -> PythonReward:
+        if self.volume is not None and (self.path is None or not _under_a_folder(self.path)):
+            raise rule_error(
+                "the volume is mounted at path's first folder, and no absolute path under a "
+                "folder is given", field="path",
+                fix="set path to the folder of your module on the volume, e.g. /rewards/mine")
+        return self
+
+
+class HttpReward(SpecModel):
+    """A scoring endpoint served elsewhere (reward.kind: http): a reward model, a judge."""
+
+    url: str = Field(
+        pattern=r"^https?://", description="http(s) URL the reward service POSTs each "
+        "response to as JSON: {prompt, response, row}.")
+    score_field: str = Field(
+        default="score", min_length=1,
+        description="Field of the JSON answer holding the score (a dotted path for nested "
+        "objects, e.g. result.score).")
+    timeout_seconds: float = Field(default=30.0, gt=0, description="Time limit per request.")
+    retries: int = Field(
+        default=3, ge=0,
+        description="Retries of a request that failed with an error answer (5xx) or timed "
+        "out, with exponential backoff; an endpoint that cannot be reached at all is waited "
+        "for, holding its groups, never scored 0.")
+    max_concurrency: int = Field(
+        default=16, ge=1, description="Most requests in flight at once per reward pod.")
+
+
 class RewardSpec(SpecModel):
     """The reward service: how responses are scored and where it runs."""
 
-    kind: Literal["math", "code"] = Field(
+    kind: Literal["math", "code", "python", "http"] = Field(
         default="math",
-        description="math: verify the final answer; code: run the task's unit tests in a sandbox.",
+        description="math: verify the final answer; code: run the task's unit tests in a "
+        "sandbox; python: a function of yours (reward.python); http: an endpoint served "
+        "elsewhere (reward.http).",
     )
     math: MathReward = Field(default_factory=MathReward, description="Settings for kind math.")
     code: CodeReward = Field(default_factory=CodeReward, description="Settings for kind code.")
+    python: PythonReward | None = Field(default=None, description="Settings for kind python.")
+    http: HttpReward | None = Field(default=None, description="Settings for kind http.")
     replicas: int = Field(default=1, ge=1, description="Reward service pods.")
     resources: Resources = Field(default_factory=Resources, description="Per-pod resources.")
     placement: Placement = Field(default_factory=Placement, description="Per-pod placement.")
@@ -376,6 +608,18 @@ class RewardSpec(SpecModel):
     @model_validator(mode="after")
     def _placement(self) -> RewardSpec:
         _check_gpu_placement(self.resources)
+        return self
+
+    @model_validator(mode="after")
+    def _settings_of_kind(self) -> RewardSpec:
+        for kind in ("python", "http"):
+            settings = getattr(self, kind)
+            if self.kind == kind and settings is None:
+                raise rule_error(f"kind {kind} needs its settings", field=kind,
+                                 fix=f"add reward.{kind} (see asyncrl crd for its fields)")
+            if self.kind != kind and settings is not None:
+                raise rule_error(f"reward.{kind} is read only with kind: {kind}", field=kind,
+                                 fix=f"remove reward.{kind}, or set kind: {kind}")
         return self
 
 
@@ -628,12 +872,35 @@ class RLJobSpec(SpecModel):
         """The dtype the trainer computes in (trainer.computeDtype, else model.dtype)."""
         return self.trainer.compute_dtype or self.model.dtype
 
+    @property
+    def reference_reward(self) -> str | None:
+        """The reward kind the dataset's references are for (math: answers, code: tests), or
+        None when its rows carry neither (a python or http reward reads the row itself)."""
+        dataset = self.dataset
+        if dataset.kind != "file":
+            return _REWARD_FOR_DATASET[dataset.kind]
+        fields = dataset.fields or DatasetFields()
+        if fields.tests:
+            return "code"
+        if fields.answer:
+            return "math"
+        return PRESET_REWARD.get(dataset.preset) if dataset.preset else None
+
     @model_validator(mode="after")
     def _sections_agree(self) -> RLJobSpec:
-        expected = _REWARD_FOR_DATASET[self.dataset.kind]
-        if self.reward.kind != expected:
+        expected = self.reference_reward
+        if self.reward.kind in ("math", "code") and self.reward.kind != expected:
+            if expected is None:
+                raise rule_error(
+                    f"reward kind {self.reward.kind} checks responses against each row's "
+                    f"{'answer' if self.reward.kind == 'math' else 'tests'}, and "
+                    "dataset.fields names no such field",
+                    field=f"dataset.fields.{'answer' if self.reward.kind == 'math' else 'tests'}",
+                    fix="name the field that holds it, use a preset, or score with reward "
+                    "kind python or http",
+                )
             raise rule_error(
-                f"dataset kind {self.dataset.kind} is scored by reward kind {expected}, "
+                f"the dataset's references are scored by reward kind {expected}, "
                 f"not {self.reward.kind}",
                 field="reward.kind",
                 fix=f"set reward.kind: {expected}",

@@ -27,7 +27,7 @@ from asyncrl.devices import local_rank, select_device
 from asyncrl.heap import reuse_large_blocks
 from asyncrl.models import load_policy, load_tokenizer, model_directory
 from asyncrl.outage import Outage, OutageTooLong, connect, redis_address
-from asyncrl.prompts import build_prompts
+from asyncrl.prompts import build_prompts, max_sequence_length
 from asyncrl.reward.client import PromptScorer, reward_scorer
 from asyncrl.rollout.engine import TorchEngine
 from asyncrl.rollout.engine_api import InferenceEngine, TorchInferenceEngine
@@ -62,9 +62,7 @@ def serve(settings: RolloutSettings) -> None:
     train, _ = build_prompts(spec, tokenizer)
     # Engine capacity: what the job can ask of this replica.
     slots = settings.max_running_requests or max_running_requests(spec)
-    length = settings.max_sequence_length or (
-        max(len(item.prompt_ids) for item in train) + spec.rollout.max_new_tokens
-    )
+    length = settings.max_sequence_length or max_sequence_length(spec, train)
     metrics = RolloutMetrics(job.metadata.name)
     workflow = (
         _workflow_factory(settings, job, tokenizer, train, metrics)

@@ -38,7 +38,7 @@ from asyncrl.models import load_policy, model_skeleton, sharing_weights
 from asyncrl.heap import trim_heap
 from asyncrl.openmp import release_idle_thread_pools
 from asyncrl.outage import OutageTooLong
-from asyncrl.prompts import build_prompts
+from asyncrl.prompts import PromptSet, build_prompts, max_sequence_length
 from asyncrl.reward.client import PromptScorer, reward_scorer
 from asyncrl.rollout.engine import TorchEngine
 from asyncrl.rollout.types import SamplingParams
@@ -179,7 +179,7 @@ class Trainer:
         self.eval_items, self.reward = [], None
         if self.group.leader:
             _, held_out = build_prompts(spec, self.tokenizer)
-            self.eval_items = held_out[: settings.eval_prompts]
+            self.eval_items = PromptSet.of(held_out.head(settings.eval_prompts))
             self.reward = reward_scorer(settings.reward_address, self.job.metadata.name,
                                         spec.reward)
             self.scorer = PromptScorer(self.reward, self.tokenizer)
@@ -422,10 +422,9 @@ class Trainer:
             else:
                 model, _ = await self._on_compute(load_policy, self.spec.model,
                                                   device=self.device)
-            longest = max(len(item.prompt_ids) for item in self.eval_items)
             self._evaluator = TorchEngine(
                 model, max_running_requests=len(self.eval_items),
-                max_sequence_length=longest + self.spec.rollout.max_new_tokens,
+                max_sequence_length=max_sequence_length(self.spec, self.eval_items),
                 eos_token_ids=(self.tokenizer.eos_token_id,), seed=0, fused_decode=not shares,
             )
         engine = self._evaluator
