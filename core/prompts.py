@@ -78,7 +78,7 @@ def build_prompts(spec, tokenizer) -> tuple[PromptSet, PromptSet]:
     """(train, eval) prompt sets for the job's dataset, in a fixed order."""
     dataset = spec.dataset
     if dataset.kind == "file":
-        from asyncrl.dataset_files import file_prompts
+        from asyncrl.data_mapping import file_prompts
 
         return file_prompts(spec, tokenizer)
     if dataset.kind == "arith":

