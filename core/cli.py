@@ -57,7 +57,7 @@ def validate(
     failed = 0
     for path in files:
         try:
-            parse_manifest(read_manifest(path))
+            job = parse_manifest(read_manifest(path))
         except ManifestError as exc:
             failed += 1
             typer.secho(f"{exc}", fg=typer.colors.RED)
@@ -69,9 +69,33 @@ def validate(
             for problem in problems:
                 typer.echo(f"  {problem}")
         else:
+            if not _dataset_checked(path, job):
+                failed += 1
+                continue
             typer.secho(f"{path}: valid", fg=typer.colors.GREEN)
     if failed:
         raise typer.Exit(code=1)
+
+
+def _dataset_checked(path: Path, job) -> bool:
+    """A file job's mapping checked against its files where they are on this machine (they
+    may be paths in the pods' image or volume instead: then a note, not a failure)."""
+    from asyncrl.data_preview import DatasetError, check_dataset, local_data_missing
+
+    if job.spec.dataset.kind != "file":
+        return True
+    missing = local_data_missing(job.spec)
+    if missing:
+        typer.echo(f"{path}: dataset {missing} is not on this machine; its rows are checked "
+                   "when the pods start")
+        return True
+    try:
+        typer.echo(f"{path}: {check_dataset(job.spec)}")
+    except DatasetError as exc:
+        typer.secho(f"{path}: invalid dataset", fg=typer.colors.RED)
+        typer.echo(f"  {exc}")
+        return False
+    return True
 
 
 @app.command()
@@ -101,6 +125,7 @@ def run(
     from asyncrl.runner import LocalJob, RunOptions, ServiceFailed
 
     job = _load_or_exit(file)
+    _dataset_or_exit(job)
     # Resolved once, here: every path handed to a service is absolute.
     run_dir = (run_dir or Path("runs") / job.metadata.name).resolve()
     options = RunOptions(run_dir=run_dir, sync=sync,
@@ -220,6 +245,73 @@ def _load_or_exit(path: Path):
     raise typer.Exit(code=1)
 
 
+def _dataset_or_exit(job) -> None:
+    """A file job's dataset opened and every row checked before any service starts, so a
+    bad file fails here, naming file, row and field, not in a worker's log."""
+    from asyncrl.data_preview import DatasetError, check_dataset
+
+    if job.spec.dataset.kind != "file":
+        return
+    try:
+        check_dataset(job.spec)
+    except DatasetError as exc:
+        typer.secho(str(exc), fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=1) from None
+
+
+data_app = typer.Typer(help="Look at a job's prompts.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("preview")
+def data_preview(
+    file: Annotated[Path, typer.Argument(help="RLJob manifest.")],
+    count: Annotated[int, typer.Option("--count", "-n", min=1, help="Prompts to show.")] = 3,
+    split: Annotated[str, typer.Option(help="train or eval prompts.")] = "train",
+    lengths: Annotated[bool, typer.Option(
+        "--lengths", help="Also tokenize every prompt of the split and count those longer "
+        "than dataset.maxPromptTokens (which the job drops).")] = False,
+) -> None:
+    """Show a job's first prompts exactly as the model sees them (template and chat template
+    applied), with token counts and references."""
+    from rich.console import Console
+    from rich.panel import Panel
+    from rich.progress import Progress
+    from rich.text import Text
+
+    from asyncrl.data_preview import DatasetError, describe, prompt_lengths
+    from asyncrl.models import load_tokenizer
+    from asyncrl.prompts import build_prompts
+
+    if split not in ("train", "eval"):
+        typer.secho(f"--split {split!r}: use train or eval", fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=2)
+    job = _load_or_exit(file)
+    console = Console()
+    tokenizer = load_tokenizer(job.spec.model.source)
+    try:
+        train, held_out = build_prompts(job.spec, tokenizer)
+        prompts = train if split == "train" else held_out
+        console.print(f"[bold]{job.metadata.name}[/]: {len(train)} training and "
+                      f"{len(held_out)} evaluation prompts; showing the first "
+                      f"{min(count, len(prompts))} {split} prompts")
+        for index in range(min(count, len(prompts))):
+            header, text = describe(prompts[index], tokenizer, prompts.max_prompt_tokens)
+            console.print(Panel(Text(text), title=header, title_align="left"))
+        if lengths:
+            with Progress(console=console, transient=True) as progress:
+                task = progress.add_task("tokenizing", total=len(prompts))
+                found = prompt_lengths(prompts, lambda: progress.advance(task))
+            limit = prompts.max_prompt_tokens
+            console.print(f"{found.count} {split} prompts: longest {found.longest} tokens, mean "
+                          f"{found.mean:.0f}" + (f"; {found.too_long} longer than "
+                                                 f"maxPromptTokens {limit} (dropped)"
+                                                 if limit is not None else ""))
+    except DatasetError as exc:
+        typer.secho(str(exc), fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=1) from None
+
+
 serve_app = typer.Typer(
     help="Run one service process (the command the operator puts in each pod).",
     no_args_is_help=True,
@@ -278,7 +370,12 @@ def _add_serve_command(name: str, help: str) -> None:
 
         given = {key: value for key, value in values.items() if value is not None}
         settings = _settings_or_exit(settings_class, **given)
-        importlib.import_module(_SERVE_MODULES[name]).serve(settings)
+        from asyncrl.data_files import DatasetError
+
+        try:
+            importlib.import_module(_SERVE_MODULES[name]).serve(settings)
+        except DatasetError as exc:  # a bad dataset: one line naming file, row and field
+            raise SystemExit(f"{name}: {exc}") from None
 
     command.__signature__ = inspect.Signature(parameters)
     command.__doc__ = help

@@ -128,7 +128,19 @@ def resolve_manifest(manifest: dict, options: RunOptions) -> dict:
         algorithm["maxStaleness"] = 0
     if options.max_steps:
         algorithm["maxSteps"] = options.max_steps
+    # Data and reward code are named relative to where `asyncrl run` was started; the
+    # services run elsewhere (the run folder), so they get absolute paths.
+    spec = resolved["spec"]
+    for section, key in (("dataset", "path"), ("dataset", "evalPath")):
+        _absolute(spec.get(section) or {}, key)
+    _absolute((spec.get("reward") or {}).get("python") or {}, "path")
     return resolved
+
+
+def _absolute(section: dict, key: str) -> None:
+    value = section.get(key)
+    if isinstance(value, str) and "://" not in value:
+        section[key] = os.path.abspath(value)
 
 
 def thread_split(options: RunOptions) -> tuple[int, int]:
