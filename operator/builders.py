@@ -19,6 +19,8 @@ What runs where:
                                      trainer.weightTransfer distributed, the weight
                                      transfer group's store (29500)
     <job>-run       PVC              checkpoints and weight snapshots: trainer writes, rollout reads
+    (the user's)    PVC              spec.dataset.volume, read-only in the rollout and trainer
+                                     pods; spec.reward.python.volume, read-only in the reward pods
     <job>-redis, <job>-buffer, <job>-trainer, <job>-reward   NetworkPolicy   only the job's own
                     pods (and the operator, for buffer statistics and trainer status) reach
                     Redis, the buffer and the trainer; reward pods, which run untrusted
@@ -33,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Any
 
 import yaml
@@ -53,6 +56,10 @@ CONFIG_HASH = "asyncrl.io/config-hash"
 
 JOB_FILE = "/etc/asyncrl/job.yaml"
 RUN_DIR = "/run/asyncrl"
+#: Pod volumes of the user's own claims, named apart from the job's (config, tmp, run, dshm,
+#: data) so that a claim can never take one of their places.
+DATASET_VOLUME = "dataset"
+REWARD_VOLUME = "reward-python"
 PASSWORD_ENV = "ASYNCRL_REDIS_PASSWORD"
 
 # The ports of asyncrl.endpoints, by the names this module uses.
@@ -290,13 +297,14 @@ def reward_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
     reward = job.spec.reward
     args = serve_command("reward", job_file=JOB_FILE, host="0.0.0.0", grpc_port=REWARD_PORT,
                          metrics_port=REWARD_METRICS)
+    volumes, mounts = reward_volumes(job)
     container = _container(job, config, "reward", args, gpus=reward.placement.gpus,
                            ports=[("grpc", REWARD_PORT), ("metrics", REWARD_METRICS)],
                            resources=_resources(reward.resources, "reward",
                                                 gpus=reward.placement.gpus),
-                           **_grpc_probes(REWARD_PORT))
+                           **_grpc_probes(REWARD_PORT), mounts=mounts)
     deployment = _deployment(job, config, "reward", desired_replicas(job, "reward"), [container],
-                             placement=reward.placement)
+                             placement=reward.placement, volumes=volumes)
     pod = deployment["spec"]["template"]["spec"]
     pod["enableServiceLinks"] = False
     pod["securityContext"]["seccompProfile"] = seccomp_profile(config.reward_seccomp_profile)
@@ -342,15 +350,17 @@ def rollout_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
     health = {"httpGet": {"path": "/health", "port": "http"}}
     # Not ready while Redis is down (no weight updates can reach it), yet not restarted.
     ready = {"httpGet": {"path": "/ready", "port": "http"}}
+    data_volumes, data_mounts = dataset_volumes(job)  # the training prompts
     container = _container(job, config, "rollout", args, env=env, gpus=rollout.placement.gpus,
                            ports=[("http", ROLLOUT_HTTP), ("grpc", ROLLOUT_GRPC)],
                            resources=_resources(rollout.resources, "rollout",
                                                 gpus=rollout.placement.gpus),
                            probe=health, readiness=ready,
                            startup_seconds=rollout_startup_seconds(job),
-                           mounts=[_run_mount(read_only=True)])
+                           mounts=[_run_mount(read_only=True), *data_mounts])
     deployment = _deployment(job, config, "rollout", desired_replicas(job, "rollout"), [container],
-                             placement=rollout.placement, volumes=[_run_volume(job)])
+                             placement=rollout.placement,
+                             volumes=[_run_volume(job), *data_volumes])
     pod = deployment["spec"]["template"]["spec"]
     if rollout.placement.gpus:
         _add_shared_memory(pod, container)
@@ -404,13 +414,15 @@ def trainer_statefulset(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
             rendezvous_endpoint=(f"{rendezvous_host}:{RENDEZVOUS_PORT}" if rendezvous_host
                                  else None),
             rendezvous_id=job.metadata.name)]
+    data_volumes, data_mounts = dataset_volumes(job)  # the evaluation prompts
     container = _container(job, config, "trainer", serve, env=env, command=command,
                            gpus=trainer.placement.gpus,
                            ports=trainer_ports(job),
                            resources=_resources(trainer.resources, "trainer",
                                                 gpus=trainer.placement.gpus),
-                           **_grpc_probes(TRAINER_PORT), mounts=[_run_mount()])
-    pod = _pod_spec(job, [container], placement=trainer.placement, volumes=[_run_volume(job)],
+                           **_grpc_probes(TRAINER_PORT), mounts=[_run_mount(), *data_mounts])
+    pod = _pod_spec(job, [container], placement=trainer.placement,
+                    volumes=[_run_volume(job), *data_volumes],
                     gpu_tolerations=config.gpu_tolerations)
     if trainer.placement.gpus:
         _add_shared_memory(pod, container)
@@ -757,6 +769,36 @@ def _run_volume(job: RLJob) -> dict[str, Any]:
 
 def _run_mount(read_only: bool = False) -> dict[str, Any]:
     return {"name": "run", "mountPath": RUN_DIR, "readOnly": read_only}
+
+
+def dataset_volumes(job: RLJob) -> tuple[list[dict], list[dict]]:
+    """The pod volume and container mount of spec.dataset.volume (none without one): at the
+    first folder of dataset.path, where the spec has both path and evalPath."""
+    dataset = job.spec.dataset
+    if dataset.volume is None:
+        return [], []
+    return _claim_read_only(DATASET_VOLUME, dataset.volume, mount_folder(dataset.path))
+
+
+def reward_volumes(job: RLJob) -> tuple[list[dict], list[dict]]:
+    """The pod volume and container mount of spec.reward.python.volume (none without one): at
+    the first folder of reward.python.path, the folder the reward's module is imported from."""
+    python = job.spec.reward.python
+    if python is None or python.volume is None:
+        return [], []
+    return _claim_read_only(REWARD_VOLUME, python.volume, mount_folder(python.path))
+
+
+def mount_folder(path: str) -> str:
+    """The first folder of an absolute path: /data/gsm8k/train.jsonl is mounted at /data."""
+    return "/" + PurePosixPath(path).parts[1]
+
+
+def _claim_read_only(name: str, claim: str, mount_path: str) -> tuple[list[dict], list[dict]]:
+    """A user's claim, read-only twice over: the volume (so a ReadOnlyMany claim attaches, and
+    one claim can serve many jobs) and the mount (the job never writes the user's files)."""
+    return ([{"name": name, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}],
+            [{"name": name, "mountPath": mount_path, "readOnly": True}])
 
 
 def _add_shared_memory(pod: dict, container: dict) -> None:

@@ -463,6 +463,68 @@ def test_every_pod_is_unprivileged_and_reward_is_locked_down(tiny):
     assert not [v for v in reward["volumes"] if "persistentVolumeClaim" in v]
 
 
+#: A file dataset and a python reward, each on a claim of the user's.
+ON_VOLUMES = {
+    "dataset": {"kind": "file", "path": "/data/arith/train.jsonl",
+                "evalPath": "/data/arith/test.jsonl", "volume": "prompts",
+                "fields": {"prompt": "question", "answer": "answer"}},
+    "reward": {"kind": "python", "python": {"function": "mine.score:reward",
+                                            "path": "/rewards/mine", "volume": "reward-code"}},
+}
+
+
+def pod_of(workload: dict) -> tuple[dict, dict]:
+    pod = workload["spec"]["template"]["spec"]
+    return pod, pod["containers"][0]
+
+
+def test_the_users_claims_are_mounted_read_only_where_their_files_are_read():
+    job = job_from(**ON_VOLUMES)
+    children = by_kind_name(build_children(job, CONFIG, redis_password="pw"))
+    dataset = {"name": "dataset", "persistentVolumeClaim": {"claimName": "prompts",
+                                                            "readOnly": True}}
+    # Training prompts in the rollout pods, evaluation prompts in the trainer pods.
+    for key in [("Deployment", "tiny-rollout"), ("StatefulSet", "tiny-trainer")]:
+        pod, container = pod_of(children[key])
+        assert dataset in pod["volumes"], key
+        assert {"name": "dataset", "mountPath": "/data", "readOnly": True} in \
+            container["volumeMounts"], key
+        assert not [v for v in pod["volumes"] if v["name"] == "reward-python"], key
+    # The reward's module, imported from reward.python.path, in the reward pods alone.
+    pod, container = pod_of(children[("Deployment", "tiny-reward")])
+    assert {"name": "reward-python", "persistentVolumeClaim": {
+        "claimName": "reward-code", "readOnly": True}} in pod["volumes"]
+    assert {"name": "reward-python", "mountPath": "/rewards", "readOnly": True} in \
+        container["volumeMounts"]
+    assert dataset not in pod["volumes"]
+    for child in children.values():
+        kubernetes_validate.validate(child, latest_version(), strict=True)
+        if child["kind"] in ("Deployment", "StatefulSet"):
+            pod, container = pod_of(child)
+            # No volume takes the name or the folder of another.
+            names = [v["name"] for v in pod.get("volumes", [])]
+            folders = [m["mountPath"] for m in container.get("volumeMounts", [])]
+            assert len(set(names)) == len(names) and len(set(folders)) == len(folders), names
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"dataset": {**ON_VOLUMES["dataset"], "volume": None}},
+    {"reward": {"kind": "python", "python": {"function": "mine.score:reward",
+                                             "path": "/rewards/mine"}}},
+], ids=["arith", "file-in-the-image", "python-in-the-image"])
+def test_nothing_of_the_users_is_mounted_without_a_volume(overrides):
+    job = job_from(**overrides)
+    for child in build_children(job, CONFIG, redis_password="pw"):
+        if child["kind"] in ("Deployment", "StatefulSet"):
+            pod, container = pod_of(child)
+            claims = [v["persistentVolumeClaim"]["claimName"] for v in pod.get("volumes", [])
+                      if "persistentVolumeClaim" in v]
+            assert claims in ([], ["tiny-run"]), child["metadata"]["name"]
+            assert not {"dataset", "reward-python"} & {
+                m["name"] for m in container["volumeMounts"]}, child["metadata"]["name"]
+
+
 def test_suspend_scales_workers_to_zero_and_keeps_state(tiny):
     suspended = job_from(suspend=True)
     before = by_kind_name(build_children(tiny, CONFIG, redis_password="pw"))
