@@ -87,7 +87,7 @@ def _dataset_checked(path: Path, job) -> bool:
     missing = local_data_missing(job.spec)
     if missing:
         typer.echo(f"{path}: dataset {missing} is not on this machine; its rows are checked "
-                   "when the pods start")
+                   "when the job starts")
         return True
     try:
         typer.echo(f"{path}: {check_dataset(job.spec)}")
