@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import jsonschema
@@ -108,6 +109,22 @@ def test_schema_details(schema):
     assert conditions["items"]["required"] == ["type", "status"]
 
 
+def test_cel_rules_read_and_name_fields_of_their_own_object(schema):
+    """Each x-kubernetes-validations rule (the CRD half of a model rule that spans fields)
+    sits on the object whose fields it reads, and names one of them in its error."""
+    rules = {path: node for path, node in _walk(schema) if "x-kubernetes-validations" in node}
+    assert {"<root>.spec.dataset", "<root>.spec.buffer.redis"} <= set(rules)
+    for path, node in rules.items():
+        for rule in node["x-kubernetes-validations"]:
+            assert set(re.findall(r"self\.(\w+)", rule["rule"])) <= set(node["properties"]), path
+            assert rule["fieldPath"].removeprefix(".") in node["properties"], path
+            assert rule["reason"] in {"FieldValueRequired", "FieldValueInvalid",
+                                      "FieldValueForbidden", "FieldValueDuplicate"}, path
+            assert rule["message"], path
+    (file_needs_path,) = rules["<root>.spec.dataset"]["x-kubernetes-validations"]
+    assert file_needs_path["fieldPath"] == ".path"
+
+
 def test_every_field_is_described(schema):
     for path, node in _walk(schema["properties"]["spec"]):
         if path.endswith("[*]") or path.endswith("[]"):
@@ -191,7 +208,14 @@ def test_dumped_manifest_with_status_validates(validator):
         {"rollout": {"temperature": 0}},  # greedy: a group's responses are identical
         {"rollout": {"topK": 1}},
         {"dataset": {"kind": "jsonl"}},  # no prompt reader for it
-        {"dataset": {"path": "/data/p.jsonl"}},
+        {"dataset": {"kind": "file", "path": ""}},
+        {"dataset": {"kind": "file", "path": "/data/p.jsonl", "preset": "squad"}},
+        {"dataset": {"kind": "file", "path": "/data/p.jsonl", "volume": "My_Claim"}},
+        {"dataset": {"kind": "file", "path": "/data/p.jsonl", "maxPromptTokens": 0}},
+        {"dataset": {"kind": "file", "path": "/data/p.jsonl", "fields": {"question": "q"}}},
+        {"reward": {"kind": "python", "python": {"function": "module_without_a_function"}}},
+        {"reward": {"kind": "python", "python": {"function": "m:f", "volume": "Bad_Claim"}}},
+        {"reward": {"kind": "http", "http": {"url": "ftp://judge"}}},
     ],
 )
 def test_the_crd_and_the_model_reject_the_same_field_values(validator, change):
