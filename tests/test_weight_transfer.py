@@ -411,6 +411,8 @@ def test_a_lost_worker_breaks_a_generation_and_its_replacement_joins_the_next():
             assert not broadcaster.ready()  # this version goes to disk; the next generation forms
             assert broadcaster.address.group_name != first
             await asyncio.to_thread(assert_ready, broadcaster)
+            # Formed on the trainer's side; the member's join may not have returned yet.
+            await member.join_returned(broadcaster.address.group_name)
             assert member.group_name == broadcaster.address.group_name
             update, _ = await asyncio.gather(
                 member.receive(1, member.group_name),

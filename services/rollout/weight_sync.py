@@ -205,11 +205,16 @@ class TransferMember:
                         "from disk until it joins", exc)
             self._trouble = str(exc)
 
+    async def join_returned(self, group_name: str) -> None:
+        """Returns once a join of generation `group_name` under way has returned (at once when
+        none is): the trainer sees the group formed before this engine's join has returned."""
+        if self._joining is not None and self._joining[0] == group_name:
+            await self._joining[1].wait()
+
     async def receive(self, version: int, group_name: str) -> WeightUpdate:
         """Version `version`, broadcast to generation `group_name`."""
-        if self._joining is not None and self._joining[0] == group_name:
-            # The group formed and its first version came before our join returned.
-            await self._joining[1].wait()
+        # The group may form and its first version come before our join has returned.
+        await self.join_returned(group_name)
         if group_name != self.group_name:
             where = f"is in {self.group_name}" if self.group_name else "is in none"
             raise VersionSkipped(f"broadcast to {group_name}; this worker {where}: waiting for "
