@@ -11,10 +11,9 @@ sympy's `parse_expr`, which evaluates Python, and answers are untrusted model ou
 
 from __future__ import annotations
 
-import json
-import os
 import resource
-import sys
+
+from asyncrl.reward.worker_protocol import Channel
 
 # A runaway sympy computation fails with MemoryError here instead of taking the machine.
 ADDRESS_SPACE_BYTES = 4 << 30
@@ -66,19 +65,17 @@ def main() -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     if hard == resource.RLIM_INFINITY or hard > ADDRESS_SPACE_BYTES:
         resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE_BYTES, ADDRESS_SPACE_BYTES))
-    # Replies get their own copy of stdout; anything a library prints goes to stderr.
-    replies = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    os.dup2(2, 1)
+    channel = Channel()  # anything a library prints goes to stderr
     import math_verify  # noqa: F401 - pay the sympy import before the first request
 
-    print(json.dumps({"ready": True}), file=replies, flush=True)
-    for line in sys.stdin:
-        request = json.loads(line)
-        try:
-            reply = verify_answer(request["answer"], request["reference"], request["timeout"])
-        except MemoryError:
-            reply = _failure("verifier_error", "the verifier ran out of memory")
-        print(json.dumps(reply), file=replies, flush=True)
+    channel.serve(_answer)
+
+
+def _answer(request: dict) -> dict:
+    try:
+        return verify_answer(request["answer"], request["reference"], request["timeout"])
+    except MemoryError:
+        return _failure("verifier_error", "the verifier ran out of memory")
 
 
 if __name__ == "__main__":
