@@ -211,8 +211,9 @@ def check_rows(rows: Rows, mapping: Mapping) -> None:
                 f"{', '.join(sorted(columns))})",
                 f"set {setting} to the field that holds it" if role else
                 "use a file in the preset's layout, or map the fields with dataset.fields")
-        column = table.column(name).combine_chunks()
-        missing = _first(column.is_null())
+        column = table.column(name)
+        # null_count is kept with each chunk: rows are read only when some lack the field.
+        missing = _first(column.is_null()) if column.null_count else None
         if missing is not None:
             raise DatasetError(rows.where(missing), f"field '{name}' is missing",
                                "give every row a value, or remove the row")
@@ -224,7 +225,7 @@ def check_rows(rows: Rows, mapping: Mapping) -> None:
         name, text, meaning = mapping.must_contain
         import pyarrow.compute as pc
 
-        column = table.column(name).combine_chunks().cast("string")
+        column = table.column(name).cast("string")
         lacking = _first(pc.invert(pc.match_substring(column, text)))
         if lacking is not None:
             raise DatasetError(rows.where(lacking), f"field '{name}' has no '{text}' ({meaning})",
