@@ -74,6 +74,8 @@ class CodeScorer:
         program = extract_program(response, self._extract, language.name)
         if program is None:
             return failed(Failure.NO_ANSWER, "no fenced code block in the response")
+        if reference.prelude:
+            program = f"{reference.prelude.rstrip()}\n\n{program}"
         files = {language.source_file: program.encode()}
         timeout = reference.timeout_seconds or self.sandbox.limits.timeout_seconds
         await self.sandbox.start()

@@ -48,12 +48,14 @@ class IoCase:
 @dataclass(frozen=True)
 class CodeReference:
     """Unit tests for a program: stdin/stdout cases (one process each) and assert-style test
-    code run once after the program. `timeout_seconds` 0 means the job's limit."""
+    code run once after the program. `timeout_seconds` 0 means the job's limit. `prelude` is
+    put before the program (a HumanEval prompt's imports and helpers)."""
 
     io_cases: tuple[IoCase, ...] = ()
     test_code: str = ""
     language: str = "python"
     timeout_seconds: float = 0.0
+    prelude: str = ""
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,7 @@ class ScoreTask:
         else:
             task.code.CopyFrom(reward_pb2.CodeReference(
                 language=ref.language, test_code=ref.test_code,
-                timeout_seconds=ref.timeout_seconds,
+                timeout_seconds=ref.timeout_seconds, prelude=ref.prelude,
                 io_cases=[reward_pb2.IoCase(stdin=c.stdin, expected_stdout=c.expected_stdout)
                           for c in ref.io_cases],
             ))
@@ -132,7 +134,7 @@ class ScoreTask:
             reference = CodeReference(
                 io_cases=tuple(IoCase(c.stdin, c.expected_stdout) for c in code.io_cases),
                 test_code=code.test_code, language=code.language or "python",
-                timeout_seconds=code.timeout_seconds,
+                timeout_seconds=code.timeout_seconds, prelude=code.prelude,
             )
         elif which == "row":
             reference = RowReference(message.row.prompt, message.row.row_json or "{}")
