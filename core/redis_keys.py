@@ -12,16 +12,20 @@ from __future__ import annotations
 #: suffix -> what it holds. `<slot>`, `<id>`: filled in per slot or batch.
 LAYOUT: dict[str, str] = {
     "config": "hash: max_staleness, batch_size, max_concurrent (0 = unlimited), lease_ms, "
-              "ack_timeout_ms",
-    "state": "hash: trainer_version, trainer_step, accepted, consumed, dropped_stale, "
-             "redelivered, expired, skipped_uniform",
+              "ack_timeout_ms, epochs (0 = unlimited), prompts (training prompts per epoch, as "
+              "the first rollout worker told it)",
+    "state": "hash: trainer_version, trainer_step, trainer_finished, accepted, consumed, "
+             "dropped_stale, redelivered, expired, skipped_uniform, cursor (the next new "
+             "prompt cursor, asyncrl.prompt_order)",
     "slots": "zset: granted slot id -> lease expiry (ms, Redis clock)",
+    "cursors": "hash: granted slot id -> the prompt cursor it was granted with",
+    "reissue": "list: prompt cursors of lost slots, handed out again before new ones",
     "put:<slot>": "string: stream id of the group put with that slot (PutGroup retries are "
                   "idempotent)",
     "group:<slot>": "string: the encoded Group put with that slot, from its put until its "
                     "batch is acknowledged (or it is dropped as stale)",
     "groups": "stream: accepted groups (slot = the slot it was put with, v = oldest token "
-              "version, id = group id)",
+              "version, id = group id, c = the slot's prompt cursor)",
     "staged": "list: stream ids read from `groups`, not yet in a batch, oldest first",
     "batches": "zset: batch id -> delivery time (ms)",
     "batch:<id>": "list: stream ids of a delivered, unacknowledged batch",

@@ -69,3 +69,5 @@ class Group:
 @dataclass(frozen=True)
 class Slot:
     slot_id: str
+    # The prompt to generate for, as the buffer's prompt cursor (asyncrl.prompt_order).
+    prompt_cursor: int = 0

@@ -23,6 +23,9 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
+#: The gate's answer once every prompt of every epoch is used (scripts._GRANT): final.
+EXHAUSTED = "exhausted"
+
 #: How long a put message waits for its answer before its call is given up (and retried).
 PUT_TIMEOUT_SECONDS = 30
 #: Bytes of groups one PutGroups message carries at most (a lone larger group goes alone):
@@ -89,7 +92,7 @@ def _unavailable(exc: BaseException) -> bool:
 
 class BufferClient:
     def __init__(self, address: str, job: str, worker: str = "worker", *, lease_seconds: float = 30,
-                 outage_seconds: float = DEFAULT_OUTAGE_SECONDS):
+                 outage_seconds: float = DEFAULT_OUTAGE_SECONDS, prompts: int = 0):
         self._channel = channel(address)
         self.stub = buffer_pb2_grpc.BufferStub(self._channel)
         # PutGroups with each group encoded once (EncodedPutGroupsRequest: PutGroupsRequest's
@@ -111,6 +114,7 @@ class BufferClient:
         self._outage_seconds = outage_seconds
         self.job = job
         self.worker = worker
+        self.prompts = prompts  # the training prompts a rollout worker draws from (N)
         self._heartbeat_every = max(lease_seconds / 3, 0.05)
         self._heartbeats: dict[str, asyncio.Task] = {}
 
@@ -129,13 +133,17 @@ class BufferClient:
 
     # ------------------------------------------------------------------ rollout side (SlotGate)
 
-    async def acquire(self) -> Slot:
-        """Waits (politely) until the staleness gate grants a slot, then keeps its lease alive."""
+    async def acquire(self) -> Slot | None:
+        """Waits (politely) until the staleness gate grants a slot, then keeps its lease alive;
+        None once every prompt of every epoch is used (no slot will be granted again)."""
         while True:
             reply = await self._with_retries(lambda: self.stub.AcquireSlot(
-                buffer_pb2.AcquireSlotRequest(job=self.job, worker=self.worker), timeout=10))
+                buffer_pb2.AcquireSlotRequest(job=self.job, worker=self.worker,
+                                              prompts=self.prompts), timeout=10))
             if reply.granted:
-                return self._hold(reply.slot_id)
+                return self._hold(reply.slot_id, reply.prompt_cursor)
+            if reply.reason == EXHAUSTED:
+                return None
             await asyncio.sleep(max(reply.retry_after_ms, 20) / 1000)
 
     async def put(self, slot: Slot, group: Group | common_pb2.Group | bytes, *,
@@ -148,9 +156,10 @@ class BufferClient:
         encoded = group if isinstance(group, bytes) else group.SerializeToString()
         reply = await self._puts.submit(dict(
             job=self.job, slot_id=slot.slot_id, group=encoded, acquire_next=acquire_next,
-            worker=self.worker))
+            worker=self.worker, prompts=self.prompts))
         self._stop_heartbeat(slot)
-        return self._hold(reply.next_slot.slot_id) if reply.next_slot.granted else None
+        granted = reply.next_slot
+        return self._hold(granted.slot_id, granted.prompt_cursor) if granted.granted else None
 
     async def _send_puts(self, puts: list[dict]) -> list:
         """One message on the PutGroups stream for `puts` (each an EncodedPutGroupRequest's
@@ -164,20 +173,24 @@ class BufferClient:
             lambda: self._put_stream.send(request, timeout=PUT_TIMEOUT_SECONDS))
         return [r.response if r.code == 0 else _refusal(r) for r in reply.results]
 
-    async def release(self, slot: Slot, reason: str, *, uniform_rewards: bool = False) -> None:
+    async def release(self, slot: Slot, reason: str, *, uniform_rewards: bool = False,
+                      prompt_used: bool = False) -> None:
+        """Gives `slot` back without a group: its prompt is handed out again, unless
+        `prompt_used` (or `uniform_rewards`, see `skip`)."""
         self._stop_heartbeat(slot)
         await self._with_retries(lambda: self.stub.ReleaseSlot(
             buffer_pb2.ReleaseSlotRequest(job=self.job, slot_id=slot.slot_id, reason=reason,
-                                          uniform_rewards=uniform_rewards),
+                                          uniform_rewards=uniform_rewards,
+                                          prompt_used=prompt_used),
             timeout=10))
 
     async def skip(self, slot: Slot) -> None:
         await self.release(slot, "every reward equal", uniform_rewards=True)
 
-    def _hold(self, slot_id: str) -> Slot:
+    def _hold(self, slot_id: str, prompt_cursor: int) -> Slot:
         """A granted slot, whose lease is kept alive until it is put or released."""
         self._heartbeats[slot_id] = asyncio.create_task(self._keep_alive(slot_id))
-        return Slot(slot_id)
+        return Slot(slot_id, prompt_cursor)
 
     async def _keep_alive(self, slot_id: str) -> None:
         while True:
@@ -218,11 +231,12 @@ class BufferClient:
         await self._with_retries(lambda: self.stub.AckBatch(
             buffer_pb2.AckBatchRequest(job=self.job, batch_id=batch_id), timeout=30))
 
-    async def set_version(self, version: int, weights_uri: str,
-                          step: int = 0) -> buffer_pb2.VersionInfo:
+    async def set_version(self, version: int, weights_uri: str, step: int = 0,
+                          final: bool = False) -> buffer_pb2.VersionInfo:
+        """Announces `version`; `final`: the job's last weights (the trainer is done)."""
         return await self._with_retries(lambda: self.stub.SetVersion(buffer_pb2.SetVersionRequest(
-            job=self.job, version=version, weights_uri=weights_uri, trainer_step=step),
-            timeout=30))
+            job=self.job, version=version, weights_uri=weights_uri, trainer_step=step,
+            final=final), timeout=30))
 
     async def stats(self) -> buffer_pb2.BufferStats:
         return await self._with_retries(lambda: self.stub.GetStats(

@@ -9,6 +9,14 @@ A group's bytes never pass through a script: Redis copies every argument and rep
 into Lua strings, which for a group of long samples costs more than all else a put does. They
 are SET beside the script in one transaction (`group:<slot>`), the stream entry names the slot,
 and a batch's bytes are read with plain GETs.
+
+Each granted slot carries a prompt cursor (asyncrl.prompt_order maps it to a prompt), so that
+every prompt is generated for once per epoch across replicas and restarts. The cursor is
+state beside the gate's counters, changed by the same scripts: a slot that is lost (its lease
+expired, or it was released unused) puts its cursor on the reissue list, which grants take
+from before they take a new cursor; a slot whose group was accepted, skipped as uniform or
+dropped by its worker uses its prompt up. Generation is thus at least once and acceptance
+exactly once (an expired slot's put is refused).
 """
 
 _NOW = """
@@ -16,14 +24,62 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# The staleness gate: grants `slot` if the bound and the concurrency limit allow.
-# -> {-1} unknown job | {0, reason} refused | {1, expires_ms}
-_GRANT = """
-local function grant(p, slot)
-  local cfg = redis.call('HMGET', p .. 'config', 'max_staleness', 'batch_size', 'max_concurrent', 'lease_ms')
+# The prompt cursor of the slots (see the top): what becomes of a slot's prompt when the slot
+# goes, and where the dataset stands.
+_CURSOR = """
+-- A slot gone without its prompt used: the prompt is handed out again, before new ones.
+local function lose(p, slot)
+  local cursor = redis.call('HGET', p .. 'cursors', slot)
+  if cursor then
+    redis.call('HDEL', p .. 'cursors', slot)
+    redis.call('RPUSH', p .. 'reissue', cursor)
+  end
+end
+-- A slot gone with its prompt used (accepted, skipped, dropped): the prompt's cursor, if any.
+local function use(p, slot)
+  local cursor = redis.call('HGET', p .. 'cursors', slot)
+  if cursor then redis.call('HDEL', p .. 'cursors', slot) end
+  return cursor
+end
+-- {next new cursor, the end (N x epochs; 0: none, N not told yet or epochs unset), prompts
+-- to reissue, slots holding a prompt, 1 when every prompt of every epoch is used else 0}.
+-- A held slot may still be lost, and its prompt come back: used up needs none held.
+local function dataset(p)
+  local cfg = redis.call('HMGET', p .. 'config', 'prompts', 'epochs')
+  local last = tonumber(cfg[1] or '0') * tonumber(cfg[2] or '0')
+  local cursor = tonumber(redis.call('HGET', p .. 'state', 'cursor') or '0')
+  local reissue = redis.call('LLEN', p .. 'reissue')
+  local held = redis.call('HLEN', p .. 'cursors')
+  local used_up = last > 0 and cursor >= last and reissue == 0 and held == 0
+  return {cursor, last, reissue, held, used_up and 1 or 0}
+end
+"""
+
+# The staleness gate: grants `slot` if the bound and the concurrency limit allow, with a
+# prompt cursor. `prompts`: N as the worker counts it ('' or '0': not told); the first one
+# told is kept in the job's config (the buffer cannot count prompts without building the
+# dataset, which needs the model's tokenizer: the workers have both).
+# -> {-1} unknown job | {-2, N kept} the worker counts other prompts | {0, reason} refused |
+# {1, expires_ms, cursor}
+_GRANT = _CURSOR + """
+local function grant(p, slot, prompts)
+  local cfg = redis.call('HMGET', p .. 'config', 'max_staleness', 'batch_size', 'max_concurrent',
+                         'lease_ms', 'prompts')
   if not cfg[1] then return {-1} end
-  local expired = redis.call('ZREMRANGEBYSCORE', p .. 'slots', '-inf', now)
-  if expired > 0 then redis.call('HINCRBY', p .. 'state', 'expired', expired) end
+  local told = tonumber(prompts) or 0
+  if told > 0 then
+    if not cfg[5] then redis.call('HSET', p .. 'config', 'prompts', told)
+    elseif tonumber(cfg[5]) ~= told then return {-2, cfg[5]} end
+  end
+  local expired = redis.call('ZRANGEBYSCORE', p .. 'slots', '-inf', now)
+  for _, gone in ipairs(expired) do
+    redis.call('ZREM', p .. 'slots', gone)
+    lose(p, gone)
+  end
+  if #expired > 0 then redis.call('HINCRBY', p .. 'state', 'expired', #expired) end
+  local d = dataset(p)
+  if d[5] == 1 then return {0, 'exhausted'} end
+  if d[2] > 0 and d[1] >= d[2] and d[3] == 0 then return {0, 'draining'} end
   local running = redis.call('ZCARD', p .. 'slots')
   local st = redis.call('HMGET', p .. 'state', 'trainer_version', 'accepted', 'dropped_stale')
   local version = tonumber(st[1] or '0')
@@ -34,25 +90,32 @@ local function grant(p, slot)
   if capacity <= 0 then return {0, 'staleness'} end
   local max_concurrent = tonumber(cfg[3])
   if max_concurrent > 0 and running >= max_concurrent then return {0, 'concurrency'} end
+  local cursor = redis.call('LPOP', p .. 'reissue')
+  if not cursor then
+    cursor = d[1]
+    redis.call('HSET', p .. 'state', 'cursor', cursor + 1)
+  end
   local expires = now + tonumber(cfg[4])
   redis.call('ZADD', p .. 'slots', expires, slot)
-  return {1, expires}
+  redis.call('HSET', p .. 'cursors', slot, cursor)
+  return {1, expires, tonumber(cursor)}
 end
 """
 
-# ARGV: prefix, slot id.  -> as _GRANT
+# ARGV: prefix, slot id, the worker's training prompts.  -> as _GRANT
 ACQUIRE = _NOW + _GRANT + """
-return grant(ARGV[1], ARGV[2])
+return grant(ARGV[1], ARGV[2], ARGV[3])
 """
 
 # ARGV: prefix, slot id.  -> {0} gone | {1, expires_ms}
-HEARTBEAT = _NOW + """
+HEARTBEAT = _NOW + _CURSOR + """
 local p = ARGV[1]
 local score = redis.call('ZSCORE', p .. 'slots', ARGV[2])
 if not score then return {0} end
 if tonumber(score) <= now then
   redis.call('ZREM', p .. 'slots', ARGV[2])
   redis.call('HINCRBY', p .. 'state', 'expired', 1)
+  lose(p, ARGV[2])
   return {0}
 end
 local expires = now + tonumber(redis.call('HGET', p .. 'config', 'lease_ms'))
@@ -60,12 +123,16 @@ redis.call('ZADD', p .. 'slots', 'XX', expires, ARGV[2])
 return {1, expires}
 """
 
-# ARGV: prefix, slot id, '1' when its group was skipped (every reward equal) else ''.
+# ARGV: prefix, slot id, '1' when its group was skipped (every reward equal) else '', '1' when
+# its prompt counts as used anyway (dropped by the worker) else ''. A slot released otherwise
+# (generation failed, the worker stopping) has its prompt handed out again.
 # -> 1 released | 0 not held
-RELEASE = """
-local released = redis.call('ZREM', ARGV[1] .. 'slots', ARGV[2])
-if released == 1 and ARGV[3] == '1' then
-  redis.call('HINCRBY', ARGV[1] .. 'state', 'skipped_uniform', 1)
+RELEASE = _CURSOR + """
+local p, slot, skipped = ARGV[1], ARGV[2], ARGV[3] == '1'
+local released = redis.call('ZREM', p .. 'slots', slot)
+if released == 1 then
+  if skipped then redis.call('HINCRBY', p .. 'state', 'skipped_uniform', 1) end
+  if skipped or ARGV[4] == '1' then use(p, slot) else lose(p, slot) end
 end
 return released
 """
@@ -75,13 +142,14 @@ return released
 # One run takes all the puts of a transaction, in order: a script run costs Redis far more
 # than the commands in it (about 150 us against 40 for one put's).
 # ARGV: prefix, then per put: slot id, oldest token version, group id, next slot id ('' for
-# none). -> per put, {0, 'unknown'|'expired'} | {1, stream id, accepted, next} |
-# {2, stream id, 0, next} (a retry of a done put), `next` as _GRANT answers for the next slot,
-# or 0.
+# none), the worker's training prompts (for the next slot's grant). -> per put,
+# {0, 'unknown'|'expired'} | {1, stream id, accepted, next} | {2, stream id, 0, next} (a retry
+# of a done put), `next` as _GRANT answers for the next slot, or 0.
+# The stream entry names the slot's prompt cursor (c) too: which prompt each group is for.
 PUT = _NOW + _GRANT + """
 local p = ARGV[1]
-local function put(slot, oldest, group_id, next_id)
-  local function next_slot() return next_id ~= '' and grant(p, next_id) or 0 end
+local function put(slot, oldest, group_id, next_id, prompts)
+  local function next_slot() return next_id ~= '' and grant(p, next_id, prompts) or 0 end
   local bytes = p .. 'group:' .. slot
   local done = redis.call('GET', p .. 'put:' .. slot)
   if done then
@@ -99,19 +167,30 @@ local function put(slot, oldest, group_id, next_id)
   if tonumber(score) <= now then
     redis.call('HINCRBY', p .. 'state', 'expired', 1)
     redis.call('DEL', bytes)
+    lose(p, slot)
     return {0, 'expired'}
   end
   redis.call('PERSIST', bytes)
-  local id = redis.call('XADD', p .. 'groups', '*', 'slot', slot, 'v', oldest, 'id', group_id)
+  -- c is '' only for a slot granted by a buffer from before slots had cursors.
+  local id = redis.call('XADD', p .. 'groups', '*', 'slot', slot, 'v', oldest, 'id', group_id,
+                        'c', use(p, slot) or '')
   redis.call('SET', p .. 'put:' .. slot, id, 'EX', 86400)
   local accepted = redis.call('HINCRBY', p .. 'state', 'accepted', 1)
   return {1, id, accepted, next_slot()}
 end
 local replies = {}
-for i = 2, #ARGV, 4 do
-  replies[#replies + 1] = put(ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
+for i = 2, #ARGV, 5 do
+  replies[#replies + 1] = put(ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4])
 end
 return replies
+"""
+
+# Accepted groups not yet in a batch: never read (stream length - pending) + staged.
+_UNBATCHED = """
+local function unbatched(p)
+  local pending = redis.call('XPENDING', p .. 'groups', 'trainer')[1]
+  return redis.call('XLEN', p .. 'groups') - pending + redis.call('LLEN', p .. 'staged')
+end
 """
 
 _ENTRIES = """
@@ -136,7 +215,7 @@ end
 
 # ARGV: prefix, consumer, batch size, new batch id.
 # -> {'redelivered', batch id, entries} | {'new', batch id, entries, dropped} | {'wait', dropped}
-GET_BATCH = _NOW + """
+GET_BATCH = _NOW + _UNBATCHED + """
 local p = ARGV[1]
 local consumer, n, new_id = ARGV[2], tonumber(ARGV[3]), ARGV[4]
 """ + _ENTRIES + """
@@ -156,11 +235,8 @@ if reclaim then
   return {'redelivered', reclaim, entries(redis.call('LRANGE', p .. 'batch:' .. reclaim, 0, -1))}
 end
 -- Too few groups for a batch: answer before touching any, since a waiting trainer asks
--- again and again. Not yet batched = never read (stream length - pending) + staged.
-local pending = redis.call('XPENDING', p .. 'groups', 'trainer')[1]
-if redis.call('XLEN', p .. 'groups') - pending + redis.call('LLEN', p .. 'staged') < n then
-  return {'wait', 0}
-end
+-- again and again.
+if unbatched(p) < n then return {'wait', 0} end
 local eta = tonumber(cfg[1])
 local version = tonumber(redis.call('HGET', p .. 'state', 'trainer_version') or '0')
 local kept, dropped = {}, 0
@@ -221,14 +297,25 @@ redis.call('SET', p .. 'acked:' .. id, 1, 'EX', 86400)
 return {1, #ids}
 """
 
-# ARGV: prefix, version, uri, channel.  -> {0, current} older than current | {1, updated_ms}
+# ARGV: prefix, version, uri, channel, step, '1' for the job's final weights else ''.
+# -> {0, current} older than current | {1, updated_ms}
 SET_VERSION = _NOW + """
 local p = ARGV[1]
 local current = tonumber(redis.call('HGET', p .. 'state', 'trainer_version') or '0')
 local version = tonumber(ARGV[2])
 if version < current then return {0, current} end
-redis.call('HSET', p .. 'state', 'trainer_version', version, 'trainer_step', ARGV[5])
+redis.call('HSET', p .. 'state', 'trainer_version', version, 'trainer_step', ARGV[5],
+           'trainer_finished', ARGV[6] == '1' and 1 or 0)
 redis.call('HSET', p .. 'weights', 'version', version, 'uri', ARGV[3], 'updated_unix_ms', now)
 redis.call('PUBLISH', ARGV[4], version)
 return {1, now}
+"""
+
+# What GetStats reads besides the state hash, in one run so the figures agree with each other
+# (the trainer decides from them that the job is done). ARGV: prefix.
+# -> {groups not yet batched, batches outstanding, then dataset()'s five figures}
+PROGRESS = _CURSOR + _UNBATCHED + """
+local p = ARGV[1]
+local d = dataset(p)
+return {unbatched(p), redis.call('ZCARD', p .. 'batches'), d[1], d[2], d[3], d[4], d[5]}
 """

@@ -68,7 +68,8 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
 
     @_mapped
     async def AcquireSlot(self, request, context):
-        return _grant_pb(await self._store.acquire_slot(request.job, request.worker))
+        return _grant_pb(await self._store.acquire_slot(request.job, request.worker,
+                                                        request.prompts))
 
     @_mapped
     async def Heartbeat(self, request, context):
@@ -78,7 +79,8 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
     @_mapped
     async def ReleaseSlot(self, request, context):
         released = await self._store.release_slot(request.job, request.slot_id,
-                                                  uniform_rewards=request.uniform_rewards)
+                                                  uniform_rewards=request.uniform_rewards,
+                                                  prompt_used=request.prompt_used)
         return buffer_pb2.ReleaseSlotResponse(released=released)
 
     @_mapped
@@ -87,7 +89,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         group_id, oldest = check_group(group, self._store.job(request.job))
         put = await self._store.put_group(
             request.job, request.slot_id, group_id, oldest, group,
-            next_worker=request.worker if request.acquire_next else None,
+            next_worker=request.worker if request.acquire_next else None, prompts=request.prompts,
         )
         return _put_pb(put)
 
@@ -115,7 +117,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
                 outcomes[index] = exc
                 continue
             puts.append((index, Put(put.slot_id, group_id, oldest, group,
-                                    put.worker if put.acquire_next else None)))
+                                    put.worker if put.acquire_next else None, put.prompts)))
         stored = await self._store.put_groups(job.name, [put for _, put in puts])
         for (index, _), outcome in zip(puts, stored):
             outcomes[index] = outcome
@@ -139,7 +141,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
     @_mapped
     async def SetVersion(self, request, context):
         announced = await self._store.set_version(request.job, request.version, request.weights_uri,
-                                                  request.trainer_step)
+                                                  request.trainer_step, final=request.final)
         return _version_pb(announced)
 
     @_mapped
@@ -209,7 +211,7 @@ def _grant_pb(grant: SlotGrant) -> buffer_pb2.AcquireSlotResponse:
     return buffer_pb2.AcquireSlotResponse(
         granted=grant.granted, slot_id=grant.slot_id,
         lease_expires_unix_ms=grant.lease_expires_unix_ms, reason=grant.reason,
-        retry_after_ms=0 if grant.granted else 100,
+        retry_after_ms=0 if grant.granted else 100, prompt_cursor=grant.prompt_cursor,
     )
 
 

@@ -15,6 +15,7 @@ from redis.exceptions import NoScriptError
 
 from asyncrl.buffer import scripts
 from asyncrl.coalesce import Coalescer
+from asyncrl.prompt_order import epoch_of
 from asyncrl.redis_keys import key, prefix, weights_channel, weights_key
 from asyncrl.weights import WeightVersion
 
@@ -68,6 +69,9 @@ class JobConfig:
     lease_seconds: float = 30.0
     ack_timeout_seconds: float = 300.0
     max_group_bytes: int = 32 << 20
+    # dataset.epochs: the prompt cursor ends at N x epochs (None: no end). N itself comes
+    # from the rollout workers (scripts._GRANT says why).
+    epochs: int | None = None
 
     @classmethod
     def from_job(cls, job) -> JobConfig:
@@ -80,6 +84,7 @@ class JobConfig:
             max_concurrent=spec.rollout.max_concurrent_rollouts,
             lease_seconds=spec.buffer.lease_seconds,
             ack_timeout_seconds=spec.buffer.ack_timeout_seconds,
+            epochs=spec.dataset.epochs,
         )
 
 
@@ -89,6 +94,7 @@ class SlotGrant:
     slot_id: str = ""
     lease_expires_unix_ms: int = 0
     reason: str = ""
+    prompt_cursor: int = 0
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,7 @@ class Put:
     oldest_version: int
     group_bytes: bytes
     next_worker: str | None = None   # also ask the gate for this worker's next slot
+    prompts: int = 0                 # that worker's training prompts (AcquireSlotRequest)
 
 
 @dataclass(frozen=True)
@@ -138,6 +145,14 @@ class Stats:
     expired_slots_total: int
     staleness_counts: list[int]
     skipped_uniform_total: int = 0
+    prompt_cursor: int = 0
+    prompts_per_epoch: int = 0
+    epochs: int = 0
+    epoch: int = 0
+    prompts_to_reissue: int = 0
+    dataset_used_up: bool = False
+    outstanding_batches: int = 0
+    trainer_finished: bool = False
 
 
 class BufferStore:
@@ -152,7 +167,8 @@ class BufferStore:
         self._ahead: dict[str, asyncio.Task] = {}   # job -> the next batch's groups, by slot
         self._scripts = {
             name: client.register_script(getattr(scripts, name))
-            for name in ("ACQUIRE", "HEARTBEAT", "RELEASE", "PUT", "GET_BATCH", "ACK", "SET_VERSION")
+            for name in ("ACQUIRE", "HEARTBEAT", "RELEASE", "PUT", "GET_BATCH", "ACK", "SET_VERSION",
+                         "PROGRESS")
         }
 
     def close(self) -> None:
@@ -174,6 +190,7 @@ class BufferStore:
                 "max_concurrent": job.max_concurrent or 0,
                 "lease_ms": int(job.lease_seconds * 1000),
                 "ack_timeout_ms": int(job.ack_timeout_seconds * 1000),
+                "epochs": job.epochs or 0,
             })
             try:
                 await self._client.xgroup_create(key(job.name, "groups"), CONSUMER_GROUP, id="0",
@@ -198,29 +215,31 @@ class BufferStore:
 
     # ------------------------------------------------------------------ rollout side
 
-    async def acquire_slot(self, job_name: str, worker: str) -> SlotGrant:
+    async def acquire_slot(self, job_name: str, worker: str, prompts: int = 0) -> SlotGrant:
+        """A slot and its prompt cursor, if the gate allows; `prompts`: the worker's N."""
         job = self.job(job_name)
         slot_id = _new_slot_id(worker)
-        return _grant(job, slot_id, await self._run("ACQUIRE", job, slot_id))
+        return _grant(job, slot_id, await self._run("ACQUIRE", job, slot_id, _prompts(prompts)))
 
     async def heartbeat(self, job_name: str, slot_id: str) -> tuple[bool, int]:
         reply = await self._run("HEARTBEAT", self.job(job_name), _required(slot_id, "slot_id"))
         return (True, int(reply[1])) if reply[0] == 1 else (False, 0)
 
-    async def release_slot(self, job_name: str, slot_id: str, *,
-                           uniform_rewards: bool = False) -> bool:
-        """Gives a slot back unused; `uniform_rewards`: its group was generated and dropped by
-        the worker, every reward equal (counted once, by the release that frees the slot)."""
+    async def release_slot(self, job_name: str, slot_id: str, *, uniform_rewards: bool = False,
+                           prompt_used: bool = False) -> bool:
+        """Gives a slot back without a group; `uniform_rewards`: its group was generated and
+        dropped by the worker, every reward equal (counted once, by the release that frees the
+        slot). Its prompt is handed out again unless it was skipped so or `prompt_used`."""
         return bool(await self._run("RELEASE", self.job(job_name), _required(slot_id, "slot_id"),
-                                    "1" if uniform_rewards else ""))
+                                    "1" if uniform_rewards else "", "1" if prompt_used else ""))
 
     async def put_group(
         self, job_name: str, slot_id: str, group_id: str, oldest_version: int,
-        group_bytes: bytes, next_worker: str | None = None,
+        group_bytes: bytes, next_worker: str | None = None, prompts: int = 0,
     ) -> PutResult:
         """One put of `put_groups`; its refusal raised."""
         (outcome,) = await self.put_groups(
-            job_name, [Put(slot_id, group_id, oldest_version, group_bytes, next_worker)])
+            job_name, [Put(slot_id, group_id, oldest_version, group_bytes, next_worker, prompts)])
         if isinstance(outcome, BufferError):
             raise outcome
         return outcome
@@ -242,6 +261,7 @@ class BufferStore:
                         "algorithm.groupSize"
                     )
                 next_slot = _new_slot_id(put.next_worker) if put.next_worker is not None else ""
+                _prompts(put.prompts)
             except BufferError as exc:
                 outcomes[index] = exc
                 continue
@@ -256,8 +276,12 @@ class BufferStore:
                     "buffer.leaseSeconds)"
                 )
             else:
-                outcomes[index] = PutResult(reply[0] == 1, int(reply[2]),
-                                            _grant(job, next_slot, reply[3]) if next_slot else None)
+                try:
+                    outcomes[index] = PutResult(
+                        reply[0] == 1, int(reply[2]),
+                        _grant(job, next_slot, reply[3]) if next_slot else None)
+                except BufferError as exc:  # the put was taken; its worker counts other prompts
+                    outcomes[index] = exc
         return outcomes
 
     async def _write_puts(self, todo: list[tuple[JobConfig, Put, str]]) -> list:
@@ -277,7 +301,8 @@ class BufferStore:
                     args = []
                     for place in places:
                         _, put, next_slot = todo[place]
-                        args += (put.slot_id, put.oldest_version, put.group_id, next_slot)
+                        args += (put.slot_id, put.oldest_version, put.group_id, next_slot,
+                                 put.prompts)
                     pipe.evalsha(script.sha, 1, key(name, "state"), prefix(name), *args)
                 try:
                     per_job = (await pipe.execute())[len(todo):]
@@ -376,14 +401,15 @@ class BufferStore:
             raise NotFound(f"batch {batch_id!r} is not outstanding; ask GetBatch for a batch")
         return True
 
-    async def set_version(self, job_name: str, version: int, uri: str,
-                          step: int = 0) -> WeightVersion:
+    async def set_version(self, job_name: str, version: int, uri: str, step: int = 0,
+                          final: bool = False) -> WeightVersion:
         job = self.job(job_name)
         if version < 0:
             raise InvalidArgument(f"version must be >= 0, got {version}")
         if step < 0:
             raise InvalidArgument(f"trainer_step must be >= 0, got {step}")
-        reply = await self._run("SET_VERSION", job, version, uri, weights_channel(job.name), step)
+        reply = await self._run("SET_VERSION", job, version, uri, weights_channel(job.name), step,
+                                "1" if final else "")
         if reply[0] == 0:
             raise FailedPrecondition(
                 f"version {version} is older than the trainer version {int(reply[1])}"
@@ -399,21 +425,26 @@ class BufferStore:
         job = self.job(job_name)
         seconds, micros = await self._client.time()  # the clock the leases use
         now_ms = seconds * 1000 + micros // 1000
+        # One transaction: the trainer decides from these figures together that the job is
+        # done (no group can come any more, and too few wait for a batch).
         async with self._client.pipeline(transaction=True) as pipe:
             pipe.hgetall(key(job.name, "state"))
             pipe.zcount(key(job.name, "slots"), now_ms, "+inf")
-            pipe.llen(key(job.name, "staged"))
             pipe.hgetall(key(job.name, "staleness"))
-            pipe.xinfo_groups(key(job.name, "groups"))
-            state, running, staged, staleness, groups = await pipe.execute()
+            pipe.hget(key(job.name, "config"), "prompts")
+            # Queued, not run (the pipeline loads the script first if Redis lacks it).
+            await self._scripts["PROGRESS"](keys=[key(job.name, "state")],
+                                            args=[prefix(job.name)], client=pipe)
+            state, running, staleness, prompts, progress = await pipe.execute()
         state = {_text(k): int(v) for k, v in state.items()}
-        lag = next((g.get("lag") or 0 for g in groups if _text(g["name"]) == CONSUMER_GROUP), 0)
+        depth, outstanding, cursor, _, reissue, _, used_up = map(int, progress)
+        prompts = int(prompts or 0)
         histogram = {int(k): int(v) for k, v in staleness.items()}
         counts = [histogram.get(i, 0) for i in range(max(histogram, default=-1) + 1)]
         return Stats(
             trainer_version=state.get("trainer_version", 0),
             trainer_step=state.get("trainer_step", 0),
-            depth_groups=int(lag) + int(staged),
+            depth_groups=depth,
             running_slots=int(running),
             accepted_total=state.get("accepted", 0),
             consumed_total=state.get("consumed", 0),
@@ -422,6 +453,14 @@ class BufferStore:
             expired_slots_total=state.get("expired", 0),
             staleness_counts=counts,
             skipped_uniform_total=state.get("skipped_uniform", 0),
+            prompt_cursor=cursor,
+            prompts_per_epoch=prompts,
+            epochs=job.epochs or 0,
+            epoch=epoch_of(cursor, prompts),
+            prompts_to_reissue=reissue,
+            dataset_used_up=bool(used_up),
+            outstanding_batches=outstanding,
+            trainer_finished=bool(state.get("trainer_finished", 0)),
         )
 
 
@@ -435,9 +474,23 @@ def _grant(job: JobConfig, slot_id: str, reply) -> SlotGrant:
     """A SlotGrant from the gate's answer (scripts._GRANT) for `slot_id`."""
     if reply[0] == -1:
         raise NotFound(f"job {job.name!r} is not registered in Redis; restart the buffer")
+    if reply[0] == -2:
+        raise FailedPrecondition(
+            f"this worker has a different number of training prompts than job {job.name!r}'s "
+            f"prompt cursor counts ({_text(reply[1])} per epoch): every rollout worker must "
+            "build the same training prompts (same dataset spec, files and model tokenizer); "
+            "a job whose dataset changed must start over (a new name, or its Redis state "
+            "deleted)"
+        )
     if reply[0] == 0:
         return SlotGrant(False, reason=_text(reply[1]))
-    return SlotGrant(True, slot_id, int(reply[1]))
+    return SlotGrant(True, slot_id, int(reply[1]), prompt_cursor=int(reply[2]))
+
+
+def _prompts(count: int) -> int:
+    if count < 0:
+        raise InvalidArgument(f"prompts must be >= 0, got {count}")
+    return count
 
 
 def _text(value) -> str:
