@@ -17,6 +17,7 @@ from safetensors.torch import save_model
 
 from asyncrl.algorithms.staleness import rollout_capacity
 from asyncrl.models import TinyModelConfig, build_tiny_model, packed_token_logprobs
+from asyncrl.prompts import PromptItem, PromptSet
 from asyncrl.rollout.engine import TorchEngine
 from asyncrl.rollout.types import EngineStatus
 from asyncrl.samples import Group, Slot
@@ -97,22 +98,50 @@ class HttpServer:
         self._socket.close()
 
 
+class InOrder:
+    """Prompts by cursor in the order given, every epoch alike: a test double of
+    asyncrl.prompt_order.PromptOrder where a test needs to know which prompt comes when."""
+
+    def __init__(self, items: list[PromptItem], max_prompt_tokens: int | None = None):
+        self._set = PromptSet.of(items, max_prompt_tokens)
+
+    def item(self, cursor: int) -> PromptItem:
+        return self._set[cursor % len(self._set)]
+
+    def fits(self, item: PromptItem) -> bool:
+        return self._set.fits(item)
+
+
 class InProcessGate:
     """The staleness gate in one process, a test double for the workflow's unit tests; the job
-    uses the Redis-backed buffer service, which enforces the same rule across replicas."""
+    uses the Redis-backed buffer service, which enforces the same rule across replicas. It
+    hands out prompt cursors as the buffer does: `prompts` in all (None: no end), a lost
+    slot's again first, and None once every one is used."""
 
-    def __init__(self, *, max_staleness: int, batch_size: int, max_concurrent: int = 0):
+    def __init__(self, *, max_staleness: int, batch_size: int, max_concurrent: int = 0,
+                 prompts: int | None = None):
         self.max_staleness = max_staleness
         self.batch_size = batch_size
         self.max_concurrent = max_concurrent
+        self.prompts = prompts
         self.trainer_version = 0
         self.accepted = 0
         self.running = 0
+        self.cursor = 0                      # the next new cursor
+        self.reissue: list[int] = []         # lost slots' cursors
+        self.holding: dict[str, int] = {}    # slot id -> its cursor
         self.groups: list[Group] = []
         self.released: list[str] = []  # the reasons given
         self.peak_in_flight = 0
         self._changed = asyncio.Condition()
         self._ids = itertools.count()
+
+    def used_up(self) -> bool:
+        return (self.prompts is not None and self.cursor >= self.prompts and not self.reissue
+                and not self.holding)
+
+    def _prompt_left(self) -> bool:
+        return bool(self.reissue) or self.prompts is None or self.cursor < self.prompts
 
     def capacity(self) -> int:
         return rollout_capacity(
@@ -124,28 +153,41 @@ class InProcessGate:
             max_concurrent=self.max_concurrent,
         )
 
-    async def acquire(self) -> Slot:
+    async def acquire(self) -> Slot | None:
         async with self._changed:
-            await self._changed.wait_for(lambda: self.capacity() > 0)
+            await self._changed.wait_for(
+                lambda: self.used_up() or (self._prompt_left() and self.capacity() > 0))
+            if self.used_up():
+                return None
+            if self.reissue:
+                cursor = self.reissue.pop(0)
+            else:
+                cursor, self.cursor = self.cursor, self.cursor + 1
             self.running += 1
             self.peak_in_flight = max(self.peak_in_flight, self.accepted + self.running)
-            return Slot(f"slot-{next(self._ids)}")
+            slot = Slot(f"slot-{next(self._ids)}", cursor)
+            self.holding[slot.slot_id] = cursor
+            return slot
 
     async def put(self, slot: Slot, group: Group) -> None:
         async with self._changed:
+            del self.holding[slot.slot_id]
             self.running -= 1
             self.accepted += 1
             self.groups.append(group)
             self._changed.notify_all()
 
-    async def release(self, slot: Slot, reason: str) -> None:
+    async def release(self, slot: Slot, reason: str, *, prompt_used: bool = False) -> None:
         async with self._changed:
+            cursor = self.holding.pop(slot.slot_id)
+            if not prompt_used:
+                self.reissue.append(cursor)
             self.running -= 1
             self.released.append(reason)
             self._changed.notify_all()
 
     async def skip(self, slot: Slot) -> None:
-        await self.release(slot, "every reward equal")
+        await self.release(slot, "every reward equal", prompt_used=True)
 
     async def set_version(self, version: int) -> None:
         async with self._changed:

@@ -1,4 +1,5 @@
-"""The rollout workflow with a real engine and tiny model, and the in-process gate."""
+"""The rollout workflow with a real engine and tiny model, and the in-process gate (which hands
+out prompt cursors as the buffer does)."""
 
 import asyncio
 
@@ -9,7 +10,7 @@ from asyncrl.rollout.engine import TorchEngine
 from asyncrl.rollout.types import SamplingParams
 from asyncrl.rollout.engine_api import TorchInferenceEngine
 from asyncrl.rollout.workflow import EngineGenerator, PromptItem, RolloutWorkflow
-from rollout_helpers import InProcessGate
+from rollout_helpers import InOrder, InProcessGate
 
 
 class CountingScorer:
@@ -24,7 +25,8 @@ class CountingScorer:
 
 
 def items(count):
-    return [PromptItem(f"p{i}", [1 + i, 2 + i, 3 + i], reference=7) for i in range(count)]
+    return InOrder([PromptItem(f"p{i}", [1 + i, 2 + i, 3 + i], reference=7)
+                    for i in range(count)])
 
 
 @pytest.fixture
@@ -36,7 +38,7 @@ def engine():
 
 
 def test_workflow_puts_scored_groups_with_complete_records(engine):
-    gate = InProcessGate(max_staleness=10, batch_size=2)
+    gate = InProcessGate(max_staleness=10, batch_size=2, prompts=5)
     scorer = CountingScorer()
     workflow = RolloutWorkflow(
         items(5), generator=EngineGenerator(TorchInferenceEngine(engine)), scorer=scorer, gate=gate, group_size=3,
@@ -63,7 +65,7 @@ def test_workflow_requests_are_counted_in_the_rollout_metrics(engine):
     metrics = RolloutMetrics("job")
     workflow = RolloutWorkflow(
         items(2), generator=EngineGenerator(TorchInferenceEngine(engine), metrics), scorer=CountingScorer(),
-        gate=InProcessGate(max_staleness=10, batch_size=2), group_size=3,
+        gate=InProcessGate(max_staleness=10, batch_size=2, prompts=2), group_size=3,
         params=SamplingParams(max_new_tokens=6),
     )
     asyncio.run(workflow.run())
@@ -93,7 +95,7 @@ async def until(condition, what: str, timeout: float = 60.0) -> None:
 
 def test_gate_holds_rollouts_until_the_trainer_advances(engine):
     """η = 0, batch 2: only 2 groups may exist before version 1, 4 before version 2."""
-    gate = WatchedGate(max_staleness=0, batch_size=2)
+    gate = WatchedGate(max_staleness=0, batch_size=2, prompts=6)
 
     async def scenario():
         workflow = RolloutWorkflow(
@@ -118,20 +120,32 @@ def test_gate_holds_rollouts_until_the_trainer_advances(engine):
     assert gate.accepted == 6 and gate.peak_in_flight <= 6
 
 
-def test_failed_generation_releases_its_slot(engine):
-    gate = InProcessGate(max_staleness=4, batch_size=2)
+def test_failed_generation_releases_its_slot_and_its_prompt_comes_back(engine, caplog):
+    """A group whose generation fails gives its slot back unused: the gate hands its prompt
+    out again (here to the same workflow, which then succeeds); the worker goes on."""
+    gate = InProcessGate(max_staleness=4, batch_size=2, prompts=1)
 
-    class Broken:
+    class FailsOnce:
+        def __init__(self, engine):
+            self.calls = 0
+            self.engine = EngineGenerator(TorchInferenceEngine(engine))
+
         async def generate(self, prompt_ids, params):
-            raise RuntimeError("engine went away")
+            self.calls += 1
+            if self.calls == 1:
+                raise RuntimeError("engine went away")
+            return await self.engine.generate(prompt_ids, params)
 
     workflow = RolloutWorkflow(
-        items(1), generator=Broken(), scorer=CountingScorer(), gate=gate, group_size=2,
-        params=SamplingParams(max_new_tokens=3),
+        items(1), generator=FailsOnce(engine), scorer=CountingScorer(), gate=gate,
+        group_size=2, params=SamplingParams(max_new_tokens=3),
     )
-    with pytest.raises(RuntimeError, match="went away"):
-        asyncio.run(workflow.run())
-    assert gate.running == 0 and gate.accepted == 0 and workflow.stats.groups_failed == 1
+    with caplog.at_level("WARNING", logger="asyncrl.rollout.workflow"):
+        stats = asyncio.run(asyncio.wait_for(workflow.run(), 60))
+    assert gate.released == ["generation failed"] and stats.groups_failed == 1
+    assert [g.prompt_id for g in gate.groups] == ["p0"] and stats.groups_put == 1
+    assert gate.used_up() and gate.running == 0
+    assert "handed out again" in caplog.text and "went away" in caplog.text
 
 
 def test_group_ids_are_unique_across_workers_over_the_same_prompts(engine):
@@ -143,7 +157,7 @@ def test_group_ids_are_unique_across_workers_over_the_same_prompts(engine):
             items(3), generator=EngineGenerator(TorchInferenceEngine(engine)),
             scorer=CountingScorer(), gate=gate, group_size=2,
             params=SamplingParams(max_new_tokens=2))
-        asyncio.run(workflow.run())
+        asyncio.run(workflow.run(max_groups=3))
     ids = [g.group_id for g in gate.groups]
     assert len(ids) == 6 and len(set(ids)) == 6, ids
     assert all(g.group_id.startswith(f"{g.prompt_id}#") for g in gate.groups)
@@ -166,9 +180,10 @@ def test_uniform_groups_are_skipped_and_their_budget_given_back(engine, skip):
 
     from asyncrl.rollout.metrics import RolloutMetrics
 
-    gate = InProcessGate(max_staleness=0, batch_size=2)
+    gate = InProcessGate(max_staleness=0, batch_size=2, prompts=7)
     metrics = RolloutMetrics("job")
-    prompts = [PromptItem(f"p{i}", [1 + i, 2 + i], reference=7) for i in (0, 2, 1, 4, 6, 8, 3)]
+    prompts = InOrder([PromptItem(f"p{i}", [1 + i, 2 + i], reference=7)
+                       for i in (0, 2, 1, 4, 6, 8, 3)])
     workflow = RolloutWorkflow(
         prompts, generator=EngineGenerator(TorchInferenceEngine(engine)), scorer=MixedWhereOdd(),
         gate=gate, group_size=3, params=SamplingParams(max_new_tokens=2), skip_uniform=skip,
@@ -196,8 +211,9 @@ def test_a_run_of_skipped_groups_warns_that_no_step_may_come(engine, monkeypatch
     from asyncrl.rollout import workflow as workflow_module
 
     monkeypatch.setattr(workflow_module, "SKIP_STREAK_WARNING", 2)
-    gate = InProcessGate(max_staleness=0, batch_size=8)
-    prompts = [PromptItem(f"p{i}", [1 + i, 2 + i], reference=7) for i in (0, 2, 4, 6, 8, 1)]
+    gate = InProcessGate(max_staleness=0, batch_size=8, prompts=6)
+    prompts = InOrder([PromptItem(f"p{i}", [1 + i, 2 + i], reference=7)
+                       for i in (0, 2, 4, 6, 8, 1)])
     workflow = RolloutWorkflow(
         prompts, generator=EngineGenerator(TorchInferenceEngine(engine)), scorer=MixedWhereOdd(),
         gate=gate, group_size=3, params=SamplingParams(max_new_tokens=2), skip_uniform=True)
@@ -216,3 +232,33 @@ def test_a_run_of_skipped_groups_warns_that_no_step_may_come(engine, monkeypatch
     with caplog.at_level("WARNING", logger="asyncrl.rollout.workflow"):
         stats = asyncio.run(asyncio.wait_for(workflow.run(), 60))  # p1, which is put
     assert stats.groups_put == 1 and stats.skipped_in_a_row == 0 and not caplog.records
+
+
+def test_prompts_too_long_are_dropped_counted_and_never_truncated(engine, caplog):
+    """A prompt over dataset.maxPromptTokens gives its slot back with the prompt used (not
+    handed out again), is counted in the metrics and logged with the running count."""
+    from prometheus_client import generate_latest
+
+    from asyncrl.rollout.metrics import RolloutMetrics
+
+    metrics = RolloutMetrics("job")
+    lengths = {"p0": 3, "p1": 6, "p2": 2, "p3": 5}
+    prompts = InOrder([PromptItem(name, list(range(1, 1 + n)), reference=7)
+                       for name, n in lengths.items()], max_prompt_tokens=4)
+    gate = InProcessGate(max_staleness=10, batch_size=2, prompts=4)
+    workflow = RolloutWorkflow(
+        prompts, generator=EngineGenerator(TorchInferenceEngine(engine)),
+        scorer=CountingScorer(), gate=gate, group_size=2, params=SamplingParams(max_new_tokens=2),
+        on_dropped=lambda _item: metrics.observe_dropped_prompt("too_long"))
+    with caplog.at_level("WARNING", logger="asyncrl.rollout.workflow"):
+        stats = asyncio.run(asyncio.wait_for(workflow.run(), 60))
+    assert sorted(g.prompt_id for g in gate.groups) == ["p0", "p2"]
+    assert all(s.prompt_ids == list(range(1, 1 + lengths[g.prompt_id]))
+               for g in gate.groups for s in g.samples)
+    assert stats.prompts_dropped == 2 and gate.released == ["prompt too long"] * 2
+    assert gate.used_up() and gate.reissue == []
+    text = generate_latest(metrics.registry).decode()
+    assert 'asyncrl_rollout_dropped_prompts_total{reason="too_long",rljob="job"} 2.0' in text
+    dropped = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(dropped) == 2 and "p1 has 6 tokens" in dropped[0]
+    assert dropped[1].endswith("(2 dropped by this worker so far)")

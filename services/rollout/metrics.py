@@ -67,6 +67,12 @@ class RolloutMetrics:
             "(algorithm.skipUniformGroups).",
             const_names, registry=registry,
         )
+        self.dropped_prompts = Counter(
+            "asyncrl_rollout_dropped_prompts_total",
+            "Prompts dropped without a group, by reason (too_long: longer than "
+            "dataset.maxPromptTokens; never truncated).",
+            (*const_names, "reason"), registry=registry,
+        )
         self.policy_version = Gauge(
             "asyncrl_rollout_policy_version", "Policy version the engine generates with.",
             const_names, registry=registry,
@@ -96,6 +102,7 @@ class RolloutMetrics:
             self._child(metric)
         for reason in ("stop", "length", "abort"):
             self._child(self.requests, finish_reason=reason)
+        self._child(self.dropped_prompts, reason="too_long")
         for result in ("success", "failure"):
             self._child(self.weight_updates, result=result)
         self._lock = threading.Lock()
@@ -112,6 +119,9 @@ class RolloutMetrics:
 
     def observe_skipped_group(self) -> None:
         self._child(self.skipped_groups).inc()
+
+    def observe_dropped_prompt(self, reason: str) -> None:
+        self._child(self.dropped_prompts, reason=reason).inc()
 
     def observe_weight_update(self, update: WeightUpdate) -> None:
         self._child(self.weight_updates, result="success").inc()

@@ -13,7 +13,6 @@ non-zero only past the outage bound (`outage_seconds`).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import shlex
 from typing import Coroutine
@@ -27,6 +26,7 @@ from asyncrl.devices import local_rank, select_device
 from asyncrl.heap import reuse_large_blocks
 from asyncrl.models import load_policy, load_tokenizer, model_directory
 from asyncrl.outage import Outage, OutageTooLong, connect, redis_address
+from asyncrl.prompt_order import PromptOrder
 from asyncrl.prompts import build_prompts, max_sequence_length
 from asyncrl.reward.client import PromptScorer, reward_scorer
 from asyncrl.rollout.engine import TorchEngine
@@ -192,17 +192,19 @@ def status_app(engine: InferenceEngine, metrics: RolloutMetrics,
 
 
 def _workflow_factory(settings: RolloutSettings, job, tokenizer, train, metrics):
-    """The workflow coroutine over an engine: training prompts, round and round, from where
-    the job was."""
+    """The workflow coroutine over an engine: the prompts the buffer hands out with each slot
+    (each once per epoch across every replica and restart), until every epoch's are used.
+    The worker then keeps serving, idle, until it is stopped: a process that ended would be
+    started again by its Deployment (or fail `asyncrl run`), only to be told the same."""
 
     async def run(engine: InferenceEngine) -> None:
         spec = job.spec
+        # N goes to the buffer with each slot asked for: the buffer keeps the first worker's,
+        # and refuses a worker whose dataset counts otherwise.
         client = BufferClient(settings.buffer_address, job.metadata.name, settings.worker,
                               lease_seconds=spec.buffer.lease_seconds,
-                              outage_seconds=settings.outage_seconds)
-        # Prompts already used = groups accepted so far (a restart continues the sequence).
-        start = (await client.stats()).accepted_total % len(train)
-        prompts = itertools.islice(itertools.cycle(train), start, None)
+                              outage_seconds=settings.outage_seconds, prompts=len(train))
+        prompts = PromptOrder(train, spec.dataset.seed)
         rollout = spec.rollout
         reward = reward_scorer(settings.reward_address, job.metadata.name, spec.reward)
         scorer = PromptScorer(reward, tokenizer)
@@ -218,12 +220,17 @@ def _workflow_factory(settings: RolloutSettings, job, tokenizer, train, metrics)
             ),
             skip_uniform=spec.algorithm.skip_uniform_groups,
             on_skipped=lambda _group: metrics.observe_skipped_group(),
+            on_dropped=lambda _item: metrics.observe_dropped_prompt("too_long"),
         )
         try:
             await workflow.run()
         finally:
             await client.close()
             await reward.close()
+        log.info("every prompt of the job's %d epochs (dataset.epochs) of %d prompts is used: "
+                 "this worker generates no more, and serves until it is stopped",
+                 spec.dataset.epochs, len(train))
+        await asyncio.Event().wait()
 
     return run
 

@@ -1,11 +1,13 @@
-"""The rollout workflow: prompt -> slot -> n responses -> scores -> a group in the buffer
+"""The rollout workflow: slot -> its prompt -> n responses -> scores -> a group in the buffer
 (or, with skip_uniform, dropped when every reward is equal: it carries no learning signal).
 
 Each group runs as its own asyncio task, so many groups (and the n responses inside each) are
 generated concurrently; the engine batches them. The staleness gate decides how many groups
-may be in flight: a group starts only when the gate grants it a slot.
+may be in flight: a group starts only when the gate grants it a slot, and the slot names the
+prompt (a cursor the buffer hands out once across every worker: asyncrl.prompt_order). The
+workflow ends when the gate says every prompt of every epoch is used.
 
-The workflow meets the rest of the system at three small interfaces, so the same loop drives
+The workflow meets the rest of the system at four small interfaces, so the same loop drives
 the torch engine or SGLang, scores in-process or through the reward service, and talks to the
 Redis-backed buffer (the tests also drive it with an in-process gate, tests/rollout_helpers.py).
 """
@@ -18,7 +20,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Protocol
 
 from asyncrl.prompts import PromptItem
 from asyncrl.rollout.engine_api import InferenceEngine
@@ -41,16 +43,28 @@ class Scorer(Protocol):
     async def score(self, item: PromptItem, responses: list[list[int]]) -> list[float]: ...
 
 
+class Prompts(Protocol):
+    """The training prompts by the cursors the gate hands out (asyncrl.prompt_order)."""
+
+    def item(self, cursor: int) -> PromptItem: ...
+
+    def fits(self, item: PromptItem) -> bool:
+        """Whether the job runs `item` (dataset.maxPromptTokens)."""
+
+
 class SlotGate(Protocol):
     """The buffer as the rollout side sees it."""
 
-    async def acquire(self) -> Slot:
-        """Waits until the staleness gate grants a slot."""
+    async def acquire(self) -> Slot | None:
+        """Waits until the staleness gate grants a slot; None once every prompt of every
+        epoch is used (no slot will be granted again)."""
 
     async def put(self, slot: Slot, group: Group) -> Slot | None:
         """Stores the group and releases its slot (a next slot only when one is asked for)."""
 
-    async def release(self, slot: Slot, reason: str) -> None: ...
+    async def release(self, slot: Slot, reason: str, *, prompt_used: bool = False) -> None:
+        """Gives the slot back without a group: its prompt is handed out again, unless
+        `prompt_used`."""
 
     async def skip(self, slot: Slot) -> None:
         """Gives the slot back: its group was generated, and every response got the same
@@ -79,6 +93,7 @@ class WorkflowStats:
     groups_failed: int = 0
     groups_skipped: int = 0  # every reward equal, with skip_uniform
     skipped_in_a_row: int = 0
+    prompts_dropped: int = 0  # longer than dataset.maxPromptTokens
     samples: int = 0
     generated_tokens: int = 0
     rewards: list[float] = field(default_factory=list)
@@ -87,7 +102,7 @@ class WorkflowStats:
 class RolloutWorkflow:
     def __init__(
         self,
-        prompts: Iterable[PromptItem],
+        prompts: Prompts,
         *,
         generator: Generator,
         scorer: Scorer,
@@ -97,8 +112,9 @@ class RolloutWorkflow:
         on_group: Callable[[Group], None] = lambda _: None,
         skip_uniform: bool = False,
         on_skipped: Callable[[Group], None] = lambda _: None,
+        on_dropped: Callable[[PromptItem], None] = lambda _: None,
     ):
-        self._prompts = iter(prompts)
+        self._prompts = prompts
         self._generator = generator
         self._scorer = scorer
         self._gate = gate
@@ -107,6 +123,7 @@ class RolloutWorkflow:
         self._on_group = on_group
         self._skip_uniform = skip_uniform
         self._on_skipped = on_skipped
+        self._on_dropped = on_dropped
         # Group ids name this workflow too: every worker, and every restart of one, counts
         # from 0 over the same prompts.
         self._worker = uuid.uuid4().hex[:8]
@@ -114,16 +131,20 @@ class RolloutWorkflow:
         self.stats = WorkflowStats()
 
     async def run(self, max_groups: int | None = None) -> WorkflowStats:
-        """Starts a group whenever the gate grants a slot, until `max_groups` groups were put
-        (or the prompts run out); cancelling it abandons in-flight groups' slots cleanly."""
+        """Starts a group whenever the gate grants a slot, until `max_groups` groups were
+        started (or every prompt is used); cancelling it abandons in-flight groups' slots
+        cleanly, their prompts handed out again."""
         tasks: set[asyncio.Task] = set()
         started = 0
         try:
             while max_groups is None or started < max_groups:
-                item = next(self._prompts, None)
-                if item is None:
-                    break
                 slot = await self._gate.acquire()
+                if slot is None:
+                    break
+                item = self._prompts.item(slot.prompt_cursor)
+                if not self._prompts.fits(item):
+                    await self._drop(slot, item)
+                    continue
                 started += 1
                 task = asyncio.create_task(self._run_group(slot, item))
                 tasks.add(task)
@@ -137,14 +158,29 @@ class RolloutWorkflow:
                 await asyncio.gather(*tasks, return_exceptions=True)
         return self.stats
 
+    async def _drop(self, slot: Slot, item: PromptItem) -> None:
+        """A prompt too long for the job: never truncated (a cut prompt asks another question),
+        its slot given back with the prompt used, counted and logged."""
+        await self._gate.release(slot, "prompt too long", prompt_used=True)
+        self.stats.prompts_dropped += 1
+        self._on_dropped(item)
+        log.warning("prompt %s has %d tokens, more than dataset.maxPromptTokens: dropped, not "
+                    "truncated (%d dropped by this worker so far)", item.prompt_id,
+                    len(item.prompt_ids), self.stats.prompts_dropped)
+
     async def _run_group(self, slot: Slot, item: PromptItem) -> None:
         started_ms = int(time.time() * 1000)
         try:
             group = await self._generate_group(item, started_ms)
-        except BaseException:
+        except BaseException as exc:
             self.stats.groups_failed += 1
+            # Its prompt is handed out again, to this worker or another.
             await asyncio.shield(self._gate.release(slot, "generation failed"))
-            raise
+            if not isinstance(exc, Exception):  # cancelled: the workflow is stopping
+                raise
+            log.warning("generating for prompt %s failed; its prompt is handed out again",
+                        item.prompt_id, exc_info=True)
+            return
         if self._skip_uniform and len({s.reward for s in group.samples}) == 1:
             # Never accepted, so the staleness gate's budget is whole again for the next one.
             await self._gate.skip(slot)
@@ -152,7 +188,7 @@ class RolloutWorkflow:
             return
         try:
             await self._gate.put(slot, group)
-        except Exception:  # e.g. the slot's lease expired: the group is lost, the worker is not
+        except Exception:  # e.g. the slot's lease expired: the buffer hands its prompt out again
             self.stats.groups_failed += 1
             log.warning("group %s was not accepted by the buffer", group.group_id, exc_info=True)
             return
