@@ -23,8 +23,9 @@ What runs where:
                                      pods; spec.reward.python.volume, read-only in the reward pods
     <job>-redis, <job>-buffer, <job>-trainer, <job>-reward   NetworkPolicy   only the job's own
                     pods (and the operator, for buffer statistics and trainer status) reach
-                    Redis, the buffer and the trainer; reward pods, which run untrusted
-                    programs, make no outgoing connection at all
+                    Redis, the buffer and the trainer; reward pods, which may run untrusted
+                    programs, make no outgoing connection at all (but to a reward kind
+                    http's endpoint)
 
 Pods of a component that requests GPUs (`placement.gpus` > 0) run `OperatorConfig.gpu_image`
 (CUDA torch and SGLang), the others `OperatorConfig.image` (CPU torch).
@@ -578,11 +579,12 @@ def trainer_network_policy(job: RLJob, config: OperatorConfig) -> dict[str, Any]
 
 
 def reward_network_policy(job: RLJob, config: OperatorConfig) -> dict[str, Any] | None:
-    """Reward pods run untrusted programs: no egress at all (not even DNS), and only the
-    job's own pods may ask for scores."""
+    """Reward pods may run untrusted programs: no egress at all (not even DNS), and only the
+    job's own pods may ask for scores. Reward kind http runs none, and calls its endpoint
+    wherever it is served: its egress stays open."""
     if not config.network_policies:
         return None
-    return _network_policy(job, "reward", deny_egress=True, ingress=[
+    return _network_policy(job, "reward", deny_egress=job.spec.reward.kind != "http", ingress=[
         _from_own_pods(job, [REWARD_PORT]), _from_anywhere([REWARD_METRICS])])
 
 

@@ -61,6 +61,16 @@ def gpu():
     return job_from("examples/gpu-cluster.yaml", namespace="ml-research")
 
 
+#: A file dataset and a python reward, each on a claim of the user's.
+ON_VOLUMES = {
+    "dataset": {"kind": "file", "path": "/data/arith/train.jsonl",
+                "evalPath": "/data/arith/test.jsonl", "volume": "prompts",
+                "fields": {"prompt": "question", "answer": "answer"}},
+    "reward": {"kind": "python", "python": {"function": "mine.score:reward",
+                                            "path": "/rewards/mine", "volume": "reward-code"}},
+}
+
+
 def test_children_of_a_managed_redis_job(tiny):
     children = by_kind_name(build_children(tiny, CONFIG, redis_password="pw"))
     assert set(children) == {
@@ -125,6 +135,17 @@ def test_network_policies_admit_only_the_jobs_own_pods(tiny):
     assert reward["policyTypes"] == ["Ingress", "Egress"] and "egress" not in reward  # none
     assert reward["ingress"][0] == {"from": [own_pods],
                                     "ports": [{"protocol": "TCP", "port": builders.REWARD_PORT}]}
+
+
+def test_http_reward_pods_may_reach_their_endpoint_and_no_others_egress():
+    http = job_from(reward={"kind": "http", "http": {"url": "http://judge.ml:8000/score"}})
+    (policy,) = [c for c in build_children(http, CONFIG, redis_password="pw")
+                 if c["kind"] == "NetworkPolicy" and c["metadata"]["name"] == "tiny-reward"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    python = job_from(**ON_VOLUMES)
+    (policy,) = [c for c in build_children(python, CONFIG, redis_password="pw")
+                 if c["kind"] == "NetworkPolicy" and c["metadata"]["name"] == "tiny-reward"]
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
 
 
 def test_network_policies_follow_the_operator_setting_and_external_redis(tiny):
@@ -461,16 +482,6 @@ def test_every_pod_is_unprivileged_and_reward_is_locked_down(tiny):
     reward = builders.reward_deployment(tiny, CONFIG)["spec"]["template"]["spec"]
     assert reward["enableServiceLinks"] is False
     assert not [v for v in reward["volumes"] if "persistentVolumeClaim" in v]
-
-
-#: A file dataset and a python reward, each on a claim of the user's.
-ON_VOLUMES = {
-    "dataset": {"kind": "file", "path": "/data/arith/train.jsonl",
-                "evalPath": "/data/arith/test.jsonl", "volume": "prompts",
-                "fields": {"prompt": "question", "answer": "answer"}},
-    "reward": {"kind": "python", "python": {"function": "mine.score:reward",
-                                            "path": "/rewards/mine", "volume": "reward-code"}},
-}
 
 
 def pod_of(workload: dict) -> tuple[dict, dict]:
