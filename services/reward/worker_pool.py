@@ -46,19 +46,19 @@ class _Worker:
         worker = cls(process)
         try:
             first = await asyncio.wait_for(worker._read(), start_timeout)
-            if "error" in first:
-                raise WorkerStartError(first["error"])
-            if not first.get("ready"):
-                raise WorkerStartError(f"{name}: unexpected first line {first!r}")
         except asyncio.TimeoutError:
-            worker.kill()
+            await worker.stop()
             raise WorkerStartError(f"{name}: not ready after {start_timeout:g}s") from None
         except (EOFError, ValueError) as exc:
-            worker.kill()
+            await worker.stop()
             raise WorkerStartError(f"{name}: {exc}") from exc
         except BaseException:
             worker.kill()
             raise
+        if not first.get("ready"):
+            await worker.stop()
+            raise WorkerStartError(first.get("error") or f"{name}: unexpected first line "
+                                                         f"{first!r}")
         return worker
 
     async def ask(self, request: dict) -> dict:
@@ -75,6 +75,10 @@ class _Worker:
     def kill(self) -> None:
         if self.process.returncode is None:
             self.process.kill()
+
+    async def stop(self) -> None:
+        self.kill()
+        await self.process.wait()
 
 
 class WorkerPool:
@@ -115,7 +119,7 @@ class WorkerPool:
         failed = [r for r in results if not isinstance(r, _Worker)]
         if failed:
             for worker in workers:
-                worker.kill()
+                await worker.stop()
             raise failed[0]
         for worker in workers:
             self._all.add(worker)

@@ -22,8 +22,7 @@ class Channel:
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
-        os.dup2(2, 1)
-        sys.stdin = open(os.devnull, encoding="utf-8")  # noqa: SIM115 - lives as long as the process
+        os.dup2(2, 1)  # sys.stdin and sys.stdout wrap these descriptors: they follow
 
     def send(self, reply: dict) -> None:
         self._replies.write(json.dumps(reply) + "\n")
