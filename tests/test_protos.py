@@ -25,6 +25,10 @@ def _fill(message, depth=0):
             if oneof.name in seen_oneofs:
                 continue
             seen_oneofs.add(oneof.name)
+        if field.type == FieldDescriptor.TYPE_MESSAGE and field.message_type.GetOptions().map_entry:
+            key, value = (field.message_type.fields_by_name[name] for name in ("key", "value"))
+            getattr(message, field.name)[_value(key, index)] = _value(value, index)
+            continue
         if field.type == FieldDescriptor.TYPE_MESSAGE:
             if depth > 3:
                 continue
