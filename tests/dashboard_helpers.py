@@ -95,6 +95,7 @@ def exercised_registries() -> dict[str, object]:
                                  max_running_requests=4, max_sequence_length=64))
     reward = RewardMetrics("t")
     reward.observe_result("math", ScoreResult.failed("a", Failure.WRONG_ANSWER))
+    reward.observe_result("python", ScoreResult("b", 1.0, extras={"format_bonus": 0.1}))
     reward.observe_run(RunResult(exit_code=None, stdout=b"", stderr=b"", wall_seconds=1.0,
                                  timed_out=True))
     reward.sandbox_available.set(1)

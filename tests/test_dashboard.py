@@ -33,8 +33,10 @@ UNITS = {
 UNITLESS = {
     "asyncrl_trainer_loss": "a loss is dimensionless and not bounded to 0..1",
     "asyncrl_reward_sandbox_available": "a 0/1 boolean, like Prometheus' own `up`",
+    "asyncrl_reward_extra": "a python reward's own numbers, in the reward's own units",
 }
-LABELS = {"rljob", "kind", "reason", "finish_reason", "result", "le", "transfer"}
+# `field`: a python reward's extra numbers by name, at most reward.metrics.MAX_EXTRA_FIELDS.
+LABELS = {"rljob", "kind", "reason", "finish_reason", "result", "le", "transfer", "field"}
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,8 @@ services in one process). Every series carries the job's name as a constant `rlj
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from asyncrl.reward.sandbox import RunResult
@@ -12,7 +14,14 @@ from asyncrl.reward.types import Failure, ScoreResult
 
 SANDBOX_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 SCORE_BUCKETS = (0.0, 0.25, 0.5, 0.75, 1.0)
-KINDS = ("math", "code")
+# A python reward's extra numbers are its own, in its own units. No bucket below 0: with one,
+# Prometheus clients drop the histogram's _sum (and with it the mean per field).
+EXTRA_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 100.0)
+KINDS = ("math", "code", "python", "http")
+# Extra fields get a series each; past this many names, new ones are not recorded.
+MAX_EXTRA_FIELDS = 16
+
+log = logging.getLogger(__name__)
 
 
 class RewardMetrics:
@@ -27,10 +36,18 @@ class RewardMetrics:
         self.failures = Counter(
             "asyncrl_reward_failures_total",
             "Responses that scored 0, by reason (wrong_answer, no_answer, runtime_error, "
-            "syntax_error, timeout, memory, killed, verifier_error, output_limit).",
+            "syntax_error, timeout, memory, killed, verifier_error, output_limit, exception, "
+            "invalid_score, http_error).",
             (*const, "reason"), registry=registry)
         self.score = Histogram("asyncrl_reward_score_ratio", "Score of each response (0 to 1).",
                                (*const, "kind"), registry=registry, buckets=SCORE_BUCKETS)
+        self.extras = Histogram(
+            "asyncrl_reward_extra",
+            "The extra numbers a python reward returns beside its score, by name (at most "
+            f"{MAX_EXTRA_FIELDS} names).", (*const, "field"), registry=registry,
+            buckets=EXTRA_BUCKETS)
+        self._extra_fields: set[str] = set()
+        self._ignored_extra_logged = False
         self.sandbox_seconds = Histogram(
             "asyncrl_reward_sandbox_seconds", "Wall time of one sandboxed run, start to exit.",
             const, registry=registry, buckets=SANDBOX_BUCKETS)
@@ -65,6 +82,22 @@ class RewardMetrics:
         self._child(self.score, kind=kind).observe(result.score)
         if result.failure is not Failure.NONE:
             self._child(self.failures, reason=result.failure.label).inc()
+        for name, value in result.extras.items():
+            if self._extra_field(name):
+                self._child(self.extras, field=name).observe(value)
+
+    def _extra_field(self, name: str) -> bool:
+        """Whether `name` has (or may have) a series: label values are bounded."""
+        if name in self._extra_fields:
+            return True
+        if len(self._extra_fields) < MAX_EXTRA_FIELDS:
+            self._extra_fields.add(name)
+            return True
+        if not self._ignored_extra_logged:
+            self._ignored_extra_logged = True
+            log.warning("the reward returns more than %d extra fields; %r and any further "
+                        "names are not recorded as metrics", MAX_EXTRA_FIELDS, name)
+        return False
 
     def observe_run(self, run: RunResult) -> None:
         self._child(self.sandbox_seconds).observe(run.wall_seconds)

@@ -1,9 +1,13 @@
 """`asyncrl serve reward`: the gRPC Reward service.
 
 The servicer only translates protobuf to domain types and back; `RewardScorer` does the work.
-Errors are mapped to status codes in one place (`_status_for`): a malformed request is
-INVALID_ARGUMENT, a sandbox that refuses to run code FAILED_PRECONDITION. Anything a scored
-response does is a per-task `ScoreResult`, never an error.
+Errors are mapped to status codes in one place (`_status_for`): a malformed request (or a task
+this job's reward cannot score) is INVALID_ARGUMENT, a sandbox that refuses to run code or a
+reward function that cannot be loaded FAILED_PRECONDITION. Anything a scored response does is a
+per-task `ScoreResult`, never an error.
+
+A job's reward is started before the server listens: a python reward whose function cannot be
+imported stops the service there, its message naming the module and the error.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import grpc
 
 from asyncrl.reward.metrics import RewardMetrics
 from asyncrl.reward.sandbox import SandboxUnavailable
-from asyncrl.reward.scorer import RewardScorer
+from asyncrl.reward.scorer import RewardScorer, UnsupportedTask
 from asyncrl.reward.types import ScoreTask
+from asyncrl.reward.worker_pool import WorkerStartError
 from asyncrl.grpc_errors import map_errors
 from asyncrl import grpc_service
 from asyncrl.settings import RewardSettings
@@ -36,9 +41,9 @@ class InvalidRequest(ValueError):
 
 
 def _status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, InvalidRequest):
+    if isinstance(exc, (InvalidRequest, UnsupportedTask)):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, SandboxUnavailable):
+    if isinstance(exc, (SandboxUnavailable, WorkerStartError)):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
@@ -87,7 +92,11 @@ async def start_server(settings: RewardSettings) -> RunningReward:
     scorer = RewardScorer.from_spec(job.spec.reward, workers=settings.workers, metrics=metrics,
                                     uid_base=settings.sandbox_uid_base)
     # The job's own kind is ready before the first request (and health tells the truth).
-    await scorer.start([job.spec.reward.kind])
+    try:
+        await scorer.start([job.spec.reward.kind])
+    except BaseException:
+        await scorer.close()
+        raise
     server = await create_server(scorer, job.metadata.name, job.spec.reward.kind,
                                  f"{settings.host}:{settings.grpc_port}")
     return RunningReward(server, scorer, metrics)
@@ -97,8 +106,9 @@ async def create_server(scorer: RewardScorer, job: str, kind: str, address: str)
     """A started gRPC server for `scorer` on `address` (host:port)."""
 
     async def can_score() -> bool:
-        # A job that scores math can be served while the code sandbox is unavailable.
-        return kind != "code" or scorer.health()[0]
+        # The job's own kind decides: a math job is served while the code sandbox is
+        # unavailable; an http job is not while its endpoint is unreachable.
+        return await scorer.ready()
 
     return await grpc_service.start_server(
         "reward", address,
@@ -120,4 +130,7 @@ def serve(settings: RewardSettings) -> None:
         finally:
             await running.close()
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except WorkerStartError as exc:  # e.g. the job's reward function does not import
+        raise SystemExit(f"reward service cannot start: {exc}") from None
