@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import grpc
 import pytest
@@ -26,9 +27,10 @@ from asyncrl.reward.types import (
     ScoreTask,
 )
 from asyncrl.reward.worker_pool import WorkerStartError
-from asyncrl.spec import RewardSpec
+from asyncrl.spec import RewardSpec, load_manifest
 from reward_helpers import LoopThread, RewardThread
 
+ROOT = Path(__file__).resolve().parents[1]
 JOB = "python-reward-test"
 
 REWARDS = '''
@@ -262,6 +264,29 @@ def test_a_job_without_a_reward_service_scores_with_its_function_in_process(fold
         assert loop.run(scores()) == [1.0, 0.0]
     finally:
         loop.stop()
+
+
+def test_the_example_reward_scores_the_answer_and_the_format():
+    reward = load_manifest(ROOT / "examples/rewards/format_bonus.yaml").spec.reward
+    assert reward.python.path == "examples/rewards"  # `asyncrl run` makes it absolute
+    reward.python.path = str(ROOT / reward.python.path)
+    arith = RowReference.of("Ben has 5 marbles...", {"prompt_id": "a", "answer": 18})
+    gsm8k = RowReference.of("Natalia sold clips...",
+                            {"question": "...", "answer": "48 + 24 = 72\n#### 72"})
+    tasks = [ScoreTask("right", "5 + 13 = 18, so \\boxed{18}", arith),
+             ScoreTask("unformatted", "\\boxed{18} is it", arith),
+             ScoreTask("wrong", "\\boxed{17}", arith),
+             ScoreTask("none", "18", arith),
+             ScoreTask("gsm8k", "\\boxed{72}", gsm8k)]
+    scorer = reward_scorer(None, JOB, reward)
+    loop = LoopThread()
+    try:
+        results = loop.run(scorer.score(tasks))
+    finally:
+        loop.run(scorer.close())
+        loop.stop()
+    assert [r.score for r in results] == [1.1, 1.0, 0.1, 0.0, 1.1]
+    assert results[1].extras == {"correct": 1.0, "format_bonus": 0.0}
 
 
 def test_the_row_a_reward_reads_for_file_and_generated_datasets():
