@@ -1,1 +1,2 @@
-"""Reward service: math verification and the code sandbox."""
+"""Reward service: math verification, the code sandbox, a job's own Python function or HTTP
+endpoint."""
