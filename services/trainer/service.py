@@ -1,5 +1,6 @@
-"""`asyncrl serve trainer`: GetBatch -> update -> Ack -> publish weights -> SetVersion, forever
-(until algorithm.maxSteps).
+"""`asyncrl serve trainer`: GetBatch -> update -> Ack -> publish weights -> SetVersion, until
+algorithm.maxSteps, or until the dataset is used up (dataset.epochs) and too few groups are left
+for a full batch: every full batch is trained, a last partial one is not.
 
 The update runs in a worker thread so the gRPC status server and the buffer client stay
 responsive. A batch is acknowledged only after its update is applied, so a trainer killed mid-
@@ -291,11 +292,9 @@ class Trainer:
                 self.status.phase = "waiting_for_batch"
                 waiting = time.perf_counter()
                 async with self._alone():
-                    batch = await client.get_batch(settings.consumer, spec.algorithm.batch_size,
-                                                   wait_ms=2000)
-                    while not batch.batch_id:
-                        batch = await client.get_batch(settings.consumer,
-                                                       spec.algorithm.batch_size, wait_ms=2000)
+                    batch = await self._next_batch(client)
+                if batch is None:
+                    break
                 wait_seconds = time.perf_counter() - waiting
                 self.status.phase = "training"
                 samples, rewards = samples_from_groups(batch.groups, spec.algorithm)
@@ -334,14 +333,12 @@ class Trainer:
                     # forget_records_after drops this record, so no step is recorded twice.
                     self._record(record)
                 if step % spec.trainer.checkpoint_every == 0 or step == spec.algorithm.max_steps:
-                    optimizer_state = await self._command(Command("checkpoint"))
-                    async with self._alone():
-                        await self._on_compute(save_checkpoint, self.hf_model, state,
-                                                optimizer_state, settings.run_dir,
-                                                TrainerState(step, version))
+                    await self._checkpoint(state, step, version)
                 if final:
                     async with self._alone():
-                        await client.set_version(version, self._published_uri, step)
+                        await client.set_version(version, self._published_uri, step, final=True)
+            if step < spec.algorithm.max_steps:
+                await self._finish_used_up(client, step, version, started)
             await self._command(STOP)
             self.status.phase = "done"
         except BaseException:
@@ -353,6 +350,58 @@ class Trainer:
                 self._evaluator.stop()
             if self.reward:
                 await self.reward.close()
+
+    async def _next_batch(self, client: BufferClient):
+        """The next batch of groups, once there is one; None once the dataset is used up and
+        too few groups are left for a full batch (they are never trained)."""
+        batch_size = self.spec.algorithm.batch_size
+        while True:
+            batch = await client.get_batch(self.settings.consumer, batch_size, wait_ms=2000)
+            if batch.batch_id:
+                return batch
+            if no_batch_will_come(await client.stats(), batch_size):
+                return None
+
+    async def _finish_used_up(self, client: BufferClient, step: int, version: int,
+                              started: float) -> None:
+        """The dataset ran out before algorithm.maxSteps: the last step's weights become the
+        final ones as at maxSteps (evaluated, checkpointed, then announced as final). The last
+        step learnt only afterwards that it was the last, so what its own turn skipped is done
+        now; a trainer restarted after that finds the job finished and does nothing again."""
+        spec = self.spec
+        async with self._alone():
+            stats = await client.stats()
+        if stats.trainer_finished and stats.trainer_step == step:
+            return
+        log.info("the dataset is used up (%d epochs of %d prompts) at step %d of %d: the "
+                 "job is done, %d accepted groups too few for a batch of %d left untrained",
+                 stats.epochs, stats.prompts_per_epoch, step, spec.algorithm.max_steps,
+                 stats.depth_groups, spec.algorithm.batch_size)
+        evaluate = step % spec.trainer.eval_every != 0 and bool(self.eval_items)
+        checkpoint = step % spec.trainer.checkpoint_every != 0
+        if step > 0 and (evaluate or checkpoint):
+            state = await self._command(STATE)
+            if evaluate:
+                async with self._alone():
+                    self.status.phase = "evaluating"
+                    self.status.eval_accuracy = await self.evaluate(state)
+                    self.metrics.observe_eval(self.status.eval_accuracy)
+                    self._write({"kind": "eval", "step": step, "version": version,
+                                 "time": time.time(), "elapsed": time.perf_counter() - started,
+                                 "eval_accuracy": self.status.eval_accuracy})
+            if checkpoint:
+                await self._checkpoint(state, step, version)
+        elif step == 0:
+            log.warning("the dataset was used up before a single full batch: nothing was "
+                        "trained (raise dataset.epochs, or lower algorithm.batchSize)")
+        async with self._alone():
+            await client.set_version(version, self._published_uri, step, final=True)
+
+    async def _checkpoint(self, state: dict, step: int, version: int) -> None:
+        optimizer_state = await self._command(Command("checkpoint"))
+        async with self._alone():
+            await self._on_compute(save_checkpoint, self.hf_model, state, optimizer_state,
+                                   self.settings.run_dir, TrainerState(step, version))
 
     def _transfer_world_size(self) -> int:
         """The weight transfer group's size as the job says now: scaling the rollout changes
@@ -473,6 +522,14 @@ def forget_records_after(metrics_file: Path, step: int | None) -> None:
     partial = metrics_file.with_name(f".{metrics_file.name}.partial")
     partial.write_text("".join(kept))
     partial.replace(metrics_file)
+
+
+def no_batch_will_come(stats, batch_size: int) -> bool:
+    """Whether the job's data is done (BufferStats, read in one go): every prompt of every
+    epoch is used, so no group is accepted any more, fewer than `batch_size` groups wait,
+    and no batch is out to a trainer (one past its ack timeout is delivered again)."""
+    return (stats.dataset_used_up and stats.depth_groups < batch_size
+            and stats.outstanding_batches == 0)
 
 
 def _versions(group) -> list[int]:
