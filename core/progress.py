@@ -55,6 +55,8 @@ class RunProgress:
             if status.eval_accuracy >= 0:
                 table.add_row("eval accuracy", f"{status.eval_accuracy:.3f}")
         if stats is not None:
+            if stats.prompts_per_epoch:
+                table.add_row("epoch", _epoch(stats))
             table.add_row("buffer depth (groups)", str(stats.depth_groups))
             table.add_row("rollouts in flight", str(stats.running_slots))
             table.add_row("dropped stale", str(stats.dropped_stale_total))
@@ -64,6 +66,19 @@ class RunProgress:
         eta = (self.max_steps - step) / step_rate if step_rate > 0 else None
         table.add_row("ETA", _duration(eta) if eta is not None else "-")
         return table
+
+
+def _epoch(stats) -> str:
+    """Where the prompt cursor is: "2 / 3 (prompt 17 of 64)", counted from 1; "3 / 3, used
+    up" at the end. Without dataset.epochs there is no "/ total"."""
+    n = stats.prompts_per_epoch
+    if stats.dataset_used_up:
+        return f"{stats.epochs} / {stats.epochs}, used up"
+    # Once the last epoch is handed out, the cursor stands at its end while slots finish.
+    epoch = min(stats.epoch, stats.epochs - 1) if stats.epochs else stats.epoch
+    position = min(stats.prompt_cursor - epoch * n, n)
+    total = f" / {stats.epochs}" if stats.epochs else ""
+    return f"{epoch + 1}{total} (prompt {position} of {n})"
 
 
 def _rate(points: deque) -> float:

@@ -14,9 +14,11 @@ def _rendered(table) -> str:
     return console.file.getvalue()
 
 
-def _stats(skipped: int) -> SimpleNamespace:
+def _stats(skipped: int = 0, **cursor) -> SimpleNamespace:
+    values = dict(prompts_per_epoch=0, prompt_cursor=0, epoch=0, epochs=0,
+                  dataset_used_up=False) | cursor
     return SimpleNamespace(accepted_total=12, depth_groups=2, running_slots=3,
-                           dropped_stale_total=1, skipped_uniform_total=skipped)
+                           dropped_stale_total=1, skipped_uniform_total=skipped, **values)
 
 
 def test_skipped_groups_get_a_row_once_there_are_any():
@@ -25,3 +27,25 @@ def test_skipped_groups_get_a_row_once_there_are_any():
     view = _rendered(progress.table(None, _stats(7)))
     assert "skipped, every reward equal" in view
     assert view.split("skipped, every reward equal")[1].split()[1] == "7"
+
+
+def _row(view: str, name: str) -> str:
+    return next(line for line in view.splitlines() if f" {name} " in line).split(name)[1]
+
+
+def test_the_epoch_row_says_where_the_prompt_cursor_is():
+    progress = RunProgress("job", max_steps=10, group_size=8)
+    assert " epoch " not in _rendered(progress.table(None, _stats()))  # no worker asked yet
+    view = _rendered(progress.table(None, _stats(prompts_per_epoch=64, prompt_cursor=81,
+                                                 epoch=1, epochs=3)))
+    assert "2 / 3 (prompt 17 of 64)" in _row(view, "epoch")
+    # Every epoch handed out, slots still out: the last epoch, whole.
+    view = _rendered(progress.table(None, _stats(prompts_per_epoch=64, prompt_cursor=192,
+                                                 epoch=3, epochs=3)))
+    assert "3 / 3 (prompt 64 of 64)" in _row(view, "epoch")
+    view = _rendered(progress.table(None, _stats(prompts_per_epoch=64, prompt_cursor=192,
+                                                 epoch=3, epochs=3, dataset_used_up=True)))
+    assert "3 / 3, used up" in _row(view, "epoch")
+    view = _rendered(progress.table(None, _stats(prompts_per_epoch=64, prompt_cursor=200,
+                                                 epoch=3)))  # no dataset.epochs: no end
+    assert "4 (prompt 8 of 64)" in _row(view, "epoch")
