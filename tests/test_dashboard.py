@@ -24,7 +24,7 @@ from dashboard_helpers import (
 
 # The counted thing, plural, before `_total` (as in http_requests_total).
 COUNTED = {"steps", "tokens", "samples", "requests", "updates", "responses", "failures",
-           "timeouts", "groups", "batches", "slots"}
+           "timeouts", "groups", "batches", "slots", "prompts"}
 UNITS = {
     "histogram": ("_seconds", "_versions", "_ratio"),
     "gauge": ("_seconds", "_tokens", "_groups", "_slots", "_requests", "_version", "_ratio"),
