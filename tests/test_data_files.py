@@ -205,6 +205,30 @@ def test_a_file_of_arith_problems_gives_the_arith_jobs_prompts_and_answers(tmp_p
         assert len(made) == len(read)
         assert [(i.prompt_id, i.prompt_ids, str(i.reference)) for i in made] == \
                [(i.prompt_id, i.prompt_ids, i.reference) for i in read]
+    # The same responses get the same rewards: a right answer, a wrong one, and none.
+    import asyncio
+
+    from asyncrl.reward.client import PromptScorer, reward_scorer
+
+    def rewards(items, spec):
+        async def score():
+            scorer = reward_scorer(None, "data", spec.reward)
+            try:
+                prompt_scorer = PromptScorer(scorer, tokenizer, "math")
+                encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa
+                return [await prompt_scorer.score(item, [
+                    encode(f"So \\boxed{{{item.reference}}}."), encode("\\boxed{-1}"),
+                    encode("no idea")]) for item in list(items)[:8]]
+            finally:
+                await scorer.close()
+        return asyncio.run(score())
+
+    arith_spec = parse_spec({"model": {"source": "tiny-random"}, "dataset": {
+        "kind": "arith", "numPrompts": 40, "seed": 3, "difficulty": 2}})
+    made_rewards = rewards(generated[0], arith_spec)
+    assert made_rewards == rewards(from_file[0], spec_for({"path": str(path), "fields": {
+        "prompt": "prompt", "answer": "answer"}}, "math"))
+    assert made_rewards[0] == [1.0, 0.0, 0.0]
 
 
 # --------------------------------------------------------------------------- errors

@@ -12,6 +12,7 @@ from asyncrl.grpc_health import is_serving
 from asyncrl.grpc_service import channel
 from asyncrl.reward.types import (
     CodeReference,
+    IoCase,
     MathReference,
     Reference,
     RowReference,
@@ -112,8 +113,11 @@ def reward_reference(item, kind: str | None = None) -> Reference:
     if isinstance(reference, (int, float, str)):
         return MathReference(str(reference))
     test_code = getattr(reference, "test_code", None)
-    if test_code is not None:
-        return CodeReference(test_code=test_code)
+    if test_code is not None:  # a generated code task, or a file row's CodeTests
+        return CodeReference(
+            test_code=test_code, prelude=getattr(reference, "prelude", ""),
+            io_cases=tuple(IoCase(stdin, stdout)
+                           for stdin, stdout in getattr(reference, "io_cases", ())))
     raise TypeError(f"prompt {item.prompt_id}: no {kind or 'math or code'} reward reference "
                     f"for {type(reference).__name__}")
 
