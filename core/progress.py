@@ -63,7 +63,8 @@ class RunProgress:
             if stats.skipped_uniform_total:
                 table.add_row("skipped, every reward equal", str(stats.skipped_uniform_total))
         step_rate = _rate(self._steps)
-        eta = (self.max_steps - step) / step_rate if step_rate > 0 else None
+        done = status is not None and status.phase == "done"  # maxSteps, or the data used up
+        eta = (self.max_steps - step) / step_rate if step_rate > 0 and not done else None
         table.add_row("ETA", _duration(eta) if eta is not None else "-")
         return table
 

@@ -49,3 +49,17 @@ def test_the_epoch_row_says_where_the_prompt_cursor_is():
     view = _rendered(progress.table(None, _stats(prompts_per_epoch=64, prompt_cursor=200,
                                                  epoch=3)))  # no dataset.epochs: no end
     assert "4 (prompt 8 of 64)" in _row(view, "epoch")
+
+
+def test_a_finished_run_shows_no_eta_even_short_of_max_steps(monkeypatch):
+    """A job that ended with its dataset used up stops before maxSteps: no time is left."""
+    clock = iter([0.0, 10.0, 20.0])
+    monkeypatch.setattr("asyncrl.progress.time.monotonic", lambda: next(clock))
+    progress = RunProgress("job", max_steps=100, group_size=8)
+    status = SimpleNamespace(phase="training", step=0, version=0, trained_tokens_per_second=1.0,
+                             reward_mean=0.0, staleness_mean=0.0, eval_accuracy=-1.0)
+    progress.table(status, _stats())
+    status.step = 3
+    assert _row(_rendered(progress.table(status, _stats())), "ETA").strip(" │") == "5m23s"
+    status.phase, status.step = "done", 4
+    assert _row(_rendered(progress.table(status, _stats())), "ETA").strip(" │") == "-"

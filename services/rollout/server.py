@@ -227,8 +227,8 @@ def _workflow_factory(settings: RolloutSettings, job, tokenizer, train, metrics)
         finally:
             await client.close()
             await reward.close()
-        log.info("every prompt of the job's %d epochs (dataset.epochs) of %d prompts is used: "
-                 "this worker generates no more, and serves until it is stopped",
+        log.info("every prompt is used (dataset.epochs: %d over %d prompts): this worker "
+                 "generates no more, and serves until it is stopped",
                  spec.dataset.epochs, len(train))
         await asyncio.Event().wait()
 

@@ -373,8 +373,9 @@ class Trainer:
             stats = await client.stats()
         if stats.trainer_finished and stats.trainer_step == step:
             return
-        log.info("the dataset is used up (%d epochs of %d prompts) at step %d of %d: the "
-                 "job is done, %d accepted groups too few for a batch of %d left untrained",
+        log.info("the dataset is used up (dataset.epochs: %d over %d prompts) at step %d of "
+                 "%d, the job is done: %d group(s) left over, too few for a batch of %d, are "
+                 "not trained",
                  stats.epochs, stats.prompts_per_epoch, step, spec.algorithm.max_steps,
                  stats.depth_groups, spec.algorithm.batch_size)
         evaluate = step % spec.trainer.eval_every != 0 and bool(self.eval_items)
