@@ -205,14 +205,12 @@ def test_cross_field_rules(spec_fields, path, fix):
     assert fix in line.split("; fix: ", 1)[1], line
 
 
-def test_jsonl_datasets_are_refused_until_they_can_be_read():
-    # Accepted before, and then the rollout workers and the trainer failed at start-up.
+def test_a_file_format_named_as_the_dataset_kind_says_to_use_kind_file():
     lines = errors_of(manifest(dataset={"kind": "jsonl", "path": "/data/p.jsonl"}))
     assert lines == [
-        'spec.dataset.kind: reading prompts from a JSONL file is not implemented yet '
-        '(got "jsonl"); fix: use kind: arith or kind: code (generated prompts)',
-        'spec.dataset.path: unknown field (got "/data/p.jsonl"); fix: remove it (known fields '
-        'here: kind, numPrompts, evalFraction, seed, difficulty)'], lines
+        'spec.dataset.kind: jsonl files are read by kind file (any of jsonl, json, parquet, '
+        'csv; the format comes from the file name) (got "jsonl"); fix: set kind: file and '
+        'path: <your file>'], lines
 
 
 def test_megatron_backend_is_accepted_with_its_parallel_sizes():
@@ -421,7 +419,7 @@ def test_broken_manifest_error_lines():
     text = "\n".join(lines)
     expected = {
         "metadata.name": "e.g. my-job",
-        "spec.dataset.path": "remove it",
+        "spec.dataset.path": "remove path, or set kind: file",
         "spec.algorithm.advantageEstimator": "use one of: grpo, dr_grpo, rloo",
         "spec.algorithm.groupSize": "set an integer >= 2",
         "spec.algorithm.clipEpsilon": "remove it - did you mean `clipEps`?",

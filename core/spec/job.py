@@ -218,6 +218,16 @@ class DatasetSpec(SpecModel):
         description="kinds arith and code: difficulty of generated problems, 1 (easy) to 5.",
     )
 
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _formats_are_kind_file(cls, value: Any) -> Any:
+        # Before the enum check, so that a format named as a kind is refused saying how.
+        if value in ("jsonl", "json", "parquet", "csv"):
+            raise rule_error(f"{value} files are read by kind file (any of jsonl, json, "
+                             "parquet, csv; the format comes from the file name)",
+                             fix="set kind: file and path: <your file>")
+        return value
+
     @model_validator(mode="after")
     def _fields_match_kind(self) -> DatasetSpec:
         file_only = ("path", "eval_path", "preset", "fields", "volume")
@@ -230,9 +240,12 @@ class DatasetSpec(SpecModel):
                     fix=f"remove {to_camel(given[0])}, or set kind: file",
                 )
             return self
-        generated_only = {"num_prompts", "difficulty"} & self.model_fields_set
+        # Compared with the defaults, not by what was written: a manifest dumped with its
+        # defaults (to_manifest) must read back.
+        generated_only = [name for name in ("num_prompts", "difficulty")
+                          if getattr(self, name) != type(self).model_fields[name].default]
         if generated_only:
-            name = to_camel(sorted(generated_only)[0])
+            name = to_camel(generated_only[0])
             raise rule_error(
                 f"{name} sizes generated datasets; kind file reads every row of path",
                 field=name, fix=f"remove {name}",
@@ -240,7 +253,8 @@ class DatasetSpec(SpecModel):
         if self.path is None:
             raise rule_error("kind file reads prompts from files, and no path is given",
                              field="path", fix="set path to a file, glob or directory")
-        if self.eval_path is not None and "eval_fraction" in self.model_fields_set:
+        if (self.eval_path is not None
+                and self.eval_fraction != type(self).model_fields["eval_fraction"].default):
             raise rule_error(
                 "evalPath and evalFraction both say which prompts are held out",
                 field="evalFraction", fix="remove evalFraction, or evalPath")
