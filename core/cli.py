@@ -392,8 +392,8 @@ _add_serve_command("rollout", """The rollout worker: the job's engine (torch in 
 _add_serve_command("buffer", """The buffer: staleness gate, batches and versions, all state in
     Redis. The Redis password, if any, is read from ASYNCRL_REDIS_PASSWORD (a Secret in
     Kubernetes).""")
-_add_serve_command("reward", """The reward service: math answer verification and unit tests in
-    a code sandbox.""")
+_add_serve_command("reward", """The reward service: math answer verification, unit tests in a
+    code sandbox, a user's Python function in worker processes, or an HTTP scoring endpoint.""")
 _add_serve_command("trainer", """The trainer: batches from the buffer, decoupled PPO updates,
     published weights. Under torchrun, one rank of a data-parallel (or FSDP-sharded)
     trainer.""")
