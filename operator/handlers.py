@@ -324,7 +324,8 @@ def buffer_stats(job: RLJob, address: str | None = None,
     except grpc.RpcError as exc:
         return None, f"{address}: {exc.code().name}"
     return BufferStats(reply.trainer_version, reply.trainer_step, reply.accepted_total,
-                       reply.consumed_total, tuple(reply.staleness_counts)), None
+                       reply.consumed_total, tuple(reply.staleness_counts),
+                       reply.trainer_finished), None
 
 
 #: The phase a trainer process that is not the leader reports (see trainer.proto).

@@ -29,7 +29,7 @@ SUSPENDED_BY_SPEC, RESUMED = "SuspendedBySpec", "NotSuspended"
 REACHABLE, UNREACHABLE = "GetStatsAnswered", "GetStatsFailed"
 TRAINER_REACHABLE, TRAINER_UNREACHABLE = "GetStatusAnswered", "GetStatusFailed"
 TRAINER_FAILED, NO_FAILURE = "TrainerFailed", "NoFailure"
-MAX_STEPS, IN_PROGRESS = "MaxStepsReached", "Training"
+MAX_STEPS, DATA_USED, IN_PROGRESS = "MaxStepsReached", "DatasetUsedUp", "Training"
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,8 @@ class BufferStats:
     accepted_total: int
     consumed_total: int
     staleness_counts: tuple[int, ...] = ()
+    #: The trainer announced its last weights: at maxSteps, or when dataset.epochs ran out.
+    trainer_finished: bool = False
 
     @property
     def staleness_mean(self) -> float | None:
@@ -154,7 +156,11 @@ _FIGURES = ("policyVersion", "trainerStep", "tokensPerSecond", "samplesPerSecond
 
 
 def _phase(observed: Observation, conditions: list) -> str:
-    done = observed.stats is not None and observed.stats.trainer_step >= observed.max_steps
+    stats = observed.stats
+    reached = stats is not None and stats.trainer_step >= observed.max_steps
+    # A job with dataset.epochs may end before maxSteps: its trainer announces the end.
+    used_up = stats is not None and stats.trainer_finished and not reached
+    done = reached or used_up
     # A finished job stays Succeeded: its trainer exits once done and the StatefulSet restarts it.
     if observed.trainer_failure and not done:
         conditions.append((FAILED, True, TRAINER_FAILED, observed.trainer_failure))
@@ -175,9 +181,13 @@ def _phase(observed: Observation, conditions: list) -> str:
     else:
         conditions.append((TRAINER, False, TRAINER_UNREACHABLE,
                            observed.trainer_error or "The trainer has not answered yet."))
-    conditions.append((COMPLETE, done, MAX_STEPS if done else IN_PROGRESS,
-                       f"Step {observed.stats.trainer_step if observed.stats else 0}"
-                       f" of {observed.max_steps} published."))
+    published = (f"Step {observed.stats.trainer_step if observed.stats else 0}"
+                 f" of {observed.max_steps} published.")
+    if used_up:
+        conditions.append((COMPLETE, True, DATA_USED,
+                           f"{published} The dataset's epochs are used up."))
+    else:
+        conditions.append((COMPLETE, done, MAX_STEPS if done else IN_PROGRESS, published))
 
     missing = [w.component for w in observed.workloads if not w.exists]
     waiting = [w for w in observed.workloads

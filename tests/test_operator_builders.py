@@ -686,6 +686,19 @@ def test_completion_is_judged_by_the_step_not_the_version():
     assert condition(status, "Complete")["message"] == "Step 10 of 10 published."
 
 
+def test_a_job_whose_dataset_is_used_up_succeeds_before_max_steps():
+    running = BufferStats(trainer_version=4, trainer_step=4, accepted_total=40,
+                          consumed_total=32)
+    assert compute_status(observation(stats=running), None)["phase"] == "Running"
+    ended = BufferStats(trainer_version=4, trainer_step=4, accepted_total=40, consumed_total=32,
+                        trainer_finished=True)
+    status = compute_status(observation(stats=ended), None)
+    assert status["phase"] == "Succeeded"
+    complete = condition(status, "Complete")
+    assert (complete["status"], complete["reason"]) == ("True", "DatasetUsedUp")
+    assert complete["message"] == "Step 4 of 10 published. The dataset's epochs are used up."
+
+
 def test_trainer_failure_is_failed():
     status = compute_status(observation(trainer_failure="trainer pod x crashed"), None)
     assert status["phase"] == "Failed"
