@@ -190,8 +190,9 @@ class DatasetSpec(SpecModel):
         default=None,
         ge=1,
         description="Passes over the training prompts, each in a new seeded order; the job "
-        "ends when they are used (or at algorithm.maxSteps, whichever comes first). Unset: "
-        "as many as maxSteps takes.",
+        "ends when they are used (or at algorithm.maxSteps, whichever comes first); the "
+        "groups left over, too few for a batch, are not trained. Unset: as many as maxSteps "
+        "takes.",
     )
     volume: str | None = Field(
         default=None,
