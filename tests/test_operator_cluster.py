@@ -181,6 +181,24 @@ def provide_run_volume(kube, namespace: str, job: str) -> None:
     })
 
 
+def provide_claim(kube, namespace: str, claim: str) -> None:
+    """A claim of the user's, bound to a volume made for it: what a job's dataset.volume or
+    reward.python.volume names (the job never creates it)."""
+    kube.core.create_persistent_volume({
+        "metadata": {"name": f"{namespace}-{claim}"},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
+                 "persistentVolumeReclaimPolicy": "Delete", "storageClassName": "",
+                 "hostPath": {"path": f"/tmp/asyncrl-test-pv/{namespace}-{claim}"},
+                 "claimRef": {"namespace": namespace, "name": claim}},
+    })
+    kube.core.create_namespaced_persistent_volume_claim(namespace, {
+        "metadata": {"name": claim},
+        "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                 "volumeName": f"{namespace}-{claim}",
+                 "resources": {"requests": {"storage": "1Gi"}}},
+    })
+
+
 def create_job(kube, data: dict) -> dict:
     meta = data["metadata"]
     return kube.custom.create_namespaced_custom_object(
@@ -313,6 +331,8 @@ def test_crd_is_served_with_scale_and_status(kube, crd):
     ({"buffer__redis": {"tls": True}}, "spec.buffer.redis.tls", "the managed Redis serves plain"),
     # Accepted before, and then the rollout workers and trainer failed at start-up.
     ({"dataset__kind": "jsonl"}, "spec.dataset.kind", 'Unsupported value: \\"jsonl\\"'),
+    # The CRD's CEL rule: a file dataset with no files.
+    ({"dataset": {"kind": "file"}}, "spec.dataset.path", "kind file reads prompts from files"),
 ])
 def test_the_api_server_rejects_invalid_specs_naming_the_field(kube, crd, namespace, change,
                                                                 field, words):
@@ -413,6 +433,36 @@ def test_apply_creates_owned_children_and_runs_gpu_pods_on_gpu_nodes(kube, opera
     assert sorted(r.reason for r in events) in (["Running", "Starting"], ["Running"]), messages
     assert messages["Running"] == f"Phase {'Starting' if 'Starting' in messages else 'none'}" \
                                   f" -> Running.", messages
+
+
+def test_the_users_claims_reach_the_pods_that_read_them_read_only(kube, operator, namespace):
+    # A file dataset and a python reward, each on a claim of the user's: the pods that read
+    # them schedule only once their claims are bound, so Running says the claims were found.
+    for claim in ("prompts", "reward-code"):
+        provide_claim(kube, namespace, claim)
+    start_running_job(kube, operator, namespace, dataset={
+        "kind": "file", "path": "/data/arith/train.jsonl", "evalPath": "/data/arith/test.jsonl",
+        "volume": "prompts", "fields": {"prompt": "question", "answer": "answer"},
+    }, reward={"kind": "python", "python": {"function": "mine.score:reward",
+                                            "path": "/rewards/mine", "volume": "reward-code"}})
+
+    def mounts(component: str) -> dict[str, tuple[str, bool, bool]]:
+        """{claim: (folder, volume read-only, mount read-only)} of the component's pod."""
+        (pod,) = pods_of(kube, namespace, "tiny", component)
+        assert pod.status.phase == "Running", (component, pod.status.phase)
+        claims = {v.name: v.persistent_volume_claim for v in pod.spec.volumes
+                  if v.persistent_volume_claim}
+        return {claims[m.name].claim_name: (m.mount_path, bool(claims[m.name].read_only),
+                                            bool(m.read_only))
+                for m in pod.spec.containers[0].volume_mounts if m.name in claims}
+
+    assert mounts("rollout") == {"tiny-run": ("/run/asyncrl", False, True),
+                                 "prompts": ("/data", True, True)}
+    assert mounts("trainer") == {"tiny-run": ("/run/asyncrl", False, False),
+                                 "prompts": ("/data", True, True)}
+    assert mounts("reward") == {"reward-code": ("/rewards", True, True)}
+    for component in ("redis", "buffer"):
+        assert not {"prompts", "reward-code"} & set(mounts(component)), component
 
 
 def _read(kube, kind, namespace, name):
