@@ -5,7 +5,9 @@ trainer pod and the Redis pod deleted mid-run, `kubectl scale`, suspend and resu
 `kubectl delete`. The job's run volume and its Redis volume are host folders here, so the test
 reads what the job wrote (metrics.jsonl, Redis' append-only file) after the fact.
 
-The tests run in file order on one job: each starts where the previous one left it."""
+The tests run in file order on one job: each starts where the previous one left it. The last
+runs a second, short job: Megatron-Core training on prompts from the user's own JSONL files, on
+a claim of theirs that the pods mount read-only."""
 
 from __future__ import annotations
 
@@ -184,6 +186,32 @@ def host_volume(name: str, path: Path, claim: str, namespace: str, mode: str) ->
                      "claimRef": {"namespace": namespace, "name": claim}}}
 
 
+def users_claim(claim: str, namespace: str, volume: str) -> dict:
+    """A claim the user made for their own files (dataset.volume names it), bound to `volume`:
+    the job only reads it."""
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": claim, "namespace": namespace},
+            "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                     "volumeName": volume, "resources": {"requests": {"storage": "1Gi"}}}}
+
+
+def arithmetic_rows(count: int, seed: int) -> list[dict]:
+    """Problems with their answers, in the layout of the user's own file."""
+    import random
+
+    pick = random.Random(seed).randint
+    rows = []
+    for _ in range(count):
+        a, b = pick(1, 20), pick(1, 20)
+        rows.append({"question": f"What is {a} + {b}?", "answer": str(a + b)})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
 # --------------------------------------------------------------------------- fixtures
 
 
@@ -212,14 +240,20 @@ def installed(real_node):
                     "--wait"], capture_output=True, text=True)
 
 
-def start_job(cluster, volumes: Path, change=lambda data: None) -> Job:
-    """manifest() in a namespace of its own with its volumes, after `change(manifest)`."""
+def start_job(cluster, volumes: Path, change=lambda data: None,
+              users_claims: dict[str, Path] | None = None) -> Job:
+    """manifest() in a namespace of its own with its volumes, after `change(manifest)`;
+    `users_claims`: {claim: host folder} of the user's own files, read-only."""
     namespace = f"e2e-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", namespace)
     for claim, folder, mode in ((f"{JOB}-run", "run", "ReadWriteMany"),
                                 (f"data-{JOB}-redis-0", "redis", "ReadWriteOnce")):
         pv = host_volume(f"{namespace}-{folder}", volumes / folder, claim, namespace, mode)
         cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(pv))
+    for claim, folder in (users_claims or {}).items():
+        pv = host_volume(f"{namespace}-{claim}", folder, claim, namespace, "ReadOnlyMany")
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(
+            [pv, users_claim(claim, namespace, pv["metadata"]["name"])]))
     data = manifest(namespace)
     change(data)
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(data))
@@ -458,19 +492,44 @@ def test_kubectl_delete_removes_every_child_and_redis_kept_every_accepted_sample
     assert len(fates.trained) >= job.max_steps * 2  # batchSize 2 groups per step
 
 
-def test_a_megatron_core_job_trains_in_pods_to_the_end(installed, tmp_path_factory):
-    # trainer.backend: megatron, in the service image, under the operator's torchrun command.
-    def megatron(data: dict) -> None:
-        data["spec"]["algorithm"]["maxSteps"] = 3
-        data["spec"]["trainer"]["backend"] = "megatron"
+def test_a_megatron_core_job_trains_in_pods_on_the_users_files_to_the_end(installed,
+                                                                          tmp_path_factory):
+    # trainer.backend: megatron, in the service image, under the operator's torchrun command;
+    # its prompts from the user's JSONL files on a claim of theirs (dataset.volume), which the
+    # rollout pod (training prompts) and the trainer pod (evaluation prompts) mount read-only.
+    volumes = tmp_path_factory.mktemp("megatron")
+    data = volumes / "prompts"
+    write_jsonl(data / "arith" / "train.jsonl", arithmetic_rows(24, seed=1))
+    write_jsonl(data / "arith" / "test.jsonl", arithmetic_rows(4, seed=2))
 
-    megatron_job = start_job(installed, tmp_path_factory.mktemp("megatron"), megatron)
+    def megatron_on_files(manifest: dict) -> None:
+        spec = manifest["spec"]
+        spec["algorithm"]["maxSteps"] = 3
+        spec["trainer"]["backend"] = "megatron"
+        spec["dataset"] = {"kind": "file", "path": "/data/arith/train.jsonl",
+                           "evalPath": "/data/arith/test.jsonl", "volume": "prompts",
+                           "fields": {"prompt": "question", "answer": "answer"}}
+
+    megatron_job = start_job(installed, volumes, megatron_on_files, users_claims={"prompts": data})
     megatron_job.max_steps = 3
     try:
+        (rollout,) = wait_for(lambda: megatron_job.ready_pods("rollout"), 600,
+                              "a ready rollout pod", megatron_job.describe)
+        # The claim's folder is open to everyone (host_volume): only the mount keeps the pod
+        # from writing to it.
+        write = megatron_job.cluster.kubectl(
+            "-n", megatron_job.namespace, "exec", rollout.metadata.name, "--", "python3", "-c",
+            "open('/data/written-by-the-pod', 'w')", check=False)
+        assert write.returncode != 0 and "Read-only file system" in write.stderr, write
         wait_for(lambda: megatron_job.status().get("phase") == "Succeeded", 600, "Succeeded",
                  megatron_job.describe)
         assert megatron_job.steps_recorded() == [1, 2, 3]
         assert {r["backend"] for r in megatron_job.train_records()} == {"megatron"}
+        # The trainer evaluated on evalPath's prompts from the claim.
+        records = [json.loads(line) for line in
+                   (megatron_job.run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r for r in records if r.get("kind") == "eval"], records[-3:]
+        assert [p.name for p in data.iterdir()] == ["arith"]
     finally:
         installed.kubectl("delete", "namespace", megatron_job.namespace, "--wait=false",
                           check=False)
