@@ -306,6 +306,11 @@ def test_a_missing_file_and_an_empty_glob(tmp_path, tokenizer):
      "math checks responses against each row's answer"),
     ({"kind": "file", "path": "x.jsonl", "preset": "gsm8k", "volume": "data"}, "math",
      "spec.dataset.path: the volume is mounted at path's first folder"),
+    ({"kind": "file", "path": "/tmp/data/x.jsonl", "preset": "gsm8k", "volume": "data"},
+     "math", "spec.dataset.path: the volume would be mounted at /tmp, which the pods' own"),
+    ({"kind": "arith"}, {"kind": "python", "python": {"function": "m:f", "path": "/opt/r",
+                                                      "volume": "code"}},
+     "spec.reward.python.path: the volume would be mounted at /opt"),
     ({"kind": "file", "path": "x.jsonl", "fields": {"prompt": "a", "template": "{a}"}},
      "python", "spec.dataset.fields.template: prompt and template both say"),
 ])
@@ -315,7 +320,8 @@ def test_misused_dataset_fields_are_refused_naming_the_field(dataset, reward, ex
     from asyncrl.spec import RLJobSpec
     from asyncrl.spec_errors import format_errors
 
-    spec = {"dataset": dataset, "reward": {"kind": reward}}
+    spec = {"dataset": dataset,
+            "reward": reward if isinstance(reward, dict) else {"kind": reward}}
     if reward == "python":
         spec["reward"]["python"] = {"function": "m:f"}
     with pytest.raises(ValidationError) as caught:

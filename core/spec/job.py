@@ -261,11 +261,8 @@ class DatasetSpec(SpecModel):
                 field="evalFraction", fix="remove evalFraction, or evalPath")
         if self.volume is not None:
             for name, value in (("path", self.path), ("evalPath", self.eval_path)):
-                if value is not None and not _under_a_folder(value):
-                    raise rule_error(
-                        f"the volume is mounted at {name}'s first folder, and {value!r} has "
-                        "none", field=name,
-                        fix=f"give an absolute {name} under the mount, e.g. /data/train.jsonl")
+                if value is not None:
+                    _check_mount_root(value, name, "/data/train.jsonl")
             roots = {PurePosixPath(p).parts[1] for p in (self.path, self.eval_path) if p}
             if len(roots) > 1:
                 raise rule_error(
@@ -276,10 +273,24 @@ class DatasetSpec(SpecModel):
         return self
 
 
-def _under_a_folder(path: str) -> bool:
-    """An absolute path with at least one folder above its last part (/data/x, not /x)."""
+#: First folders a claim cannot be mounted at: the pods' own (/tmp, /run, /dev/shm,
+#: /etc/asyncrl) and the image's system and Python folders, which the mount would hide.
+_SYSTEM_FOLDERS = frozenset({"bin", "boot", "dev", "etc", "home", "lib", "lib32", "lib64", "opt",
+                             "proc", "root", "run", "sbin", "srv", "sys", "tmp", "usr", "var"})
+
+
+def _check_mount_root(path: str, name: str, example: str) -> None:
+    """A user's claim is mounted at `path`'s first folder: `path` must be absolute, below a
+    folder, and that folder one of the user's own."""
     parts = PurePosixPath(path).parts
-    return len(parts) >= 3 and parts[0] == "/"
+    if len(parts) < 3 or parts[0] != "/":
+        raise rule_error(
+            f"the volume is mounted at {name}'s first folder, and {path!r} has none",
+            field=name, fix=f"give an absolute {name} under the mount, e.g. {example}")
+    if parts[1] in _SYSTEM_FOLDERS:
+        raise rule_error(
+            f"the volume would be mounted at /{parts[1]}, which the pods' own files use",
+            field=name, fix=f"put the files under a folder of their own, e.g. {example}")
 
 
 class KLSpec(SpecModel):
@@ -575,11 +586,14 @@ class PythonReward(SpecModel):
 
     @model_validator(mode="after")
     def _volume_needs_path(self) -> PythonReward:
-        if self.volume is not None and (self.path is None or not _under_a_folder(self.path)):
-            raise rule_error(
-                "the volume is mounted at path's first folder, and no absolute path under a "
-                "folder is given", field="path",
-                fix="set path to the folder of your module on the volume, e.g. /rewards/mine")
+        if self.volume is not None:
+            if self.path is None:
+                raise rule_error(
+                    "the volume is mounted at path's first folder, and no path is given",
+                    field="path",
+                    fix="set path to the folder of your module on the volume, e.g. "
+                    "/rewards/mine")
+            _check_mount_root(self.path, "path", "/rewards/mine")
         return self
 
 
