@@ -121,8 +121,10 @@ def test_cel_rules_read_and_name_fields_of_their_own_object(schema):
             assert rule["reason"] in {"FieldValueRequired", "FieldValueInvalid",
                                       "FieldValueForbidden", "FieldValueDuplicate"}, path
             assert rule["message"], path
-    (file_needs_path,) = rules["<root>.spec.dataset"]["x-kubernetes-validations"]
+    file_needs_path, file_fields_need_kind = rules["<root>.spec.dataset"][
+        "x-kubernetes-validations"]
     assert file_needs_path["fieldPath"] == ".path"
+    assert file_fields_need_kind["fieldPath"] == ".kind"
 
 
 def test_every_field_is_described(schema):

@@ -333,6 +333,9 @@ def test_crd_is_served_with_scale_and_status(kube, crd):
     ({"dataset__kind": "jsonl"}, "spec.dataset.kind", 'Unsupported value: \\"jsonl\\"'),
     # The CRD's CEL rule: a file dataset with no files.
     ({"dataset": {"kind": "file"}}, "spec.dataset.path", "kind file reads prompts from files"),
+    # ... and file settings on a generated dataset, which would be ignored.
+    ({"dataset": {"kind": "arith", "path": "/data/p.jsonl"}}, "spec.dataset.kind",
+     "read only with kind file"),
 ])
 def test_the_api_server_rejects_invalid_specs_naming_the_field(kube, crd, namespace, change,
                                                                 field, words):

@@ -142,6 +142,12 @@ class DatasetSpec(SpecModel):
         "message": "kind file reads prompts from files: set path",
         "fieldPath": ".path",
         "reason": "FieldValueRequired",
+    }, {
+        "rule": "self.kind == 'file' || !(has(self.path) || has(self.evalPath) || "
+                "has(self.preset) || has(self.fields) || has(self.volume))",
+        "message": "path, evalPath, preset, fields and volume are read only with kind file",
+        "fieldPath": ".kind",
+        "reason": "FieldValueInvalid",
     }]})
 
     kind: Literal["arith", "code", "file"] = Field(
