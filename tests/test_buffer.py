@@ -636,7 +636,7 @@ def test_a_batch_read_partly_ahead_holds_each_groups_own_bytes(redis_server):
 
         sent = dict([await put(f"g{i}") for i in range(BATCH + 1)])
         first = await store.get_batch(job.name, "t", BATCH, 1000)  # reads g3 ahead
-        await asyncio.sleep(0.1)
+        await store._ahead[job.name]  # that read done, however slow: the late puts come after it
         sent.update([await put(f"late{i}") for i in range(BATCH - 1)])
         await store.ack_batch(job.name, first.batch_id)
         second = await store.get_batch(job.name, "t", BATCH, 1000)
