@@ -90,6 +90,21 @@ def test_gsm8k_preset_reads_the_final_answer_after_the_hashes(tmp_path, tokenize
     assert train[1].row == GSM8K_ROWS[1]
 
 
+def test_the_gsm8k_example_reads_files_in_gsm8ks_layout(tmp_path, tokenizer, monkeypatch):
+    from asyncrl.spec import load_manifest
+
+    # Where the example's download commands put the files, relative to where it runs.
+    (tmp_path / "data/gsm8k").mkdir(parents=True)
+    write_jsonl(tmp_path / "data/gsm8k/train.jsonl", GSM8K_ROWS)
+    write_jsonl(tmp_path / "data/gsm8k/test.jsonl", GSM8K_ROWS[:1])
+    monkeypatch.chdir(tmp_path)
+    spec = load_manifest(ROOT / "examples/gsm8k.yaml").spec
+    train, held_out = build_prompts(spec, tokenizer)
+    assert (len(train), len(held_out)) == (2, 1)
+    assert [item.reference for item in train] == ["72", "5000"]
+    assert all(train.fits(item) for item in train)
+
+
 def test_math_preset_reads_the_last_boxed_answer_from_parquet(tmp_path, tokenizer):
     import pyarrow as pa
     import pyarrow.parquet as pq
