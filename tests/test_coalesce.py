@@ -8,7 +8,8 @@ from asyncrl.coalesce import Coalescer
 
 
 class Recorder:
-    """A send that records what each call carried and holds it for a moment."""
+    """A send that records what each call carried and holds it for a moment (`hold` seconds,
+    or until `hold`, an asyncio.Event, is set)."""
 
     def __init__(self, hold=0.02, answer=lambda item: item * 10):
         self.sends, self.hold, self.answer, self.at_once, self._now = [], hold, answer, 0, 0
@@ -17,7 +18,10 @@ class Recorder:
         self.sends.append(list(items))
         self._now += 1
         self.at_once = max(self.at_once, self._now)
-        await asyncio.sleep(self.hold)
+        if isinstance(self.hold, asyncio.Event):
+            await self.hold.wait()
+        else:
+            await asyncio.sleep(self.hold)
         self._now -= 1
         return [self.answer(item) for item in items]
 
@@ -67,12 +71,16 @@ def test_the_limit_splits_sends_and_a_heavy_item_goes_alone():
 
 def test_rounds_bound_the_sends_on_their_way():
     async def scenario(rounds):
-        send = Recorder()
+        # Held until every item is submitted, not for a fixed time: on a busy machine the
+        # submits could otherwise come further apart than a send takes and never overlap.
+        released = asyncio.Event()
+        send = Recorder(hold=released)
         coalescer = Coalescer(send, rounds=rounds)
         submitted = []
-        for i in range(8):  # one every 2 ms, each send held 20 ms
+        for i in range(8):  # one every 2 ms, every send still on its way
             submitted.append(asyncio.create_task(coalescer.submit(i)))
             await asyncio.sleep(0.002)
+        released.set()
         assert await asyncio.gather(*submitted) == [i * 10 for i in range(8)]
         return send.at_once
 
