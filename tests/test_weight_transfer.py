@@ -465,10 +465,11 @@ def test_a_version_broadcast_as_the_group_forms_waits_for_the_join_to_return():
     port = free_port()
     broadcaster = WeightBroadcaster(port, world_size=2, backend="gloo", tensors=tensors)
     joined = engine.join_weight_transfer
+    late = asyncio.Event()
 
-    async def slow_join(address, rank):  # the group forms, then the join returns late
+    async def slow_join(address, rank):  # the group forms, then the join returns when let
         await joined(address, rank)
-        await asyncio.sleep(1.0)
+        await late.wait()
 
     engine.join_weight_transfer = slow_join
     member = TransferMember(engine, f"127.0.0.1:{port}", ranks=1,
@@ -478,9 +479,15 @@ def test_a_version_broadcast_as_the_group_forms_waits_for_the_join_to_return():
             joining = asyncio.create_task(member.join())
             await asyncio.to_thread(assert_ready, broadcaster)
             assert not member.joined  # formed, but the join has not returned yet
-            update, _ = await asyncio.gather(
+
+            async def let_the_join_return():
+                late.set()
+
+            # gather starts them in this order: receive is waiting for the join when it returns.
+            update, _, _ = await asyncio.gather(
                 member.receive(1, broadcaster.address.group_name),
-                asyncio.to_thread(broadcaster.send, tiny(1).state_dict()))
+                asyncio.to_thread(broadcaster.send, tiny(1).state_dict()),
+                let_the_join_return())
             await joining
             return update
 
