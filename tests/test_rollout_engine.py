@@ -424,7 +424,11 @@ def test_engine_on_the_selected_device_in_bfloat16(tmp_path):
     engine = TorchEngine(model, max_running_requests=4, max_sequence_length=96, seed=0).start()
     try:
         batch = prompts(3, seed=6)
+        # Submitted while paused, they start in the same step. Otherwise how they are batched
+        # (and so how bf16 rounds) depends on when the engine's loop sees each one.
+        engine.pause()
         futures = [engine.submit(p, SamplingParams(max_new_tokens=12)) for p in batch]
+        engine.resume()
         for prompt, future in zip(batch, futures):
             result = future.result(timeout=60)
             expected = recomputed(model, prompt, result.output_ids).float().cpu()
