@@ -263,13 +263,15 @@ def test_a_worker_outside_the_group_skips_a_broadcast_and_takes_the_version_from
         torch_engine.stop()
 
 
-def _trainer_that_dies_mid_broadcast(port: int, sent: int) -> None:
-    """Rank 0 that broadcasts the first `sent` tensors of version 1, then is gone."""
+def _trainer_that_dies_mid_broadcast(port: int, sent: int, hosting) -> None:
+    """Rank 0 that broadcasts the first `sent` tensors of version 1, then is gone. Sets
+    `hosting` (an Event) once its store is up."""
     import os
 
     model = tiny(1)
     broadcaster = WeightBroadcaster(port, world_size=2, backend="gloo",
                                     tensors=model_manifest(model, torch.float32)[:sent])
+    hosting.set()
     assert broadcaster.ready(wait=120)
     broadcaster.send(model.state_dict())
     os._exit(0)
@@ -285,13 +287,17 @@ def test_a_trainer_lost_mid_broadcast_holds_generation_until_the_version_comes_f
     tensors = model_manifest(tiny(1), torch.float32)
     tiny(1).save_pretrained(tmp_path / "v1")
     port = free_port()
-    trainer = multiprocessing.get_context("spawn").Process(
-        target=_trainer_that_dies_mid_broadcast, args=(port, 3))
+    spawn = multiprocessing.get_context("spawn")
+    hosting = spawn.Event()
+    trainer = spawn.Process(target=_trainer_that_dies_mid_broadcast, args=(port, 3, hosting))
     trainer.start()
     member = TransferMember(engine, f"127.0.0.1:{port}", ranks=1,
                             backend="gloo", tensors=tensors)
     try:
         async def scenario():
+            # One join gives up on a store that has not answered within its check timeout, and
+            # a trainer process still starting on a busy machine can take longer than that.
+            assert await asyncio.to_thread(hosting.wait, 120), "the trainer never hosted its store"
             await member.join()
             assert member.joined
             with pytest.raises(VersionSkipped, match="broadcast failed"):
