@@ -376,7 +376,9 @@ def test_a_worker_joins_the_group_of_a_restarted_trainer():
     assert groups[0] != groups[1]
 
 
-def _worker_that_joins_then_dies(port: int) -> None:
+def _worker_that_joins_then_dies(port: int, formed) -> None:
+    """Joins, then is gone once the trainer has seen the group formed (`formed`, an Event):
+    a member gone sooner could break the group before the trainer's side of it formed."""
     import os
 
     async def join() -> None:
@@ -385,6 +387,7 @@ def _worker_that_joins_then_dies(port: int) -> None:
                                 tensors=model_manifest(tiny(0), torch.float32))
         await member.join()
         assert member.joined
+        await asyncio.to_thread(formed.wait, 120)  # holding the member, and its group, till then
 
     asyncio.run(join())
     os._exit(0)
@@ -399,11 +402,13 @@ def test_a_lost_worker_breaks_a_generation_and_its_replacement_joins_the_next():
     tensors = model_manifest(tiny(1), torch.float32)
     port = free_port()
     broadcaster = WeightBroadcaster(port, world_size=2, backend="gloo", tensors=tensors)
-    lost = multiprocessing.get_context("spawn").Process(target=_worker_that_joins_then_dies,
-                                                        args=(port,))
+    spawn = multiprocessing.get_context("spawn")
+    formed = spawn.Event()
+    lost = spawn.Process(target=_worker_that_joins_then_dies, args=(port, formed))
     lost.start()
     assert broadcaster.ready(wait=120)
     first = broadcaster.address.group_name
+    formed.set()
     lost.join(60)
     with pytest.raises(Exception):
         broadcaster.send(tiny(1).state_dict())
