@@ -180,7 +180,7 @@ class RewardPod:
         return channel, reward_pb2_grpc.RewardStub(channel)
 
     def sandbox_available(self) -> float:
-        """The reward metric the README's troubleshooting table names."""
+        """The reward metric the troubleshooting table of docs/kubernetes.md names."""
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         url = f"http://{self.ip}:{builders.REWARD_METRICS}/metrics"
         text = opener.open(url, timeout=30).read().decode()

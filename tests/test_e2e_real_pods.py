@@ -465,7 +465,7 @@ def test_the_job_succeeds_with_every_step_recorded_once_and_no_sample_lost(job):
     transfers = [r["weight_transfer"] for r in job.train_records()]
     assert "distributed" in transfers and set(transfers) <= {"distributed", "disk"}, transfers
     print(f"\nweight transfer per step: {transfers}")
-    # What a user sees at the end (the README shows it).
+    # What a user sees at the end (docs/kubernetes.md shows it).
     for command in (("get", "rljobs"), ("describe", "rljob", JOB), ("get", "pods")):
         shown = job.cluster.kubectl("-n", job.namespace, *command).stdout
         print(f"\n$ kubectl {' '.join(command)}\n{shown}")

@@ -1,7 +1,7 @@
 """What an idle job costs the API server, measured on the real control plane: the operator's
 requests (its User-Agent, and kopf's, in the API server's audit log) while 50 RLJobs sit with
 nothing changing, and how a deleted child is repaired with the periodic resync far off.
-(Run it with -s to see the figures the README quotes.)"""
+(Run it with -s to see the figures docs/kubernetes.md quotes.)"""
 
 from __future__ import annotations
 
