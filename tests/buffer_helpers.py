@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+import pytest
 import redis as sync_redis
 import redis.asyncio as redis
 
@@ -20,7 +22,7 @@ from asyncrl.buffer.server import create_server
 from asyncrl.buffer.store import BufferStore, JobConfig
 from asyncrl.redis_keys import key
 from asyncrl.redis_server import RedisServer, free_port
-from asyncrl.v1 import common_pb2
+from asyncrl.v1 import buffer_pb2_grpc, common_pb2
 
 
 class BufferThread:
@@ -184,3 +186,11 @@ def group_fates(redis_dir: Path, job: str) -> GroupFates:
         finally:
             client.close()
     return fates
+
+
+@pytest.fixture(name="stub")
+def buffer_stub(buffer):
+    """A Buffer stub on a channel to the test module's `buffer` (a BufferThread) fixture;
+    a module that imports this gets it as `stub`."""
+    with grpc.insecure_channel(buffer.address) as channel:
+        yield buffer_pb2_grpc.BufferStub(channel)

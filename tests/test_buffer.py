@@ -9,7 +9,7 @@ import pytest
 from asyncrl.algorithms.staleness import rollout_capacity
 from asyncrl.buffer.store import JobConfig
 from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc
-from buffer_helpers import BufferThread, make_group
+from buffer_helpers import BufferThread, buffer_stub, make_group  # noqa: F401 (stub fixture)
 
 GROUP = 2
 BATCH = 3
@@ -29,12 +29,6 @@ def buffer(redis_server):
     server = BufferThread(redis_server.url, jobs).start()
     yield server
     server.stop()
-
-
-@pytest.fixture
-def stub(buffer):
-    with grpc.insecure_channel(buffer.address) as channel:
-        yield buffer_pb2_grpc.BufferStub(channel)
 
 
 def acquire(stub, job, worker="w"):

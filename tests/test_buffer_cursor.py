@@ -12,8 +12,8 @@ import redis as sync_redis
 from asyncrl.buffer.client import BufferClient
 from asyncrl.buffer.store import JobConfig
 from asyncrl.redis_keys import key
-from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc
-from buffer_helpers import BufferThread, make_group
+from asyncrl.v1 import buffer_pb2
+from buffer_helpers import BufferThread, buffer_stub, make_group  # noqa: F401 (stub fixture)
 
 GROUP = 2
 PROMPTS = 3  # N, as the workers tell it
@@ -31,12 +31,6 @@ def buffer(redis_server):
     server = BufferThread(redis_server.url, jobs).start()
     yield server
     server.stop()
-
-
-@pytest.fixture
-def stub(buffer):
-    with grpc.insecure_channel(buffer.address) as channel:
-        yield buffer_pb2_grpc.BufferStub(channel)
 
 
 def acquire(stub, job, prompts=PROMPTS):
