@@ -29,16 +29,17 @@ class PromptItem:
 
 
 class PromptSet:
-    """Prompts by index (0 .. len-1), each built on first use and kept.
+    """Prompts by index (0 .. len-1), each built when it is asked for.
 
     `build(index)` makes the item at `index`; `max_prompt_tokens` (None: no limit) is the
-    longest prompt the job runs, and `fits` says whether an item is within it.
+    longest prompt the job runs, and `fits` says whether an item is within it. Items are not
+    kept: a worker asks for each about once an epoch, and keeping a million rows' token ids
+    would undo the memory mapping of a large file.
     """
 
     def __init__(self, size: int, build, max_prompt_tokens: int | None = None):
         self._size = size
         self._build = build
-        self._cache: dict[int, PromptItem] = {}
         self.max_prompt_tokens = max_prompt_tokens
 
     def __len__(self) -> int:
@@ -47,10 +48,7 @@ class PromptSet:
     def __getitem__(self, index: int) -> PromptItem:
         if not 0 <= index < self._size:
             raise IndexError(f"prompt {index} of a set of {self._size}")
-        item = self._cache.get(index)
-        if item is None:
-            item = self._cache[index] = self._build(index)
-        return item
+        return self._build(index)
 
     def __iter__(self):
         return (self[i] for i in range(self._size))
