@@ -80,7 +80,8 @@ def validate(
 def _dataset_checked(path: Path, job) -> bool:
     """A file job's mapping checked against its files where they are on this machine (they
     may be paths in the pods' image or volume instead: then a note, not a failure)."""
-    from asyncrl.data_preview import DatasetError, check_dataset, local_data_missing
+    from asyncrl.data_files import DatasetError
+    from asyncrl.data_preview import check_dataset, local_data_missing
 
     if job.spec.dataset.kind != "file":
         return True
@@ -248,7 +249,8 @@ def _load_or_exit(path: Path):
 def _dataset_or_exit(job) -> None:
     """A file job's dataset opened and every row checked before any service starts, so a
     bad file fails here, naming file, row and field, not in a worker's log."""
-    from asyncrl.data_preview import DatasetError, check_dataset
+    from asyncrl.data_files import DatasetError
+    from asyncrl.data_preview import check_dataset
 
     if job.spec.dataset.kind != "file":
         return
@@ -279,7 +281,8 @@ def data_preview(
     from rich.progress import Progress
     from rich.text import Text
 
-    from asyncrl.data_preview import DatasetError, describe, prompt_lengths
+    from asyncrl.data_files import DatasetError
+    from asyncrl.data_preview import describe, prompt_lengths
     from asyncrl.models import load_tokenizer
     from asyncrl.prompts import build_prompts
 

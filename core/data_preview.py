@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncrl.data_files import PACKAGE_SCHEME, DatasetError
+from asyncrl.data_files import PACKAGE_SCHEME
 from asyncrl.prompts import PromptItem, PromptSet
 
 
@@ -75,6 +75,3 @@ def _reference_text(reference) -> str:
         return f"{lines} lines of test code" + (f", {cases} stdin/stdout cases" if cases else "")
     return repr(str(reference))
 
-
-__all__ = ["DatasetError", "Lengths", "check_dataset", "describe", "local_data_missing",
-           "prompt_lengths"]
