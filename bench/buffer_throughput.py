@@ -2,7 +2,7 @@
 redis-benchmark's SET rate at the same value size and concurrency, measured in one run.
 
 Each cell (N workers, sample length) starts a private redis-server with AOF as
-asyncrl.redis_server runs it (appendfsync always), `asyncrl serve buffer` over it, N
+asyncrl.platform.redis_server runs it (appendfsync always), `asyncrl serve buffer` over it, N
 rollout-worker processes and one trainer process, all real gRPC clients (BufferClient). A
 worker has one group of 8 samples under way at a time (like redis-benchmark's clients, one
 request each; --in-flight for more, as the rollout workflow runs several, whose puts that
@@ -56,12 +56,12 @@ from pathlib import Path
 import redis
 import yaml
 
-from asyncrl import grpc_service
-from asyncrl.buffer.client import BufferClient
+from asyncrl.platform import grpc_service
+from asyncrl.clients.buffer import BufferClient
 from asyncrl.buffer.server import BufferServicer, add_servicer
-from asyncrl.heap import reuse_large_blocks
-from asyncrl.redis_keys import key
-from asyncrl.redis_server import RedisServer, free_port
+from asyncrl.platform.heap import reuse_large_blocks
+from asyncrl.platform.redis_keys import key
+from asyncrl.platform.redis_server import RedisServer, free_port
 from asyncrl.v1 import buffer_pb2, common_pb2
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,15 +22,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from asyncrl import arith
+from asyncrl.data import arith
 
 # Runs in the measured process: start-up as the rollout worker does it, then its peak RSS.
 _WORKER = """
 import json, resource, sys, time
 started = time.perf_counter()
 from asyncrl.spec import load_manifest
-from asyncrl.models import load_tokenizer
-from asyncrl.prompts import build_prompts, max_sequence_length
+from asyncrl.model.policy import load_tokenizer
+from asyncrl.data.prompts import build_prompts, max_sequence_length
 spec = load_manifest(sys.argv[1]).spec
 tokenizer = load_tokenizer(spec.model.source)
 loaded = time.perf_counter()

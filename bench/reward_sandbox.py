@@ -22,9 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from asyncrl.reward.code_reward import CodeScorer
-from asyncrl.reward.sandbox import Sandbox, SandboxLimits
-from asyncrl.reward.types import CodeReference, IoCase
+from asyncrl.scoring.code_reward import CodeScorer
+from asyncrl.scoring.sandbox import Sandbox, SandboxLimits
+from asyncrl.scoring.types import CodeReference, IoCase
 
 TRIVIAL = "print(int(input()) * 2)\n"
 

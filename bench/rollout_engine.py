@@ -43,11 +43,11 @@ import torch
 from safetensors.torch import save_file
 from transformers import GenerationConfig
 
-from asyncrl import arith
-from asyncrl.heap import reuse_large_blocks
-from asyncrl.models import SMOLLM2, load_model, load_tokenizer, model_directory
-from asyncrl.rollout.engine import TorchEngine
-from asyncrl.rollout.types import SamplingParams
+from asyncrl.data import arith
+from asyncrl.platform.heap import reuse_large_blocks
+from asyncrl.model.policy import SMOLLM2, load_model, load_tokenizer, model_directory
+from asyncrl.engine.torch_engine import TorchEngine
+from asyncrl.engine.types import SamplingParams
 from asyncrl.spec.job import ModelSpec
 
 
@@ -207,7 +207,7 @@ def main() -> None:
     engine_model = load_model(SMOLLM2, dtype=args.dtype).eval()
     # The engine, and the same engine decoding through the model's own layers instead of
     # fused projections, run in turns in this thread (not started: one OpenMP pool, see
-    # asyncrl.openmp), each `--repeats` times; the machine is shared, so each keeps its best.
+    # asyncrl.platform.openmp), each `--repeats` times; the machine is shared, so each keeps its best.
     engines = {fused: TorchEngine(engine_model, max_running_requests=args.requests,
                                   max_sequence_length=512, seed=0, fused_decode=fused)
                for fused in (True, False)}

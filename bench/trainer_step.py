@@ -7,7 +7,7 @@ reported as a ratio to a forward pass (robust to machine noise). That forward is
 step would cost on top if it ran the proximal policy as a pass of its own: it takes the
 proximal log-probs from its training forward instead (asyncrl.trainer.step). The fp32 step is
 also timed with transformers' SDPA over the whole packed row (a block-diagonal mask) instead
-of the trainer's per-sequence attention (asyncrl.packed_attention), and with activation
+of the trainer's per-sequence attention (asyncrl.model.packed_attention), and with activation
 checkpointing (trainer.activationCheckpointing); each configuration's first step also counts
 the bytes autograd keeps for backward. The batch's sequences come in groups of --group-size
 responses to one prompt, as a GRPO job's do, which the trainer packs with the prompt once
@@ -32,9 +32,9 @@ import time
 import torch
 
 from asyncrl.algorithms.packing import pack_sequences
-from asyncrl.devices import native_bf16
-from asyncrl.models import SMOLLM2, load_model, packed_token_logprobs
-from asyncrl.packed_attention import PACKED_SDPA
+from asyncrl.platform.devices import native_bf16
+from asyncrl.model.policy import SMOLLM2, load_model, packed_token_logprobs
+from asyncrl.model.packed_attention import PACKED_SDPA
 from asyncrl.trainer.step import PolicyUpdater, TrainSample, UpdateConfig
 
 

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.models import SMOLLM2, load_model
-from asyncrl.rollout.engine import TorchEngine
-from asyncrl.rollout.engine_api import TorchInferenceEngine
-from asyncrl.rollout.weight_sync import TransferMember
+from asyncrl.model.policy import SMOLLM2, load_model
+from asyncrl.engine.torch_engine import TorchEngine
+from asyncrl.engine.api import TorchInferenceEngine
+from asyncrl.rollout.weights_receiver import TransferMember
 from asyncrl.trainer.checkpoints import publish_weights
-from asyncrl.trainer.weight_broadcast import WeightBroadcaster
-from asyncrl.weight_transfer import model_manifest
-from asyncrl.redis_server import free_port
+from asyncrl.trainer.weights_distributed import WeightBroadcaster
+from asyncrl.weights.distributed import model_manifest
+from asyncrl.platform.redis_server import free_port
 
 
 def engine_process(dtype: str, port: int, commands, answers) -> None:

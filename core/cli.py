@@ -52,7 +52,7 @@ def validate(
     from pydantic import ValidationError
 
     from asyncrl.spec import ManifestError, parse_manifest, read_manifest
-    from asyncrl.spec_errors import format_errors, yaml_lines
+    from asyncrl.spec.errors import format_errors, yaml_lines
 
     failed = 0
     for path in files:
@@ -80,8 +80,8 @@ def validate(
 def _dataset_checked(path: Path, job) -> bool:
     """A file job's mapping checked against its files where they are on this machine (they
     may be paths in the pods' image or volume instead: then a note, not a failure)."""
-    from asyncrl.data_files import DatasetError
-    from asyncrl.data_preview import check_dataset, local_data_missing
+    from asyncrl.data.files import DatasetError
+    from asyncrl.data.preview import check_dataset, local_data_missing
 
     if job.spec.dataset.kind != "file":
         return True
@@ -121,9 +121,9 @@ def run(
     from rich.console import Console
     from rich.live import Live
 
-    from asyncrl.progress import RunProgress
-    from asyncrl.report import read_metrics, write_plots, write_report
-    from asyncrl.runner import LocalJob, RunOptions, ServiceFailed
+    from asyncrl.local.progress import RunProgress
+    from asyncrl.local.report import read_metrics, write_plots, write_report
+    from asyncrl.local.runner import LocalJob, RunOptions, ServiceFailed
 
     job = _load_or_exit(file)
     _dataset_or_exit(job)
@@ -204,7 +204,7 @@ def train_demo(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-    from asyncrl.trainer.demo import run_demo
+    from asyncrl.local.sync_demo import run_demo
 
     job = _load_or_exit(file)
     total = steps or job.spec.algorithm.max_steps
@@ -233,7 +233,7 @@ def _load_or_exit(path: Path):
     from pydantic import ValidationError
 
     from asyncrl.spec import ManifestError, parse_manifest, read_manifest
-    from asyncrl.spec_errors import format_errors, yaml_lines
+    from asyncrl.spec.errors import format_errors, yaml_lines
 
     try:
         return parse_manifest(read_manifest(path))
@@ -249,8 +249,8 @@ def _load_or_exit(path: Path):
 def _dataset_or_exit(job) -> None:
     """A file job's dataset opened and every row checked before any service starts, so a
     bad file fails here, naming file, row and field, not in a worker's log."""
-    from asyncrl.data_files import DatasetError
-    from asyncrl.data_preview import check_dataset
+    from asyncrl.data.files import DatasetError
+    from asyncrl.data.preview import check_dataset
 
     if job.spec.dataset.kind != "file":
         return
@@ -281,10 +281,10 @@ def data_preview(
     from rich.progress import Progress
     from rich.text import Text
 
-    from asyncrl.data_files import DatasetError
-    from asyncrl.data_preview import describe, prompt_lengths
-    from asyncrl.models import load_tokenizer
-    from asyncrl.prompts import build_prompts
+    from asyncrl.data.files import DatasetError
+    from asyncrl.data.preview import describe, prompt_lengths
+    from asyncrl.model.policy import load_tokenizer
+    from asyncrl.data.prompts import build_prompts
 
     if split not in ("train", "eval"):
         typer.secho(f"--split {split!r}: use train or eval", fg=typer.colors.RED, err=True)
@@ -340,13 +340,13 @@ def _service_setup() -> None:
 
 def _add_serve_command(name: str, help: str) -> None:
     """`asyncrl serve <name>`: one option per field of the service's settings
-    (asyncrl.settings), with its description and default; an option left out falls back to
+    (asyncrl.platform.settings), with its description and default; an option left out falls back to
     its ASYNCRL_* environment variable, then to the default, as the settings read them."""
     import inspect
     import types
     import typing
 
-    from asyncrl.settings import SERVICES, flag, is_flag
+    from asyncrl.platform.settings import SERVICES, flag, is_flag
 
     settings_class = SERVICES[name]
 
@@ -373,7 +373,7 @@ def _add_serve_command(name: str, help: str) -> None:
 
         given = {key: value for key, value in values.items() if value is not None}
         settings = _settings_or_exit(settings_class, **given)
-        from asyncrl.data_files import DatasetError
+        from asyncrl.data.files import DatasetError
 
         try:
             importlib.import_module(_SERVE_MODULES[name]).serve(settings)
@@ -546,7 +546,7 @@ def crd(
     ] = OutputFormat.yaml,
 ) -> None:
     """Print the RLJob CustomResourceDefinition (kubectl apply -f - takes it)."""
-    from asyncrl.crd import build_crd
+    from asyncrl.spec.crd import build_crd
 
     definition = build_crd()
     if output is OutputFormat.json:

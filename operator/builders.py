@@ -42,12 +42,12 @@ from typing import Any
 import yaml
 
 import asyncrl
-from asyncrl.grpc_health import LIVENESS
-from asyncrl.endpoints import port
-from asyncrl.rollout.sglang_launch import SGLANG_STARTUP_SECONDS
-from asyncrl.settings import serve_command
+from asyncrl.platform.grpc_health import LIVENESS
+from asyncrl.platform.endpoints import port
+from asyncrl.platform.settings import SGLANG_STARTUP_SECONDS
+from asyncrl.platform.settings import serve_command
 from asyncrl.spec import GPU_RESOURCE, RLJob
-from asyncrl.trainer.launch import torchrun_arguments
+from asyncrl.launch.torchrun import torchrun_arguments
 
 MANAGED_BY = "asyncrl-operator"
 JOB_LABEL = "asyncrl.io/job"
@@ -63,7 +63,7 @@ DATASET_VOLUME = "dataset"
 REWARD_VOLUME = "reward-python"
 PASSWORD_ENV = "ASYNCRL_REDIS_PASSWORD"
 
-# The ports of asyncrl.endpoints, by the names this module uses.
+# The ports of asyncrl.platform.endpoints, by the names this module uses.
 BUFFER_PORT, BUFFER_METRICS = port("buffer", "grpc"), port("buffer", "metrics")
 REWARD_PORT, REWARD_METRICS = port("reward", "grpc"), port("reward", "metrics")
 ROLLOUT_HTTP, ROLLOUT_GRPC = port("rollout", "http"), port("rollout", "grpc")
@@ -728,7 +728,7 @@ def _container(job: RLJob, config: OperatorConfig, component: str, args: list[st
 
 
 def _grpc_probes(port: int) -> dict[str, dict]:
-    """The kubelet's native gRPC probes of grpc.health.v1 (asyncrl.grpc_health): start-up and
+    """The kubelet's native gRPC probes of grpc.health.v1 (asyncrl.platform.grpc_health): start-up and
     liveness ask whether the process answers, readiness whether it can work (the buffer's
     Redis, a code job's sandbox), so an outage makes the pod unready, not restarted."""
     return {"probe": {"grpc": {"port": port, "service": LIVENESS}},

@@ -41,7 +41,7 @@ from asyncrl.operator.status import (
     trainer_failure,
 )
 from asyncrl.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, RLJob, parse_manifest
-from asyncrl.spec_errors import describe
+from asyncrl.spec.errors import describe
 
 FIELD_MANAGER = "asyncrl-operator"
 USER_AGENT = "asyncrl-operator"

@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3.11}          # SGLang's wheel is built for CPython 3.11
-SGLANG_VERSION=0.5.23                 # keep in step with asyncrl.rollout.sglang_launch
+SGLANG_VERSION=0.5.23                 # keep in step with asyncrl.launch.sglang
 TORCH_VERSION=2.15.0                  # our torch; SGLang 0.5.23 asks for 2.14.1 (unused here)
 CACHE=${ASYNCRL_CACHE:-$HOME/.cache/asyncrl}
 WHEELS=$CACHE/wheels

@@ -20,8 +20,8 @@ import redis.asyncio as redis
 from asyncrl.buffer.metrics import BufferMetrics
 from asyncrl.buffer.server import create_server
 from asyncrl.buffer.store import BufferStore, JobConfig
-from asyncrl.redis_keys import key
-from asyncrl.redis_server import RedisServer, free_port
+from asyncrl.platform.redis_keys import key
+from asyncrl.platform.redis_server import RedisServer, free_port
 from asyncrl.v1 import buffer_pb2_grpc, common_pb2
 
 

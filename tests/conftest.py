@@ -1,6 +1,6 @@
 import pytest
 
-from asyncrl.redis_server import RedisServer
+from asyncrl.platform.redis_server import RedisServer
 from reward_helpers import LoopThread
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 from asyncrl.buffer.metrics import BufferMetrics
 from asyncrl.buffer.store import Stats
 from asyncrl.reward.metrics import RewardMetrics
-from asyncrl.reward.sandbox import RunResult
-from asyncrl.reward.types import Failure, ScoreResult
+from asyncrl.scoring.sandbox import RunResult
+from asyncrl.scoring.types import Failure, ScoreResult
 from asyncrl.rollout.metrics import RolloutMetrics
-from asyncrl.rollout.types import EngineStatus, GenerationResult, WeightUpdate
+from asyncrl.engine.types import EngineStatus, GenerationResult, WeightUpdate
 from asyncrl.trainer.metrics import TrainerMetrics
 
 ROOT = Path(__file__).resolve().parents[1]

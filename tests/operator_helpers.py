@@ -9,7 +9,7 @@ import threading
 
 import grpc
 
-from asyncrl.redis_server import free_port
+from asyncrl.platform.redis_server import free_port
 from asyncrl.trainer.service import Status, StatusServicer
 from asyncrl.v1 import trainer_pb2_grpc
 

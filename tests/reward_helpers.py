@@ -10,9 +10,9 @@ import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from asyncrl.redis_server import free_port
+from asyncrl.platform.redis_server import free_port
 from asyncrl.reward.metrics import RewardMetrics
-from asyncrl.reward.scorer import RewardScorer
+from asyncrl.scoring.scorer import RewardScorer
 from asyncrl.reward.server import create_server
 
 

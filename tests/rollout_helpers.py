@@ -16,11 +16,11 @@ import uvicorn
 from safetensors.torch import save_model
 
 from asyncrl.algorithms.staleness import rollout_capacity
-from asyncrl.models import TinyModelConfig, build_tiny_model, packed_token_logprobs
-from asyncrl.prompts import PromptItem, PromptSet
-from asyncrl.rollout.engine import TorchEngine
-from asyncrl.rollout.types import EngineStatus
-from asyncrl.samples import Group, Slot
+from asyncrl.model.policy import TinyModelConfig, build_tiny_model, packed_token_logprobs
+from asyncrl.data.prompts import PromptItem, PromptSet
+from asyncrl.engine.torch_engine import TorchEngine
+from asyncrl.engine.types import EngineStatus
+from asyncrl.data.samples import Group, Slot
 
 VOCAB = 256
 MAX_SEQUENCE_LENGTH = 256
@@ -100,7 +100,7 @@ class HttpServer:
 
 class InOrder:
     """Prompts by cursor in the order given, every epoch alike: a test double of
-    asyncrl.prompt_order.PromptOrder where a test needs to know which prompt comes when."""
+    asyncrl.data.prompt_order.PromptOrder where a test needs to know which prompt comes when."""
 
     def __init__(self, items: list[PromptItem], max_prompt_tokens: int | None = None):
         self._set = PromptSet.of(items, max_prompt_tokens)

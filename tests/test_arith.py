@@ -1,4 +1,4 @@
-from asyncrl import arith
+from asyncrl.data import arith
 
 
 def test_generation_is_deterministic_and_answers_are_right():

@@ -147,7 +147,7 @@ def test_a_batch_comes_in_parts_that_merge_into_it(buffer, stub, monkeypatch):
     import asyncio
 
     from asyncrl.buffer import server
-    from asyncrl.buffer.client import BufferClient
+    from asyncrl.clients.buffer import BufferClient
 
     job = "eta4"
     for index in range(2 * BATCH):
@@ -267,11 +267,11 @@ def test_put_retry_is_idempotent(stub):
 
 
 def test_set_version_announces_where_rollout_workers_look(stub, redis_server):
-    """Rollout workers read versions from Redis (asyncrl.weights), not through the buffer:
+    """Rollout workers read versions from Redis (asyncrl.weights.announcements), not through the buffer:
     SetVersion writes the hash and publishes on the channel."""
     import redis
 
-    from asyncrl.weights import WeightVersion, weights_channel, weights_key
+    from asyncrl.weights.announcements import WeightVersion, weights_channel, weights_key
 
     client = redis.Redis.from_url(redis_server.url)
     pubsub = client.pubsub(ignore_subscribe_messages=True)
@@ -369,7 +369,7 @@ def test_group_bytes_live_from_put_until_ack_or_drop(stub, redis_server):
     deletes them, and a refused put leaves none behind."""
     import redis
 
-    from asyncrl.redis_keys import key
+    from asyncrl.platform.redis_keys import key
 
     client = redis.Redis.from_url(redis_server.url)
 
@@ -440,7 +440,7 @@ def test_a_clients_puts_that_meet_go_in_one_round_trip(buffer):
     PutGroup would have given it."""
     import asyncio
 
-    from asyncrl.buffer.client import BufferClient
+    from asyncrl.clients.buffer import BufferClient
 
     async def scenario():
         client = BufferClient(buffer.address, "eta4", "w")
@@ -481,9 +481,9 @@ def test_a_clients_puts_past_the_message_bound_go_in_several_messages(buffer, mo
     failed): the rest follow in the next messages, each put accepted once."""
     import asyncio
 
-    from asyncrl.buffer import client as client_module
-    from asyncrl.buffer.client import BufferClient
-    from asyncrl.grpc_service import DEFAULT_MESSAGE_BYTES
+    from asyncrl.clients import buffer as client_module
+    from asyncrl.clients.buffer import BufferClient
+    from asyncrl.platform.grpc_service import DEFAULT_MESSAGE_BYTES
 
     assert client_module.PUT_MESSAGE_BYTES <= DEFAULT_MESSAGE_BYTES // 2
     group_bytes = len(make_group("g0", GROUP).SerializeToString())
@@ -520,7 +520,7 @@ def test_puts_of_many_callers_at_once_go_in_one_transaction(redis_server):
     import redis.asyncio as aredis
 
     from asyncrl.buffer.store import BufferStore, FailedPrecondition
-    from asyncrl.redis_keys import key
+    from asyncrl.platform.redis_keys import key
 
     job = JobConfig(name="meet", max_staleness=4, batch_size=BATCH, group_size=GROUP)
     inspect = sync_redis.Redis.from_url(redis_server.url)
@@ -570,7 +570,7 @@ def test_puts_of_two_jobs_that_meet_each_land_in_their_own_job(redis_server):
     import redis.asyncio as aredis
 
     from asyncrl.buffer.store import BufferStore, FailedPrecondition
-    from asyncrl.redis_keys import key
+    from asyncrl.platform.redis_keys import key
 
     jobs = [JobConfig(name=name, max_staleness=4, batch_size=BATCH, group_size=GROUP)
             for name in ("left", "right")]

@@ -9,9 +9,9 @@ import grpc
 import pytest
 import redis as sync_redis
 
-from asyncrl.buffer.client import BufferClient
+from asyncrl.clients.buffer import BufferClient
 from asyncrl.buffer.store import JobConfig
-from asyncrl.redis_keys import key
+from asyncrl.platform.redis_keys import key
 from asyncrl.v1 import buffer_pb2
 from buffer_helpers import BufferThread, buffer_stub, make_group  # noqa: F401 (stub fixture)
 

@@ -15,10 +15,10 @@ import redis as sync_redis
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from asyncrl.buffer.client import BufferClient
-from asyncrl.redis_keys import key
-from asyncrl.grpc_health import LIVENESS, NOT_SERVING, SERVING
-from asyncrl.outage import OutageTooLong
+from asyncrl.clients.buffer import BufferClient
+from asyncrl.platform.redis_keys import key
+from asyncrl.platform.grpc_health import LIVENESS, NOT_SERVING, SERVING
+from asyncrl.platform.outage import OutageTooLong
 from asyncrl.v1 import buffer_pb2
 from buffer_helpers import BufferProcess, make_group, wait_healthy
 

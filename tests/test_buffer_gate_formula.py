@@ -11,7 +11,7 @@ import redis
 
 from asyncrl.algorithms.staleness import rollout_capacity
 from asyncrl.buffer import scripts
-from asyncrl.redis_keys import key, prefix
+from asyncrl.platform.redis_keys import key, prefix
 
 STATES = 400
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from asyncrl.buffer.client import BufferClient
+from asyncrl.clients.buffer import BufferClient
 from buffer_helpers import BufferProcess, group_fates, make_group, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from asyncrl.crd import build_crd
+from asyncrl.spec.crd import build_crd
 from asyncrl.operator import builders, handlers
 from asyncrl.operator.builders import OperatorConfig
 from asyncrl.spec import load_manifest

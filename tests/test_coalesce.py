@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from asyncrl.coalesce import Coalescer
+from asyncrl.platform.coalesce import Coalescer
 
 
 class Recorder:

@@ -12,7 +12,7 @@ import pytest
 from kubernetes_validate.utils import latest_version
 
 from asyncrl import spec
-from asyncrl.crd import build_crd, structural_schema
+from asyncrl.spec.crd import build_crd, structural_schema
 from asyncrl.spec import read_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,7 +135,7 @@ def test_every_field_is_described(schema):
 
 
 def test_unions_without_structural_form_are_refused():
-    from asyncrl.crd import SchemaError
+    from asyncrl.spec.crd import SchemaError
 
     with pytest.raises(SchemaError, match="x"):
         structural_schema({"properties": {"x": {"anyOf": [{"type": "string"},

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import yaml
 
-from asyncrl.runner import LocalJob, RunOptions
+from asyncrl.local.runner import LocalJob, RunOptions
 from asyncrl.spec import load_manifest
 from dashboard_helpers import (
     ROOT,

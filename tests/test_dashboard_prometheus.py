@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from asyncrl.redis_server import free_port
+from asyncrl.platform.redis_server import free_port
 from dashboard_helpers import ROOT, expressions, load_dashboard, substitute
 
 ASYNCRL = str(Path(sys.executable).parent / "asyncrl")

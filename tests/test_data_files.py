@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from asyncrl import arith
+from asyncrl.data import arith
 from asyncrl.cli import app
-from asyncrl.data_files import DatasetError
-from asyncrl.data_mapping import CodeTests, last_boxed
-from asyncrl.models import load_tokenizer
-from asyncrl.prompts import build_prompts
-from asyncrl.runner import RunOptions, resolve_manifest
+from asyncrl.data.files import DatasetError
+from asyncrl.data.mapping import CodeTests, last_boxed
+from asyncrl.model.policy import load_tokenizer
+from asyncrl.data.prompts import build_prompts
+from asyncrl.local.runner import RunOptions, resolve_manifest
 from asyncrl.spec import parse_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,7 +223,7 @@ def test_a_file_of_arith_problems_gives_the_arith_jobs_prompts_and_answers(tmp_p
     # The same responses get the same rewards: a right answer, a wrong one, and none.
     import asyncio
 
-    from asyncrl.reward.client import PromptScorer, reward_scorer
+    from asyncrl.clients.reward import PromptScorer, reward_scorer
 
     def rewards(items, spec):
         async def score():
@@ -333,7 +333,7 @@ def test_misused_dataset_fields_are_refused_naming_the_field(dataset, reward, ex
     from pydantic import ValidationError
 
     from asyncrl.spec import RLJobSpec
-    from asyncrl.spec_errors import format_errors
+    from asyncrl.spec.errors import format_errors
 
     spec = {"dataset": dataset,
             "reward": reward if isinstance(reward, dict) else {"kind": reward}}

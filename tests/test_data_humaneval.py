@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.models import load_tokenizer
-from asyncrl.prompts import build_prompts
-from asyncrl.reward.client import RewardClient, reward_reference
-from asyncrl.reward.types import ScoreTask
+from asyncrl.model.policy import load_tokenizer
+from asyncrl.data.prompts import build_prompts
+from asyncrl.clients.reward import RewardClient, reward_reference
+from asyncrl.scoring.types import ScoreTask
 from asyncrl.spec import load_manifest
 from reward_helpers import RewardThread
 

@@ -5,7 +5,7 @@ The GPU branches are exercised on a CPU-only machine by pretending CUDA is avail
 import pytest
 import torch
 
-from asyncrl.devices import distributed_backend, local_rank, select_device
+from asyncrl.platform.devices import distributed_backend, local_rank, select_device
 
 
 @pytest.fixture

@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from asyncrl.operator import builders
 from asyncrl.operator.builders import OperatorConfig
-from asyncrl.reward.types import CodeReference, IoCase, ScoreTask
+from asyncrl.scoring.types import CodeReference, IoCase, ScoreTask
 from asyncrl.spec import parse_manifest
 from asyncrl.v1 import reward_pb2, reward_pb2_grpc
 

@@ -25,7 +25,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from asyncrl.redis_server import free_port
+from asyncrl.platform.redis_server import free_port
 from buffer_helpers import group_fates
 from dashboard_helpers import expressions, load_dashboard, substitute
 from test_dashboard_prometheus import READY, Prometheus, prometheus_binary, stop, tail

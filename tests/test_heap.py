@@ -3,7 +3,7 @@
 import ctypes
 import ctypes.util
 
-from asyncrl.heap import trim_heap
+from asyncrl.platform.heap import trim_heap
 
 
 def _resident_bytes() -> int:

@@ -28,7 +28,7 @@ from packaging.utils import canonicalize_name
 
 import asyncrl
 from asyncrl.operator.builders import APP_UID
-from asyncrl.rollout.sglang_launch import SGLANG_VERSION
+from asyncrl.launch.sglang import SGLANG_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
@@ -497,7 +497,7 @@ def test_gpu_base_is_the_sglang_release_the_launcher_is_checked_against(dockerfi
     match = re.match(r"v(\d+(?:\.\d+)+(?:\.post\d+)?)", base.split(":", 1)[1])
     assert match, f"{base}: the tag names no SGLang version"
     assert match.group(1) == SGLANG_VERSION, (
-        f"{base}, but asyncrl.rollout.sglang_launch is checked against SGLang {SGLANG_VERSION}")
+        f"{base}, but asyncrl.launch.sglang is checked against SGLang {SGLANG_VERSION}")
 
 
 # --------------------------------------------------------------------------- build context

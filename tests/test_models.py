@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from asyncrl.models import (
+from asyncrl.model.policy import (
     SMOLLM2,
     TinyModelConfig,
     build_tiny_model,
@@ -9,7 +9,7 @@ from asyncrl.models import (
     load_tokenizer,
     packed_token_logprobs,
 )
-from asyncrl.packed_attention import PACKED_SDPA, use_packed_attention
+from asyncrl.model.packed_attention import PACKED_SDPA, use_packed_attention
 
 
 def _single(model, ids):
@@ -85,11 +85,11 @@ def test_only_the_needed_logprobs_are_computed_and_they_are_the_same():
 
 def test_recomputed_logits_and_checkpointed_layers_give_the_same_logprobs_and_gradients(
         monkeypatch):
-    """Activation checkpointing (asyncrl.recompute): layers that keep only their inputs and
+    """Activation checkpointing (asyncrl.model.recompute): layers that keep only their inputs and
     logits made in blocks (of 4 positions here, so blocks split sequences) and recomputed in
     backward give what the plain forward gives, values and gradients, with a temperature and
     only some positions needed."""
-    import asyncrl.recompute as recompute
+    import asyncrl.model.recompute as recompute
 
     monkeypatch.setattr(recompute, "LOGIT_ROWS", 4)
     sequences = [torch.randint(0, 300, (n,)) for n in (7, 2, 11, 4)]
@@ -120,7 +120,7 @@ def test_a_row_sharing_prefixes_gives_each_sequences_logprobs_and_gradients(reco
     (its responses continue it): every response token's log-prob and every gradient are
     those of the row with each sequence whole, with a temperature, some positions only and,
     with activation checkpointing, logits recomputed in blocks that split sequences."""
-    import asyncrl.recompute as recompute
+    import asyncrl.model.recompute as recompute
     from asyncrl.algorithms.packing import pack_sequences, pack_sharing_prefixes
 
     monkeypatch.setattr(recompute, "LOGIT_ROWS", 4)

@@ -28,7 +28,7 @@ from asyncrl.operator.status import (
     status_changes,
     trainer_failure,
 )
-from asyncrl.rollout.sglang_launch import SGLANG_STARTUP_SECONDS
+from asyncrl.platform.settings import SGLANG_STARTUP_SECONDS
 from asyncrl.spec import load_manifest, parse_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -783,7 +783,7 @@ def test_buffer_stats_from_a_real_buffer(redis_server, tiny):
 
 def test_buffer_stats_says_why_when_unreachable(tiny):
     from asyncrl.operator.handlers import buffer_stats
-    from asyncrl.redis_server import free_port
+    from asyncrl.platform.redis_server import free_port
 
     stats, error = buffer_stats(tiny, address=f"127.0.0.1:{free_port()}", timeout=0.5)
     assert stats is None
@@ -850,7 +850,7 @@ def test_trainer_status_comes_from_the_leader_whichever_pod_it_is_on(tiny):
     from operator_helpers import TrainerStatusThread
 
     from asyncrl.operator.handlers import trainer_status
-    from asyncrl.redis_server import free_port
+    from asyncrl.platform.redis_server import free_port
     from asyncrl.trainer.service import Status
 
     # Under torchrun every pod serves its first process's status; the rendezvous may put the
@@ -869,7 +869,7 @@ def test_trainer_status_comes_from_the_leader_whichever_pod_it_is_on(tiny):
 
 def test_trainer_status_says_why_when_unreachable(tiny):
     from asyncrl.operator.handlers import trainer_status
-    from asyncrl.redis_server import free_port
+    from asyncrl.platform.redis_server import free_port
 
     found, error = trainer_status(tiny, [f"127.0.0.1:{free_port()}"], timeout=0.5)
     assert found is None

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from asyncrl.crd import build_crd
-from asyncrl.rollout.sglang_launch import SGLANG_STARTUP_SECONDS
+from asyncrl.spec.crd import build_crd
+from asyncrl.platform.settings import SGLANG_STARTUP_SECONDS
 
 pytestmark = pytest.mark.slow
 

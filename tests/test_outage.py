@@ -1,4 +1,4 @@
-"""The one retry policy for Redis outages (asyncrl.outage) against real sockets: a Redis that
+"""The one retry policy for Redis outages (asyncrl.platform.outage) against real sockets: a Redis that
 is not there, and an address answered by something that is not Redis (as a Service's address
 can be while its Redis pod is away), both count as Redis being down, are retried, and end in
 OutageTooLong naming the address once the bound has passed."""
@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from asyncrl.outage import Outage, OutageTooLong, connect, redis_address, redis_down, retry
-from asyncrl.redis_server import free_port
+from asyncrl.platform.outage import Outage, OutageTooLong, connect, redis_address, redis_down, retry
+from asyncrl.platform.redis_server import free_port
 
 
 class HttpAnswerer:

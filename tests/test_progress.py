@@ -1,11 +1,11 @@
-"""The live view of `asyncrl run` (core/progress.py)."""
+"""The live view of `asyncrl run` (core/local/progress.py)."""
 
 import io
 from types import SimpleNamespace
 
 from rich.console import Console
 
-from asyncrl.progress import RunProgress
+from asyncrl.local.progress import RunProgress
 
 
 def _rendered(table) -> str:
@@ -54,7 +54,7 @@ def test_the_epoch_row_says_where_the_prompt_cursor_is():
 def test_a_finished_run_shows_no_eta_even_short_of_max_steps(monkeypatch):
     """A job that ended with its dataset used up stops before maxSteps: no time is left."""
     clock = iter([0.0, 10.0, 20.0])
-    monkeypatch.setattr("asyncrl.progress.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("asyncrl.local.progress.time.monotonic", lambda: next(clock))
     progress = RunProgress("job", max_steps=100, group_size=8)
     status = SimpleNamespace(phase="training", step=0, version=0, trained_tokens_per_second=1.0,
                              reward_mean=0.0, staleness_mean=0.0, eval_accuracy=-1.0)

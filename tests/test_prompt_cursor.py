@@ -1,5 +1,5 @@
 """Each prompt once per epoch, across rollout replicas and restarts: the order a cursor names
-(asyncrl.prompt_order), real rollout worker processes on one real buffer over a real
+(asyncrl.data.prompt_order), real rollout worker processes on one real buffer over a real
 redis-server (two at once; one of them killed -9 mid-epoch), and the trainer ending the job
 when the dataset is used up."""
 
@@ -22,12 +22,12 @@ import redis as sync_redis
 import yaml
 
 from asyncrl.buffer.store import JobConfig
-from asyncrl.models import load_tokenizer
-from asyncrl.prompt_order import PromptOrder, epoch_of
-from asyncrl.prompts import PromptItem, PromptSet, build_prompts
-from asyncrl.redis_keys import key
-from asyncrl.redis_server import free_port
-from asyncrl.settings import serve_command
+from asyncrl.model.policy import load_tokenizer
+from asyncrl.data.prompt_order import PromptOrder, epoch_of
+from asyncrl.data.prompts import PromptItem, PromptSet, build_prompts
+from asyncrl.platform.redis_keys import key
+from asyncrl.platform.redis_server import free_port
+from asyncrl.platform.settings import serve_command
 from asyncrl.spec import load_manifest
 from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
 from buffer_helpers import BufferProcess, BufferThread, make_group

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import code_tasks
-from asyncrl.models import load_tokenizer
-from asyncrl.prompts import build_prompts
-from asyncrl.reward.client import PromptScorer, RewardClient, reward_scorer
+from asyncrl.data import code_tasks
+from asyncrl.model.policy import load_tokenizer
+from asyncrl.data.prompts import build_prompts
+from asyncrl.clients.reward import PromptScorer, RewardClient, reward_scorer
 from asyncrl.spec import load_manifest
 from reward_helpers import RewardThread
 

@@ -7,11 +7,11 @@ import asyncio
 import grpc
 import pytest
 
-from asyncrl.buffer import client as client_module
-from asyncrl.buffer.client import BufferClient
-from asyncrl.outage import OutageTooLong
-from asyncrl.redis_server import free_port
-from asyncrl.samples import Slot
+from asyncrl.clients import buffer as client_module
+from asyncrl.clients.buffer import BufferClient
+from asyncrl.platform.outage import OutageTooLong
+from asyncrl.platform.redis_server import free_port
+from asyncrl.data.samples import Slot
 from asyncrl.v1 import buffer_pb2
 from buffer_helpers import make_group
 

@@ -1,4 +1,4 @@
-"""The Redis key layout has one owner (asyncrl.redis_keys): the Lua scripts and the Python code
+"""The Redis key layout has one owner (asyncrl.platform.redis_keys): the Lua scripts and the Python code
 use only the suffixes it declares."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.buffer import scripts
-from asyncrl.redis_keys import LAYOUT, SUFFIXES, key, weights_channel, weights_key
+from asyncrl.platform.redis_keys import LAYOUT, SUFFIXES, key, weights_channel, weights_key
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ def test_no_python_module_builds_a_key_of_its_own():
         if path.name in ("redis_keys.py",) or "/v1/" in str(path):
             continue
         text = path.read_text()
-        assert "asyncrl:{" not in text, f"{path}: a key spelled out; use asyncrl.redis_keys"
+        assert "asyncrl:{" not in text, f"{path}: a key spelled out; use asyncrl.platform.redis_keys"
         assert not re.search(r"prefix\([^)]*\)\s*\+", text), f"{path}: prefix(...) + ..."
 
 

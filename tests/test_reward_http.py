@@ -9,11 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from asyncrl.grpc_health import is_serving_at
-from asyncrl.prompts import PromptItem
-from asyncrl.redis_server import free_port
-from asyncrl.reward.client import PromptScorer, RewardClient
-from asyncrl.reward.types import Failure, RowReference, ScoreTask
+from asyncrl.platform.grpc_health import is_serving_at
+from asyncrl.data.prompts import PromptItem
+from asyncrl.platform.redis_server import free_port
+from asyncrl.clients.reward import PromptScorer, RewardClient
+from asyncrl.scoring.types import Failure, RowReference, ScoreTask
 from asyncrl.spec import RewardSpec
 from reward_helpers import Judge, RewardThread
 

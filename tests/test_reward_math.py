@@ -2,9 +2,9 @@
 
 import pytest
 
-from asyncrl.reward.extract import extract_answer
-from asyncrl.reward.math_reward import MathScorer, MathVerifierPool
-from asyncrl.reward.types import Failure, MathReference
+from asyncrl.scoring.extract import extract_answer
+from asyncrl.scoring.math_reward import MathScorer, MathVerifierPool
+from asyncrl.scoring.types import Failure, MathReference
 
 
 @pytest.mark.parametrize("text, rules, expected", [

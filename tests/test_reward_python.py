@@ -12,13 +12,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from asyncrl.grpc_health import is_serving_at
-from asyncrl.prompts import PromptItem
-from asyncrl.redis_server import free_port
-from asyncrl.reward.client import PromptScorer, RewardClient, reward_reference, reward_scorer
+from asyncrl.platform.grpc_health import is_serving_at
+from asyncrl.data.prompts import PromptItem
+from asyncrl.platform.redis_server import free_port
+from asyncrl.clients.reward import PromptScorer, RewardClient, reward_reference, reward_scorer
 from asyncrl.reward.metrics import MAX_EXTRA_FIELDS, RewardMetrics
-from asyncrl.reward.scorer import RewardScorer
-from asyncrl.reward.types import (
+from asyncrl.scoring.scorer import RewardScorer
+from asyncrl.scoring.types import (
     CodeReference,
     Failure,
     MathReference,
@@ -26,7 +26,7 @@ from asyncrl.reward.types import (
     ScoreResult,
     ScoreTask,
 )
-from asyncrl.reward.worker_pool import WorkerStartError
+from asyncrl.scoring.worker_pool import WorkerStartError
 from asyncrl.spec import RewardSpec, load_manifest
 from reward_helpers import LoopThread, RewardThread
 
@@ -290,7 +290,7 @@ def test_the_example_reward_scores_the_answer_and_the_format():
 
 
 def test_the_row_a_reward_reads_for_file_and_generated_datasets():
-    from asyncrl.code_tasks import CodeTask
+    from asyncrl.data.code_tasks import CodeTask
 
     file_item = PromptItem("f1", [1], None, row={"question": "2+2?", "answer": 4}, text="2+2?")
     assert reward_reference(file_item, "python") == RowReference.of(

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-import asyncrl.reward
-from asyncrl.reward.code_reward import CodeScorer
-from asyncrl.reward.extract import extract_program
-from asyncrl.reward.sandbox import (
+import asyncrl.scoring
+from asyncrl.scoring.code_reward import CodeScorer
+from asyncrl.scoring.extract import extract_program
+from asyncrl.scoring.sandbox import (
     DEFAULT_UID_BASE,
     Isolation,
     Sandbox,
@@ -24,7 +24,7 @@ from asyncrl.reward.sandbox import (
     SandboxUnavailable,
     _processes_of,
 )
-from asyncrl.reward.types import CodeReference, Failure, IoCase
+from asyncrl.scoring.types import CodeReference, Failure, IoCase
 
 # Only the tests that expect a timeout ask for a short one (`timed`); every other run gets a
 # limit long enough that a busy machine never turns another failure into a timeout.
@@ -314,7 +314,7 @@ def test_writing_outside_the_scratch_directory(loop, sandbox, scorer, still_heal
     open_dir = Path(tempfile.mkdtemp(prefix="asyncrl-open-"))
     open_dir.chmod(0o777)  # only the read-only mount stops a write here, not permissions
     name = f"escape-{secrets.token_hex(4)}"
-    targets = [open_dir / name, Path(asyncrl.reward.__file__).parent / name,
+    targets = [open_dir / name, Path(asyncrl.scoring.__file__).parent / name,
                Path("/tmp") / name, Path("/var/tmp") / name]
     try:
         program = (

@@ -8,10 +8,10 @@ import torch
 import transformers
 from safetensors.torch import save_model
 
-from asyncrl.models import TinyModelConfig, build_tiny_model, packed_token_logprobs
-from asyncrl.rollout.engine import TorchEngine
-from asyncrl.rollout.sampling import sample_tokens
-from asyncrl.rollout.types import RequestError, SamplingParams
+from asyncrl.model.policy import TinyModelConfig, build_tiny_model, packed_token_logprobs
+from asyncrl.engine.torch_engine import TorchEngine
+from asyncrl.engine.sampling import sample_tokens
+from asyncrl.engine.types import RequestError, SamplingParams
 
 VOCAB = 256
 # fp32 on CPU: the engine's cached attention and the trainer's packed forward agree to ~1e-6.
@@ -417,7 +417,7 @@ def test_engine_on_the_selected_device_in_bfloat16(tmp_path):
     from select_device (the CPU here, cuda:0 on a GPU machine, the same code); weights and KV
     cache are bf16, log-probabilities are still those of the model (computed in float32), and
     a float32 snapshot from the trainer loads into the bf16 weights."""
-    from asyncrl.devices import select_device
+    from asyncrl.platform.devices import select_device
 
     device = select_device(gpus_requested=1)
     model = tiny(seed=4).to(device=device, dtype=torch.bfloat16)
@@ -449,7 +449,7 @@ def test_engine_on_the_selected_device_in_bfloat16(tmp_path):
 
 def test_weight_copies_and_aborts_run_on_the_engines_thread(tmp_path):
     """Tensor work from other threads would give the process a second OpenMP pool (see
-    asyncrl.openmp): update_weights and abort hand their work to the engine's loop."""
+    asyncrl.platform.openmp): update_weights and abort hand their work to the engine's loop."""
     save_model(tiny(seed=4), str(tmp_path / "model.safetensors"))
     engine = TorchEngine(tiny(), max_running_requests=2, max_sequence_length=96, seed=0).start()
     ran_on = []
@@ -476,8 +476,8 @@ def test_weight_copies_and_aborts_run_on_the_engines_thread(tmp_path):
 
 
 def test_prefill_batches_are_runs_of_uncached_rows_within_the_token_cap():
-    from asyncrl.rollout.engine import _prefill_batches, _Request
-    from asyncrl.rollout.types import GenerationResult
+    from asyncrl.engine.torch_engine import _prefill_batches, _Request
+    from asyncrl.engine.types import GenerationResult
 
     def request(length, cached):
         r = _Request(GenerationResult("r", list(range(length))), SamplingParams(), frozenset())
@@ -598,7 +598,7 @@ def test_fused_decode_gives_the_model_layers_greedy_tokens():
 
 
 def test_resumed_rows_extend_in_runs_of_about_one_length():
-    from asyncrl.rollout.engine import _extend_runs
+    from asyncrl.engine.torch_engine import _extend_runs
 
     # (row, tokens to cache): a run ends at a gap in the rows, at a row longer than its first
     # or under half of it.

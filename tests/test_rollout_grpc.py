@@ -6,10 +6,10 @@ import grpc
 import pytest
 from rollout_helpers import free_port, tiny_engine
 
-from asyncrl.grpc_health import is_serving_at
-from asyncrl.rollout.engine_api import TorchInferenceEngine
+from asyncrl.platform.grpc_health import is_serving_at
+from asyncrl.engine.api import TorchInferenceEngine
 from asyncrl.rollout.grpc_control import serve_control
-from asyncrl.rollout.types import SamplingParams
+from asyncrl.engine.types import SamplingParams
 from asyncrl.v1 import rollout_pb2, rollout_pb2_grpc
 
 

@@ -22,11 +22,11 @@ from rollout_helpers import (
 )
 from safetensors.torch import load_file, save_file
 
-from asyncrl.models import TinyModelConfig, build_tiny_model
-from asyncrl.rollout.engine import TorchEngine
+from asyncrl.model.policy import TinyModelConfig, build_tiny_model
+from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.rollout.http_api import create_app
 from asyncrl.rollout.metrics import RolloutMetrics
-from asyncrl.rollout.types import SamplingParams
+from asyncrl.engine.types import SamplingParams
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6}
 

@@ -14,10 +14,10 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_model
 
-from asyncrl.models import load_model
-from asyncrl.redis_server import free_port
+from asyncrl.model.policy import load_model
+from asyncrl.platform.redis_server import free_port
 from asyncrl.v1 import rollout_pb2, rollout_pb2_grpc
-from asyncrl.weights import WeightVersion, weights_channel, weights_key
+from asyncrl.weights.announcements import WeightVersion, weights_channel, weights_key
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import yaml
 
-from asyncrl.redis_server import free_port
+from asyncrl.platform.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 ASYNCRL = str(Path(sys.executable).parent / "asyncrl")

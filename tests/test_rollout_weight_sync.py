@@ -10,13 +10,13 @@ import torch
 from safetensors.torch import save_model
 
 from asyncrl.buffer.store import BufferStore, JobConfig
-from asyncrl.models import TinyModelConfig, build_tiny_model
-from asyncrl.outage import Outage, OutageTooLong, connect, redis_address
-from asyncrl.rollout.engine import TorchEngine
-from asyncrl.rollout.engine_api import TorchInferenceEngine
-from asyncrl.rollout.types import SamplingParams
-from asyncrl.rollout.weight_sync import WeightWatcher, engine_applier
-from asyncrl.weights import WeightVersion, weights_channel, weights_key
+from asyncrl.model.policy import TinyModelConfig, build_tiny_model
+from asyncrl.platform.outage import Outage, OutageTooLong, connect, redis_address
+from asyncrl.engine.torch_engine import TorchEngine
+from asyncrl.engine.api import TorchInferenceEngine
+from asyncrl.engine.types import SamplingParams
+from asyncrl.rollout.weights_receiver import WeightWatcher, engine_applier
+from asyncrl.weights.announcements import WeightVersion, weights_channel, weights_key
 from rollout_helpers import VOCAB, recomputed_logprobs, write_snapshot
 
 JOB = "sync-test"

@@ -5,10 +5,10 @@ import asyncio
 
 import pytest
 
-from asyncrl.models import TinyModelConfig, build_tiny_model
-from asyncrl.rollout.engine import TorchEngine
-from asyncrl.rollout.types import SamplingParams
-from asyncrl.rollout.engine_api import TorchInferenceEngine
+from asyncrl.model.policy import TinyModelConfig, build_tiny_model
+from asyncrl.engine.torch_engine import TorchEngine
+from asyncrl.engine.types import SamplingParams
+from asyncrl.engine.api import TorchInferenceEngine
 from asyncrl.rollout.workflow import EngineGenerator, PromptItem, RolloutWorkflow
 from rollout_helpers import InOrder, InProcessGate
 

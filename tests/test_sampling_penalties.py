@@ -4,7 +4,7 @@ OpenAI's definition; and the log-probability sample_tokens reports for penalised
 import pytest
 import torch
 
-from asyncrl.rollout.sampling import apply_penalties, sample_tokens
+from asyncrl.engine.sampling import apply_penalties, sample_tokens
 
 VOCAB = 50
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.redis_server import free_port
+from asyncrl.platform.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 ASYNCRL = str(Path(sys.executable).parent / "asyncrl")

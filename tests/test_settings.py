@@ -13,8 +13,8 @@ import yaml
 from asyncrl.cli import app
 from asyncrl.operator import builders
 from asyncrl.operator.builders import OperatorConfig
-from asyncrl.runner import LocalJob, RunOptions
-from asyncrl.settings import SERVICES, flag, is_flag, serve_command
+from asyncrl.local.runner import LocalJob, RunOptions
+from asyncrl.platform.settings import SERVICES, flag, is_flag, serve_command
 from asyncrl.spec import load_manifest
 
 ROOT = Path(__file__).resolve().parents[1]

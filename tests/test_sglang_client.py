@@ -30,13 +30,13 @@ from asyncrl.rollout.sglang_client import (
     token_versions,
     update_weights_payload,
 )
-from asyncrl.rollout.sglang_launch import (
+from asyncrl.launch.sglang import (
     SGLangServer,
     SGLangUnavailableError,
     max_running_requests,
     sglang_launch_command,
 )
-from asyncrl.rollout.types import SamplingParams
+from asyncrl.engine.types import SamplingParams
 from asyncrl.spec import load_manifest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -17,13 +17,13 @@ import pytest
 import torch
 from rollout_helpers import HttpServer, tiny_engine, wait_for, write_snapshot
 
-from asyncrl.models import TinyModelConfig, build_tiny_model
-from asyncrl.rollout.engine_api import InferenceEngine
+from asyncrl.model.policy import TinyModelConfig, build_tiny_model
+from asyncrl.engine.api import InferenceEngine
 from asyncrl.rollout.http_api import create_app
 from asyncrl.rollout.metrics import RolloutMetrics
 from asyncrl.rollout.sglang_client import SGLangClient
 from asyncrl.rollout.sglang_engine import SGLangEngine
-from asyncrl.rollout.types import SamplingParams
+from asyncrl.engine.types import SamplingParams
 
 from rollout_helpers import VOCAB
 

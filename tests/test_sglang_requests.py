@@ -23,8 +23,8 @@ from asyncrl.rollout.sglang_client import (
     pause_payload,
     update_weights_payload,
 )
-from asyncrl.rollout.sglang_launch import SGLANG_VERSION, sglang_launch_command
-from asyncrl.rollout.types import SamplingParams
+from asyncrl.launch.sglang import SGLANG_VERSION, sglang_launch_command
+from asyncrl.engine.types import SamplingParams
 from asyncrl.spec import load_manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]

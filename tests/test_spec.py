@@ -17,7 +17,7 @@ from asyncrl.spec import (
     parse_quantity,
     read_manifest,
 )
-from asyncrl.spec_errors import format_errors, issues, yaml_lines
+from asyncrl.spec.errors import format_errors, issues, yaml_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -544,7 +544,7 @@ def test_the_trainer_computes_in_its_own_dtype_or_the_models():
     # bf16 matmuls in the trainer, float32 weights for the rollout engines.
     assert compute({}, {"computeDtype": "bfloat16"}).compute_dtype == "bfloat16"
     assert compute({"dtype": "bfloat16"}, {"computeDtype": "float32"}).compute_dtype == "float32"
-    # Chosen by the trainer on its device (asyncrl.devices.trainer_compute_dtype).
+    # Chosen by the trainer on its device (asyncrl.platform.devices.trainer_compute_dtype).
     assert compute({}, {"computeDtype": "auto"}).compute_dtype == "auto"
     assert not compute({}, {}).activation_checkpointing
     assert compute({}, {"activationCheckpointing": True}).activation_checkpointing

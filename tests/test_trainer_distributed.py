@@ -21,10 +21,10 @@ import yaml
 from safetensors.torch import load_file
 
 from asyncrl.buffer.store import JobConfig
-from asyncrl.devices import select_device
-from asyncrl.models import TinyModelConfig, load_model, packed_token_logprobs
-from asyncrl.redis_server import free_port
-from asyncrl.runner import LocalJob, RunOptions
+from asyncrl.platform.devices import select_device
+from asyncrl.model.policy import TinyModelConfig, load_model, packed_token_logprobs
+from asyncrl.platform.redis_server import free_port
+from asyncrl.local.runner import LocalJob, RunOptions
 from asyncrl.spec import load_manifest
 from asyncrl.trainer.checkpoints import (
     TrainerState,
@@ -43,7 +43,7 @@ from asyncrl.trainer.distributed import (
     shard_model,
     split_by_tokens,
 )
-from asyncrl.trainer.launch import torchrun_arguments
+from asyncrl.launch.torchrun import torchrun_arguments
 from asyncrl.trainer.service import forget_records_after
 from asyncrl.trainer.step import PolicyUpdater, UpdateConfig
 from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2

@@ -5,7 +5,7 @@ import torch
 
 from asyncrl.algorithms.packing import balance_micro_batches
 from asyncrl.algorithms.ppo import decoupled_ppo_loss
-from asyncrl.models import packed_token_logprobs
+from asyncrl.model.policy import packed_token_logprobs
 from asyncrl.trainer.step import PolicyUpdater, TrainSample, UpdateConfig, _pack
 from trainer_helpers import make_groups, make_samples, tiny_model
 
@@ -100,8 +100,8 @@ def _as_version(samples, version, *, except_index=None):
 def test_engine_behaviour_logprobs_of_current_weights_equal_the_trainers():
     """A trajectory the engine sampled (untruncated, at the job's temperature) from the weights
     the trainer holds has behaviour log-probs equal to the trainer's log-probs of it."""
-    from asyncrl.rollout.engine import TorchEngine
-    from asyncrl.rollout.types import SamplingParams
+    from asyncrl.engine.torch_engine import TorchEngine
+    from asyncrl.engine.types import SamplingParams
 
     model = tiny_model()
     updater = PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1),
@@ -363,12 +363,12 @@ def test_activation_checkpointing_is_refused_for_a_model_with_its_own_logprobs()
 
 
 def test_an_evaluator_sharing_the_trainers_weights_generates_with_every_update():
-    """The trainer's evaluator (asyncrl.models.sharing_weights): no weights of its own, the
+    """The trainer's evaluator (asyncrl.model.policy.sharing_weights): no weights of its own, the
     trainer's model still trains, and each evaluation sees the latest update, as an engine
     over a full copy of the updated model does."""
-    from asyncrl.models import sharing_weights
-    from asyncrl.rollout.engine import TorchEngine
-    from asyncrl.rollout.types import SamplingParams
+    from asyncrl.model.policy import sharing_weights
+    from asyncrl.engine.torch_engine import TorchEngine
+    from asyncrl.engine.types import SamplingParams
 
     model = tiny_model()
     updater = PolicyUpdater(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
@@ -398,7 +398,7 @@ def test_auto_compute_dtype_is_bf16_only_where_the_device_computes_it_natively(
         monkeypatch, caplog, native):
     """auto steps exactly as bfloat16 where bf16 is native and as float32 where it is emulated
     (several times slower there), without the emulation warning."""
-    import asyncrl.devices as devices
+    import asyncrl.platform.devices as devices
 
     monkeypatch.setattr(devices, "native_bf16", lambda device: native)
     caplog.set_level("INFO", logger="asyncrl.trainer.step")
@@ -425,7 +425,7 @@ def test_a_batchs_advantages_carry_the_loss_aggregation(aggregation):
     for every response of equal |advantage|, whatever its length."""
     from types import SimpleNamespace
 
-    from asyncrl.samples import Group, Trajectory
+    from asyncrl.data.samples import Group, Trajectory
     from asyncrl.trainer.service import samples_from_groups
 
     def response(length, reward):

@@ -13,21 +13,21 @@ import redis.asyncio as redis
 import torch
 from rollout_helpers import VOCAB, HttpServer, free_port, recomputed_logprobs, tiny_engine, wait_for
 
-from asyncrl.models import TinyModelConfig, build_tiny_model
-from asyncrl.rollout.engine_api import TorchInferenceEngine
+from asyncrl.model.policy import TinyModelConfig, build_tiny_model
+from asyncrl.engine.api import TorchInferenceEngine
 from asyncrl.rollout.http_api import create_app
 from asyncrl.rollout.metrics import RolloutMetrics
 from asyncrl.rollout.sglang_client import SGLangClient
 from asyncrl.rollout.sglang_engine import SGLangEngine
-from asyncrl.rollout.types import SamplingParams
-from asyncrl.rollout.weight_sync import (
+from asyncrl.engine.types import SamplingParams
+from asyncrl.rollout.weights_receiver import (
     TransferMember,
     VersionSkipped,
     WeightWatcher,
     engine_applier,
 )
-from asyncrl.trainer.weight_broadcast import WeightBroadcaster
-from asyncrl.weight_transfer import (
+from asyncrl.trainer.weights_distributed import WeightBroadcaster
+from asyncrl.weights.distributed import (
     announcement_uri,
     buckets,
     claim_ranks,
@@ -37,7 +37,7 @@ from asyncrl.weight_transfer import (
     host_store,
     model_manifest,
 )
-from asyncrl.weights import WeightVersion, weights_channel, weights_key
+from asyncrl.weights.announcements import WeightVersion, weights_channel, weights_key
 
 
 def run(scenario):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.models import TinyModelConfig, build_tiny_model
+from asyncrl.model.policy import TinyModelConfig, build_tiny_model
 from asyncrl.trainer.step import TrainSample
 
 VOCAB = 512

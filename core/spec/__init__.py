@@ -6,8 +6,8 @@ whole object and loading it from YAML). Import from `asyncrl.spec` itself.
 
 Everything that decides what a valid job is lives here: field names (camelCase in YAML,
 snake_case in Python), defaults, ranges, cross-field rules and their descriptions. The CRD's
-OpenAPI schema (`asyncrl.crd`), the local runner's config parsing, the operator's validation and
-the error messages (`asyncrl.spec_errors`) are all derived from these models.
+OpenAPI schema (`asyncrl.spec.crd`), the local runner's config parsing, the operator's validation and
+the error messages (`asyncrl.spec.errors`) are all derived from these models.
 
 Python code reads the resolved job as attributes, e.g.::
 
@@ -15,7 +15,7 @@ Python code reads the resolved job as attributes, e.g.::
     job.spec.algorithm.group_size, job.spec.rollout.max_new_tokens, job.spec.buffer.redis.url
 
 Rules that involve more than one field raise `rule_error(...)`, which carries the field it is
-about and a fix; `asyncrl.spec_errors` turns it into one readable line.
+about and a fix; `asyncrl.spec.errors` turns it into one readable line.
 """
 
 from __future__ import annotations

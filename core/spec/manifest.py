@@ -170,7 +170,7 @@ def load_manifest(path: str | Path) -> RLJob:
     """Read and validate an RLJob manifest file.
 
     Raises ManifestError (unreadable, not YAML, not one mapping) or pydantic.ValidationError;
-    `asyncrl.spec_errors.format_errors` makes the latter readable.
+    `asyncrl.spec.errors.format_errors` makes the latter readable.
     """
     return parse_manifest(read_manifest(path))
 

@@ -3,14 +3,14 @@ replicas (and rollout workers behind them) see one consistent gate, and a buffer
 die between any two calls without losing or duplicating anything: all state lives in Redis.
 
 Keys: each script gets the job's key prefix and appends the suffixes of the one layout,
-asyncrl.redis_keys.LAYOUT.
+asyncrl.platform.redis_keys.LAYOUT.
 Times come from Redis (TIME), never from the caller, so replicas cannot disagree about leases.
 A group's bytes never pass through a script: Redis copies every argument and reply of a script
 into Lua strings, which for a group of long samples costs more than all else a put does. They
 are SET beside the script in one transaction (`group:<slot>`), the stream entry names the slot,
 and a batch's bytes are read with plain GETs.
 
-Each granted slot carries a prompt cursor (asyncrl.prompt_order maps it to a prompt), so that
+Each granted slot carries a prompt cursor (asyncrl.data.prompt_order maps it to a prompt), so that
 every prompt is generated for once per epoch across replicas and restarts. The cursor is
 state beside the gate's counters, changed by the same scripts: a slot that is lost (its lease
 expired, or it was released unused) puts its cursor on the reissue list, which grants take

@@ -30,14 +30,14 @@ from asyncrl.buffer.store import (
     ResourceExhausted,
     SlotGrant,
 )
-from asyncrl.grpc_errors import map_errors
-from asyncrl.heap import reuse_large_blocks
-from asyncrl import grpc_service
-from asyncrl.outage import REDIS_DOWN, Outage, OutageTooLong, connect, redis_address, retry
-from asyncrl.settings import BufferSettings
+from asyncrl.platform.grpc_errors import map_errors
+from asyncrl.platform.heap import reuse_large_blocks
+from asyncrl.platform import grpc_service
+from asyncrl.platform.outage import REDIS_DOWN, Outage, OutageTooLong, connect, redis_address, retry
+from asyncrl.platform.settings import BufferSettings
 from asyncrl.spec import load_manifest
 from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc
-from asyncrl.weights import WeightVersion
+from asyncrl.weights.announcements import WeightVersion
 
 log = logging.getLogger(__name__)
 

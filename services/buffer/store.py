@@ -14,10 +14,10 @@ import redis.asyncio as redis
 from redis.exceptions import NoScriptError
 
 from asyncrl.buffer import scripts
-from asyncrl.coalesce import Coalescer
-from asyncrl.prompt_order import epoch_of
-from asyncrl.redis_keys import key, prefix, weights_channel, weights_key
-from asyncrl.weights import WeightVersion
+from asyncrl.platform.coalesce import Coalescer
+from asyncrl.data.prompt_order import epoch_of
+from asyncrl.platform.redis_keys import key, prefix, weights_channel, weights_key
+from asyncrl.weights.announcements import WeightVersion
 
 CONSUMER_GROUP = "trainer"
 #: Bytes of groups one replica has on their way into Redis at once, in at most WRITE_ROUNDS

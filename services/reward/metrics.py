@@ -9,8 +9,8 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from asyncrl.reward.sandbox import RunResult
-from asyncrl.reward.types import Failure, ScoreResult
+from asyncrl.scoring.sandbox import RunResult
+from asyncrl.scoring.types import Failure, ScoreResult
 
 SANDBOX_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 SCORE_BUCKETS = (0.0, 0.25, 0.5, 0.75, 1.0)

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import grpc
 
 from asyncrl.reward.metrics import RewardMetrics
-from asyncrl.reward.sandbox import SandboxUnavailable
-from asyncrl.reward.scorer import RewardScorer, UnsupportedTask
-from asyncrl.reward.types import ScoreTask
-from asyncrl.reward.worker_pool import WorkerStartError
-from asyncrl.grpc_errors import map_errors
-from asyncrl import grpc_service
-from asyncrl.settings import RewardSettings
+from asyncrl.scoring.sandbox import SandboxUnavailable
+from asyncrl.scoring.scorer import RewardScorer, UnsupportedTask
+from asyncrl.scoring.types import ScoreTask
+from asyncrl.scoring.worker_pool import WorkerStartError
+from asyncrl.platform.grpc_errors import map_errors
+from asyncrl.platform import grpc_service
+from asyncrl.platform.settings import RewardSettings
 from asyncrl.spec import load_manifest
 from asyncrl.v1 import reward_pb2, reward_pb2_grpc
 

@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from asyncrl.grpc_health import add_health_to_thread_server
-from asyncrl.rollout.engine_api import InferenceEngine
-from asyncrl.rollout.types import EngineStatus
+from asyncrl.platform.grpc_health import add_health_to_thread_server
+from asyncrl.engine.api import InferenceEngine
+from asyncrl.engine.types import EngineStatus
 from asyncrl.v1 import rollout_pb2, rollout_pb2_grpc
 
 

@@ -21,7 +21,7 @@ so routes, request bodies and response shapes follow SGLang's native API
 - `POST /pause_generation`, `POST /continue_generation`, `POST /update_weights_from_disk`,
   `POST /init_weights_update_group`, `POST /update_weights_from_distributed`,
   `POST /destroy_weights_update_group` (weights broadcast by the trainer over torch.distributed:
-  asyncrl.weight_transfer), `POST /abort_request`, `GET /health` (also `/health_generate`), `GET /get_model_info`,
+  asyncrl.weights.distributed), `POST /abort_request`, `GET /health` (also `/health_generate`), `GET /get_model_info`,
   `GET /get_weight_version`, and `GET /metrics` (Prometheus text). `GET /ready` is ours:
   /health plus the worker's own dependencies (Redis, which announces the weights).
 
@@ -59,13 +59,13 @@ from pydantic import (
 )
 
 from asyncrl.rollout.metrics import RolloutMetrics
-from asyncrl.rollout.types import (
+from asyncrl.engine.types import (
     GenerationResult,
     RequestError,
     SamplingParams,
     UnknownRequestError,
 )
-from asyncrl.weight_transfer import (
+from asyncrl.weights.distributed import (
     JOIN_TIMEOUT_SECONDS,
     GroupAddress,
     TensorMeta,
@@ -305,7 +305,7 @@ def _target_version(weight_version: str | int | None, version: int | None, curre
 
 
 class InitWeightsUpdateGroupRequest(BaseModel):
-    """SGLang's InitWeightsUpdateGroupReqInput (asyncrl.weight_transfer)."""
+    """SGLang's InitWeightsUpdateGroupReqInput (asyncrl.weights.distributed)."""
 
     model_config = ConfigDict(extra="ignore")
 

@@ -23,7 +23,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from asyncrl.rollout.types import EngineStatus, GenerationResult, WeightUpdate
+from asyncrl.engine.types import EngineStatus, GenerationResult, WeightUpdate
 
 # Loading a snapshot takes milliseconds for a tiny model and tens of seconds for a large one.
 WEIGHT_UPDATE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

@@ -21,33 +21,33 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 
-from asyncrl.buffer.client import BufferClient
-from asyncrl.devices import local_rank, select_device
-from asyncrl.heap import reuse_large_blocks
-from asyncrl.models import load_policy, load_tokenizer, model_directory
-from asyncrl.outage import Outage, OutageTooLong, connect, redis_address
-from asyncrl.prompt_order import PromptOrder
-from asyncrl.prompts import build_prompts, max_sequence_length
-from asyncrl.reward.client import PromptScorer, reward_scorer
-from asyncrl.rollout.engine import TorchEngine
-from asyncrl.rollout.engine_api import InferenceEngine, TorchInferenceEngine
+from asyncrl.clients.buffer import BufferClient
+from asyncrl.platform.devices import local_rank, select_device
+from asyncrl.platform.heap import reuse_large_blocks
+from asyncrl.model.policy import load_policy, load_tokenizer, model_directory
+from asyncrl.platform.outage import Outage, OutageTooLong, connect, redis_address
+from asyncrl.data.prompt_order import PromptOrder
+from asyncrl.data.prompts import build_prompts, max_sequence_length
+from asyncrl.clients.reward import PromptScorer, reward_scorer
+from asyncrl.engine.torch_engine import TorchEngine
+from asyncrl.engine.api import InferenceEngine, TorchInferenceEngine
 from asyncrl.rollout.grpc_control import serve_control
 from asyncrl.rollout.http_api import create_app, health_and_metrics
 from asyncrl.rollout.metrics import RolloutMetrics
 from asyncrl.rollout.sglang_client import SGLangClient
 from asyncrl.rollout.sglang_engine import SGLangEngine
-from asyncrl.rollout.sglang_launch import (
+from asyncrl.launch.sglang import (
     SGLangServer,
     SGLangUnavailableError,
     max_running_requests,
     sglang_launch_command,
 )
-from asyncrl.rollout.types import SamplingParams
-from asyncrl.rollout.weight_sync import TransferMember, WeightWatcher, engine_applier
-from asyncrl.weight_transfer import backend as transfer_backend
-from asyncrl.weight_transfer import directory_manifest, engine_ranks, model_manifest
+from asyncrl.engine.types import SamplingParams
+from asyncrl.rollout.weights_receiver import TransferMember, WeightWatcher, engine_applier
+from asyncrl.weights.distributed import backend as transfer_backend
+from asyncrl.weights.distributed import directory_manifest, engine_ranks, model_manifest
 from asyncrl.rollout.workflow import EngineGenerator, RolloutWorkflow
-from asyncrl.settings import RolloutSettings
+from asyncrl.platform.settings import RolloutSettings
 from asyncrl.spec import load_manifest
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def serve(settings: RolloutSettings) -> None:
     device = select_device(spec.rollout.placement.gpus, local_rank())
     model, _ = load_policy(spec.model, device=device)
     # Logits and sampling buffers of MBs every decode step, served from the heap instead of
-    # mapped and faulted in afresh (see asyncrl.heap).
+    # mapped and faulted in afresh (see asyncrl.platform.heap).
     reuse_large_blocks()
     torch_engine = TorchEngine(
         model,

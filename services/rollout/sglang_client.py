@@ -36,8 +36,8 @@ from typing import Any, Literal
 
 import httpx
 
-from asyncrl.rollout.types import FinishReason, GenerationResult, SamplingParams, WeightUpdate
-from asyncrl.weight_transfer import GroupAddress, TensorMeta
+from asyncrl.engine.types import FinishReason, GenerationResult, SamplingParams, WeightUpdate
+from asyncrl.weights.distributed import GroupAddress, TensorMeta
 
 #: SGLang's pause modes: "abort" ends running requests; "retract" puts them back in the
 #: waiting queue (their KV cache may be dropped and is recomputed on continue); "in_place"

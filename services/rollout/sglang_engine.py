@@ -26,8 +26,8 @@ import uuid
 from pathlib import Path
 
 from asyncrl.rollout.sglang_client import SGLangClient
-from asyncrl.rollout.types import EngineStatus, GenerationResult, SamplingParams, WeightUpdate
-from asyncrl.weight_transfer import DEFAULT_BUCKET_BYTES, GroupAddress, TensorMeta, buckets
+from asyncrl.engine.types import EngineStatus, GenerationResult, SamplingParams, WeightUpdate
+from asyncrl.weights.distributed import DEFAULT_BUCKET_BYTES, GroupAddress, TensorMeta, buckets
 
 log = logging.getLogger(__name__)
 

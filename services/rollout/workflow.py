@@ -4,7 +4,7 @@
 Each group runs as its own asyncio task, so many groups (and the n responses inside each) are
 generated concurrently; the engine batches them. The staleness gate decides how many groups
 may be in flight: a group starts only when the gate grants it a slot, and the slot names the
-prompt (a cursor the buffer hands out once across every worker: asyncrl.prompt_order). The
+prompt (a cursor the buffer hands out once across every worker: asyncrl.data.prompt_order). The
 workflow ends when the gate says every prompt of every epoch is used.
 
 The workflow meets the rest of the system at four small interfaces, so the same loop drives
@@ -22,10 +22,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from asyncrl.prompts import PromptItem
-from asyncrl.rollout.engine_api import InferenceEngine
-from asyncrl.rollout.types import GenerationResult, SamplingParams
-from asyncrl.samples import Group, Slot, Trajectory
+from asyncrl.data.prompts import PromptItem
+from asyncrl.engine.api import InferenceEngine
+from asyncrl.engine.types import GenerationResult, SamplingParams
+from asyncrl.data.samples import Group, Slot, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class Scorer(Protocol):
 
 
 class Prompts(Protocol):
-    """The training prompts by the cursors the gate hands out (asyncrl.prompt_order)."""
+    """The training prompts by the cursors the gate hands out (asyncrl.data.prompt_order)."""
 
     def item(self, cursor: int) -> PromptItem: ...
 

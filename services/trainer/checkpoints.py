@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from asyncrl.models import tied_aliases
+from asyncrl.model.policy import tied_aliases
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from asyncrl.algorithms.packing import _fill_least_loaded
-from asyncrl.devices import distributed_backend
+from asyncrl.platform.devices import distributed_backend
 from asyncrl.trainer.step import TrainSample
 
 log = logging.getLogger(__name__)

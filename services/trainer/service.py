@@ -32,18 +32,18 @@ import torch
 
 from asyncrl.algorithms.advantages import aggregation_weights, compute_advantages
 from asyncrl.algorithms.staleness import staleness
-from asyncrl.buffer.client import BufferClient
-from asyncrl.devices import local_rank, select_device
-from asyncrl.grpc_service import start_server
-from asyncrl.models import load_policy, model_skeleton, sharing_weights
-from asyncrl.heap import trim_heap
-from asyncrl.openmp import release_idle_thread_pools
-from asyncrl.outage import OutageTooLong
-from asyncrl.prompts import PromptSet, build_prompts, max_sequence_length
-from asyncrl.reward.client import PromptScorer, reward_scorer
-from asyncrl.rollout.engine import TorchEngine
-from asyncrl.rollout.types import SamplingParams
-from asyncrl.settings import TrainerSettings
+from asyncrl.clients.buffer import BufferClient
+from asyncrl.platform.devices import local_rank, select_device
+from asyncrl.platform.grpc_service import start_server
+from asyncrl.model.policy import load_policy, model_skeleton, sharing_weights
+from asyncrl.platform.heap import trim_heap
+from asyncrl.platform.openmp import release_idle_thread_pools
+from asyncrl.platform.outage import OutageTooLong
+from asyncrl.data.prompts import PromptSet, build_prompts, max_sequence_length
+from asyncrl.clients.reward import PromptScorer, reward_scorer
+from asyncrl.engine.torch_engine import TorchEngine
+from asyncrl.engine.types import SamplingParams
+from asyncrl.platform.settings import TrainerSettings
 from asyncrl.spec import load_manifest
 from asyncrl.trainer.checkpoints import (
     TrainerState,
@@ -64,12 +64,12 @@ from asyncrl.trainer.distributed import (
     under_torchrun,
 )
 from asyncrl.trainer.metrics import TrainerMetrics
-from asyncrl.trainer.weight_broadcast import WeightBroadcaster
+from asyncrl.trainer.weights_distributed import WeightBroadcaster
 from asyncrl.trainer.step import PolicyUpdater, TrainSample, reference_policy
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
-from asyncrl.weight_transfer import announcement_uri, model_manifest
-from asyncrl.weight_transfer import backend as transfer_backend
-from asyncrl.weight_transfer import world_size as transfer_world_size
+from asyncrl.weights.distributed import announcement_uri, model_manifest
+from asyncrl.weights.distributed import backend as transfer_backend
+from asyncrl.weights.distributed import world_size as transfer_world_size
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class Trainer:
         self._evaluator: TorchEngine | None = None
         # Every tensor operation of this process after loading runs on this one thread:
         # on a CPU a second thread doing tensor work would slow every small kernel (see
-        # asyncrl.openmp), so the loading thread's OpenMP workers go now.
+        # asyncrl.platform.openmp), so the loading thread's OpenMP workers go now.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-compute")
         release_idle_thread_pools()
         self.eval_items, self.reward = [], None
@@ -203,7 +203,7 @@ class Trainer:
             return checkpoint.state
         if command.kind == "step":
             stats = self.updater.step(command.samples, command.version)
-            trim_heap()  # the step's activations, back to the system (see asyncrl.heap)
+            trim_heap()  # the step's activations, back to the system (see asyncrl.platform.heap)
             return stats
         if command.kind == "state":
             return full_model_state(self.model)

@@ -36,10 +36,10 @@ from asyncrl.algorithms.ppo import (
     kl_penalty,
     loglinear_proximal_logprobs,
 )
-from asyncrl.devices import AUTOCAST_DEVICES, auto_compute_dtype, native_bf16
-from asyncrl.models import RECOMPUTED_HEADS, load_policy, packed_token_logprobs
-from asyncrl.packed_attention import use_packed_attention
-from asyncrl.recompute import checkpoint_decoder_layers
+from asyncrl.platform.devices import AUTOCAST_DEVICES, auto_compute_dtype, native_bf16
+from asyncrl.model.policy import RECOMPUTED_HEADS, load_policy, packed_token_logprobs
+from asyncrl.model.packed_attention import use_packed_attention
+from asyncrl.model.recompute import checkpoint_decoder_layers
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +308,7 @@ class PolicyUpdater:
 
     def _logprobs(self, model: torch.nn.Module, mb: PackedBatch) -> Tensor:
         """Per-token log-probs of a micro-batch: a transformers model's through
-        asyncrl.models, another backend's model (the Megatron-Core one) through its own
+        asyncrl.model.policy, another backend's model (the Megatron-Core one) through its own
         `packed_token_logprobs`, which computes the same thing."""
         compute = getattr(model, "packed_token_logprobs", None) or functools.partial(
             packed_token_logprobs, model,

@@ -20,14 +20,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from asyncrl.models import logprobs_at, predicted_positions
-from asyncrl.trainer.megatron import weights
+from asyncrl.model.policy import logprobs_at, predicted_positions
+from asyncrl.trainer.megatron import hf_layout
 from asyncrl.trainer.megatron.compat import (
     MEGATRON_CORE_VERSION,
     import_megatron,
     initialize_parallel,
 )
-from asyncrl.trainer.megatron.weights import LlamaShape
+from asyncrl.trainer.megatron.hf_layout import LlamaShape
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class MegatronPolicy(torch.nn.Module):
     """A GPTModel with a Llama's shape and weights; `gpt` is the Megatron-Core module.
 
     Megatron's process groups must be up (compat.initialize_parallel). Under tensor parallel
-    each rank holds its share of the weights (weights.shard).
+    each rank holds its share of the weights (hf_layout.shard).
     """
 
     #: Its linear layers take bf16 autocast on CUDA only (see spec/job.py's _check_megatron):
@@ -128,8 +128,8 @@ class MegatronPolicy(torch.nn.Module):
 
     def load_hf_state_dict(self, state: dict[str, Tensor]) -> None:
         """Loads a whole HF state dict (this rank takes its share)."""
-        whole = self._spec_names(weights.hf_to_megatron(state, self.shape))
-        mine = {name: weights.shard(name, tensor, self._tp_rank, self._tp_size)
+        whole = self._spec_names(hf_layout.hf_to_megatron(state, self.shape))
+        mine = {name: hf_layout.shard(name, tensor, self._tp_rank, self._tp_size)
                 for name, tensor in whole.items()}
         missing, unexpected = self.gpt.load_state_dict(mine, strict=False)
         missing = [name for name in missing if not name.endswith("_extra_state")]
@@ -140,7 +140,7 @@ class MegatronPolicy(torch.nn.Module):
     def hf_state_dict(self) -> dict[str, Tensor]:
         """The whole model as an HF state dict on the CPU (a collective under tensor
         parallel: every rank of the group calls it)."""
-        return weights.megatron_to_hf(self._local_names(
+        return hf_layout.megatron_to_hf(self._local_names(
             {name: self._whole(name, tensor.detach())
              for name, tensor in self.gpt.state_dict().items()
              if not name.endswith("_extra_state")}), self.shape)
@@ -148,21 +148,21 @@ class MegatronPolicy(torch.nn.Module):
     def _spec_names(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         """Local-spec names (the mapper's) -> this model's layer spec's names."""
         if self.layer_spec == "transformer-engine":
-            return weights.to_transformer_engine_names(state)
+            return hf_layout.to_transformer_engine_names(state)
         return state
 
     def _local_names(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         """_spec_names' inverse."""
         if self.layer_spec == "transformer-engine":
-            return weights.from_transformer_engine_names(state)
+            return hf_layout.from_transformer_engine_names(state)
         return state
 
     def _whole(self, name: str, tensor: Tensor) -> Tensor:
         """A copy on the CPU of the whole tensor `name`, of which this rank holds `tensor`."""
-        if self._tp_size > 1 and weights.split_dim(name) is not None:
+        if self._tp_size > 1 and hf_layout.split_dim(name) is not None:
             parts = [torch.empty_like(tensor) for _ in range(self._tp_size)]
             dist.all_gather(parts, tensor.contiguous(), group=self._tp_group)
-            tensor = weights.unshard(name, parts)
+            tensor = hf_layout.unshard(name, parts)
         return tensor.to("cpu", copy=True)
 
     # ------------------------------------------------------------------ optimizer
@@ -185,7 +185,7 @@ class MegatronPolicy(torch.nn.Module):
         first = next(iter(per_name.values()))
         moments = [key for key, value in first.items() if torch.is_tensor(value) and value.dim()]
         scalars = {key: value for key, value in first.items() if key not in moments}
-        mapped = {key: weights.megatron_to_hf(self._local_names(
+        mapped = {key: hf_layout.megatron_to_hf(self._local_names(
                       {name: self._whole(name, state[key]) for name, state in per_name.items()}),
                       self.shape)
                   for key in moments}
@@ -211,11 +211,11 @@ class MegatronPolicy(torch.nn.Module):
             tensors = {name: entry[key] for name, entry in per_hf.items()}
             if self.shape.tied_embeddings:
                 tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-            whole[key] = self._spec_names(weights.hf_to_megatron(tensors, self.shape))
+            whole[key] = self._spec_names(hf_layout.hf_to_megatron(tensors, self.shape))
         for name, parameter in self.gpt.named_parameters():
             optimizer.state[parameter] = {
                 **{key: torch.as_tensor(value).clone() for key, value in scalars.items()},
-                **{key: weights.shard(name, whole[key][name], self._tp_rank, self._tp_size)
+                **{key: hf_layout.shard(name, whole[key][name], self._tp_rank, self._tp_size)
                    .to(parameter.device, copy=True) for key in moments},
             }
 
@@ -252,7 +252,7 @@ class MegatronPolicy(torch.nn.Module):
     def packed_token_logprobs(self, input_ids: Tensor, position_ids: Tensor,
                               cu_seqlens: Tensor, temperature: float = 1.0,
                               needed: Tensor | None = None) -> Tensor:
-        """What asyncrl.models.packed_token_logprobs computes for a transformers model: the
+        """What asyncrl.model.policy.packed_token_logprobs computes for a transformers model: the
         log-probability of every token of a packed row given its prefix in its own sequence
         (0 for a sequence's first token and for tokens not `needed`).
 

@@ -1,0 +1,1 @@
+"""Clients of the buffer and reward services, used by the other services."""

@@ -1,0 +1,1 @@
+"""Prompts and samples: generated and file datasets, their order, and the sample path's types."""

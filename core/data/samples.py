@@ -1,0 +1,73 @@
+"""The sample path's data types, shared by rollout, buffer and trainer: a rollout slot granted
+by the staleness gate, one scored response (Trajectory) and the group of n responses to one
+prompt that the buffer stores and the trainer consumes. Each converts to and from its protobuf
+message (asyncrl.v1.common), which is what crosses the wire."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asyncrl.v1 import common_pb2
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One response as the trainer consumes it (the protobuf Trajectory, as Python)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_logprobs: list[float]
+    token_versions: list[int]
+    reward: float
+    finish_reason: str
+    generate_seconds: float
+    reward_seconds: float
+
+    @property
+    def loss_mask(self) -> list[int]:
+        """1 on generated tokens, 0 on the prompt, over prompt + response."""
+        return [0] * len(self.prompt_ids) + [1] * len(self.response_ids)
+
+    def to_pb(self) -> common_pb2.Trajectory:
+        return common_pb2.Trajectory(
+            prompt_ids=self.prompt_ids, response_ids=self.response_ids,
+            behaviour_logprobs=self.behaviour_logprobs, token_versions=self.token_versions,
+            reward=self.reward, finish_reason=self.finish_reason,
+            generate_seconds=self.generate_seconds, reward_seconds=self.reward_seconds,
+        )
+
+    @classmethod
+    def from_pb(cls, message: common_pb2.Trajectory) -> Trajectory:
+        return cls(
+            prompt_ids=list(message.prompt_ids), response_ids=list(message.response_ids),
+            behaviour_logprobs=list(message.behaviour_logprobs),
+            token_versions=list(message.token_versions), reward=message.reward,
+            finish_reason=message.finish_reason, generate_seconds=message.generate_seconds,
+            reward_seconds=message.reward_seconds,
+        )
+
+
+@dataclass(frozen=True)
+class Group:
+    group_id: str
+    prompt_id: str
+    samples: list[Trajectory]
+    started_unix_ms: int
+
+    def to_pb(self) -> common_pb2.Group:
+        return common_pb2.Group(
+            group_id=self.group_id, prompt_id=self.prompt_id,
+            samples=[s.to_pb() for s in self.samples], started_unix_ms=self.started_unix_ms,
+        )
+
+    @classmethod
+    def from_pb(cls, message: common_pb2.Group) -> Group:
+        return cls(message.group_id, message.prompt_id,
+                   [Trajectory.from_pb(s) for s in message.samples], message.started_unix_ms)
+
+
+@dataclass(frozen=True)
+class Slot:
+    slot_id: str
+    # The prompt to generate for, as the buffer's prompt cursor (asyncrl.data.prompt_order).
+    prompt_cursor: int = 0

@@ -1,0 +1,790 @@
+"""The torch rollout engine: continuous batching over a slot KV cache, interruptible by
+weight updates.
+
+One background thread runs the loop: admit waiting requests (prefill each into a free slot),
+then one decode step for every running request, each with its own sampling settings. Requests
+join and leave at every step. Every generated token records its log-probability and the policy
+version that produced it.
+
+A weight update happens between two steps: the new weights are copied in, the KV cache is
+dropped, and every unfinished request is prefilled again from prompt + tokens so far under the
+new weights, then continues. Nothing is lost or duplicated.
+
+All tensor work runs on the loop's thread, weight copies and aborts included (other threads
+hand them over with `_on_loop`): on a CPU a second thread running parallel kernels would give
+the process a second OpenMP pool, and slow every small kernel (see asyncrl.platform.openmp).
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import Tensor
+
+from asyncrl.platform.openmp import release_idle_thread_pools
+from asyncrl.engine.fused_decode import FusedDecoder
+from asyncrl.engine.kv_cache import SlotKVCache
+from asyncrl.engine.sampling import apply_penalties, sample_tokens
+from asyncrl.engine.types import (
+    EngineStatus,
+    GenerationResult,
+    RequestError,
+    SamplingParams,
+    WeightUpdate,
+)
+from asyncrl.weights.distributed import TensorMeta, broadcast
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Request:
+    result: GenerationResult
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    future: Future = field(default_factory=Future)
+    cached: int = 0  # tokens whose keys/values are in the cache
+    pending: int | None = None  # sampled token not yet fed to the model
+    # With a frequency or presence penalty: how often each token occurs in the output so far
+    # ([vocab], float32, on the engine's device), kept up to date by _append.
+    counts: Tensor | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.result.prompt_ids + self.result.output_ids
+
+
+#: The most (padded) tokens one prefill forward pass takes: admitted requests prefill
+#: together up to this, so a burst of short prompts costs a few passes, not one each.
+PREFILL_MAX_TOKENS = 8192
+
+
+def _prefill_batches(running: list[_Request], max_tokens: int) -> list[slice]:
+    """Runs of consecutive rows whose requests need a prefill (nothing cached), each cut
+    where its padded size (rows x longest sequence) would pass `max_tokens`."""
+    batches: list[slice] = []
+    start, longest = None, 0
+    for row, request in enumerate(running + [None]):
+        needs = request is not None and request.cached == 0
+        length = len(request.tokens) if needs else 0
+        if start is not None and (
+            not needs or (row - start + 1) * max(longest, length) > max_tokens
+        ):
+            batches.append(slice(start, row))
+            start, longest = None, 0
+        if needs:
+            start = row if start is None else start
+            longest = max(longest, length)
+    return batches
+
+
+def _extend_runs(rows: list[tuple[int, int]]) -> list[slice]:
+    """Runs of consecutive rows to extend together, from (row, tokens to cache) in row order:
+    a run ends where the rows stop being consecutive, where a row is longer than the run's
+    first, or where it is under half of it, so a run padded to its longest is at most about
+    twice its tokens."""
+    runs: list[slice] = []
+    start = longest = previous = None
+    for row, length in rows:
+        if start is None or row != previous + 1 or not longest / 2 <= length <= longest:
+            if start is not None:
+                runs.append(slice(start, previous + 1))
+            start, longest = row, length
+        previous = row
+    if start is not None:
+        runs.append(slice(start, previous + 1))
+    return runs
+
+
+class TorchEngine:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_running_requests: int = 32,
+        max_sequence_length: int = 1024,
+        eos_token_ids: tuple[int, ...] = (),
+        version: int = 0,
+        seed: int | None = None,
+        fused_decode: bool = True,
+    ):
+        config = model.config
+        self._model = model.eval().requires_grad_(False)
+        parameter = next(model.parameters())
+        self._device = parameter.device
+        self._cache = SlotKVCache(
+            num_layers=config.num_hidden_layers,
+            num_slots=max_running_requests,
+            num_kv_heads=config.num_key_value_heads,
+            max_length=max_sequence_length,
+            head_dim=getattr(config, "head_dim", None)
+            or config.hidden_size // config.num_attention_heads,
+            dtype=parameter.dtype,
+            device=self._device,
+        )
+        # transformers 5.24 renamed the decoder's `past_key_values` to `cache` (the old name
+        # warns, and goes in 5.40); the project allows 5.x, so the model's own name is used.
+        forward = inspect.signature(type(model.model).forward).parameters
+        self._cache_keyword = "cache" if "cache" in forward else "past_key_values"
+        self._eos = frozenset(eos_token_ids)
+        # Decode steps through fused projections where the architecture allows (fused_decode.py;
+        # the model's weights stay where they are, as views): prefill keeps the model's layers.
+        self._fused = FusedDecoder.for_model(self._model) if fused_decode else None
+        log.info("decode steps run %s", "fused Llama-family layers" if self._fused
+                 else "the model's own layers")
+        self._version = version
+        self._generator = torch.Generator(device=self._device)
+        self._generator.manual_seed(seed if seed is not None else torch.seed())
+
+        # _wake guards the queues and flags; _step_lock is held while the model runs and while
+        # a handed-over call (`_on_loop`) runs, so a weight update lands between two steps.
+        self._wake = threading.Condition()
+        self._step_lock = threading.Lock()
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._loop_done = False
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []  # request i lives in cache row i
+        self._requests: dict[str, _Request] = {}
+        self._paused = False
+        self._weights_incomplete = False
+        self._idle = True
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._generated_total = 0
+        self._interrupted_total = 0
+        self._decode_steps = 0
+        self._decode_rows = 0
+        self._busy_seconds = 0.0
+        self._swap_seconds = 0.0
+        self._resume_prefill_seconds = 0.0
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def fused_decode(self) -> bool:
+        """Whether decode steps run fused projections (FusedDecoder)."""
+        return self._fused is not None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._model.config.vocab_size
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> TorchEngine:
+        """Starts the loop's thread. Call it from the thread that loaded the model: that
+        thread's idle OpenMP workers are let go here, so the loop's are the only ones."""
+        release_idle_thread_pools()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def run_until_idle(self) -> None:
+        """Serves every submitted request to its end in the calling thread, for an engine
+        whose loop thread is not started: an evaluator that shares its process's one compute
+        thread (see asyncrl.platform.openmp) rather than adding a thread of its own."""
+        if self._thread is not None:
+            raise RuntimeError("this engine's loop runs on its own thread; wait on the futures")
+        with torch.no_grad():
+            while self._waiting or self._running:
+                with self._step_lock:
+                    try:
+                        self._step()
+                    except Exception as exc:
+                        self._fail_all(exc)
+                        raise
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        self.abort()
+
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Future:
+        """Queues a request; its future resolves to a GenerationResult. Bad input raises
+        RequestError here, before anything is queued."""
+        params.check()
+        prompt_ids = self._check_prompt(prompt_ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        # ignore_eos turns off every token stop, as in SGLang (Req._check_token_based_finish
+        # returns early): neither the EOS tokens nor stop_token_ids end the request.
+        stop_ids = frozenset()
+        if not params.ignore_eos:
+            stop_ids = frozenset(params.stop_token_ids) | self._eos
+        request = _Request(GenerationResult(request_id, prompt_ids), params, stop_ids)
+        with self._wake:
+            if request_id in self._requests:
+                raise RequestError(f"rid {request_id!r} is already running; use a unique rid")
+            self._requests[request_id] = request
+            if params.max_new_tokens == 0:
+                self._finish(request, "length")
+            else:
+                self._waiting.append(request)
+                self._wake.notify_all()
+        return request.future
+
+    def pause(self) -> None:
+        """Stops decoding at the next step boundary; returns once the engine is there."""
+        with self._wake:
+            self._paused = True
+            self._wake.notify_all()
+            while not self._idle and self.alive:
+                self._wake.wait()
+
+    def resume(self) -> None:
+        with self._wake:
+            self._paused = False
+            self._wake.notify_all()
+
+    def abort(self, request_ids: list[str] | None = None) -> list[str]:
+        """Ends the named requests (all when None) with finish reason "abort" and the tokens
+        generated so far. Unknown ids are ignored; the ids actually aborted are returned."""
+
+        def abort() -> list[str]:
+            with self._wake:
+                chosen = [
+                    r for r in list(self._waiting) + self._running
+                    if request_ids is None or r.result.request_id in request_ids
+                ]
+                for request in chosen:
+                    if request in self._waiting:
+                        self._waiting.remove(request)
+                    else:
+                        self._release_row(self._running.index(request))
+                    self._finish(request, "abort")
+                return [r.result.request_id for r in chosen]
+
+        return self._on_loop(abort)
+
+    def update_weights(self, path: str | Path, version: int) -> WeightUpdate:
+        """Loads a safetensors snapshot (a file; a directory with a sharded Hugging Face
+        checkpoint, model.safetensors or *.safetensors files) as policy `version`. On any
+        error the engine keeps serving with its current weights."""
+        started = time.perf_counter()
+        state = self._read_snapshot(Path(path), version)
+        return self._swap_weights(state, version, started)
+
+    def update_weights_from_state_dict(self, state: dict[str, Tensor], version: int) -> WeightUpdate:
+        started = time.perf_counter()
+        self._check_version(version)
+        return self._swap_weights(self._check_tensors(state, f"state dict for version {version}"),
+                                  version, started)
+
+    def update_weights_from_distributed(
+        self, group, tensors: list[TensorMeta], version: int | None,
+    ) -> WeightUpdate:
+        """Receives `tensors` (the transfer's manifest, or one part of it) broadcast by rank 0
+        of `group` (asyncrl.weights.distributed) straight into the weights, then serves policy
+        `version` (None: more parts follow; the caller keeps generation paused meanwhile)."""
+        started = time.perf_counter()
+        if version is not None:
+            self._check_version(version)
+        current = self._model.state_dict()
+        for meta in tensors:
+            if meta.name not in current or tuple(current[meta.name].shape) != meta.shape:
+                shape = tuple(current[meta.name].shape) if meta.name in current else None
+                raise RequestError(
+                    f"weight transfer: {meta.name!r} {meta.shape} does not match the model "
+                    f"({'no such tensor' if shape is None else shape})")
+
+        def receive(current: dict[str, Tensor]) -> None:
+            for meta in tensors:
+                target = current[meta.name]
+                if target.dtype == meta.dtype and target.is_contiguous():
+                    broadcast(group, target)  # in place: no copy at all
+                else:
+                    incoming = torch.empty(meta.shape, dtype=meta.dtype, device=target.device)
+                    broadcast(group, incoming)
+                    target.copy_(incoming)
+
+        return self._on_loop(lambda: self._install(receive, version, started))
+
+    def status(self) -> EngineStatus:
+        with self._wake:
+            return EngineStatus(
+                version=self._version,
+                paused=self._paused,
+                running_requests=len(self._running),
+                waiting_requests=len(self._waiting),
+                generated_tokens_total=self._generated_total,
+                interrupted_requests_total=self._interrupted_total,
+                max_running_requests=self._cache.num_slots,
+                max_sequence_length=self._cache.max_length,
+                stale_requests=sum(
+                    1 for r in self._running
+                    if r.result.output_versions and r.result.output_versions[-1] < self._version
+                ),
+                decode_steps_total=self._decode_steps,
+                decode_rows_total=self._decode_rows,
+                busy_seconds_total=self._busy_seconds,
+                weight_swap_seconds_total=self._swap_seconds,
+                resume_prefill_seconds_total=self._resume_prefill_seconds,
+            )
+
+    # ------------------------------------------------------------------ input checks
+
+    def _check_prompt(self, prompt_ids, params: SamplingParams) -> list[int]:
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+            raise RequestError("input_ids must be a non-empty list of token ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
+            raise RequestError("input_ids must contain only integers")
+        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(
+                f"input_ids contains token id {bad}, outside the vocabulary [0, {self.vocab_size})"
+            )
+        if len(prompt_ids) + params.max_new_tokens > self._cache.max_length:
+            raise RequestError(
+                f"input_ids ({len(prompt_ids)} tokens) + sampling_params.max_new_tokens "
+                f"({params.max_new_tokens}) exceeds the engine's max sequence length "
+                f"{self._cache.max_length}; shorten the prompt or lower max_new_tokens"
+            )
+        return list(prompt_ids)
+
+    def _check_version(self, version: int) -> None:
+        if version < self._version:
+            raise RequestError(
+                f"weight version {version} is older than the serving version {self._version}; "
+                "versions only move forward"
+            )
+
+    def _read_snapshot(self, path: Path, version: int) -> dict[str, Tensor]:
+        """Reads a snapshot in any layout Hugging Face writes: one safetensors file; a
+        directory with a sharded checkpoint (`model.safetensors.index.json` and the shards its
+        weight_map names); a directory with `model.safetensors`; or a directory of
+        `*.safetensors` files. Nothing is applied unless the whole snapshot checks out."""
+        self._check_version(version)
+        where = f"model_path {str(path)!r}"
+        if path.is_dir():
+            index = path / "model.safetensors.index.json"
+            if index.is_file():
+                state = self._read_sharded(path, index, where)
+            elif (path / "model.safetensors").is_file():
+                state = self._read_files([path / "model.safetensors"], where)
+            elif files := sorted(path.glob("*.safetensors")):
+                state = self._read_files(files, where)
+            else:
+                raise RequestError(f"{where}: no safetensors snapshot there")
+        elif path.is_file():
+            state = self._read_files([path], where)
+        else:
+            raise RequestError(f"{where}: no safetensors snapshot there")
+        return self._check_tensors(state, f"snapshot {str(path)!r}")
+
+    def _read_sharded(self, directory: Path, index: Path, where: str) -> dict[str, Tensor]:
+        """The shards a Hugging Face index names; every tensor of its weight_map must be in
+        the shard the map says."""
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+            ):
+                raise ValueError("weight_map must map tensor names to shard file names")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise RequestError(f"{where}: unreadable {index.name} ({exc!r})") from exc
+        shards: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            shards.setdefault(shard, []).append(name)
+        root = directory.resolve()
+        files = []
+        for shard in shards:
+            file = (directory / shard).resolve()
+            if file.parent != root:
+                raise RequestError(f"{where}: {index.name} names {shard!r}, outside the directory")
+            if not file.is_file():
+                raise RequestError(f"{where}: shard {shard!r} named by {index.name} is missing")
+            files.append(file)
+        state = self._read_files(files, where)
+        for shard, names in shards.items():
+            absent = [n for n in names if n not in state]
+            if absent:
+                raise RequestError(
+                    f"{where}: shard {shard!r} lacks tensor {absent[0]!r} that {index.name} "
+                    "puts there"
+                )
+        return state
+
+    def _read_files(self, files: list[Path], where: str) -> dict[str, Tensor]:
+        state: dict[str, Tensor] = {}
+        for file in files:
+            try:
+                part = load_file(file, device=str(self._device))
+            except (SafetensorError, OSError, ValueError) as exc:
+                raise RequestError(f"{where}: unreadable snapshot {file.name!r} ({exc})") from exc
+            repeated = sorted(set(part) & set(state))
+            if repeated:
+                raise RequestError(
+                    f"{where}: tensor {repeated[0]!r} appears in more than one file "
+                    f"(again in {file.name!r})"
+                )
+            state.update(part)
+        return state
+
+    def _check_tensors(self, state: dict[str, Tensor], what: str) -> dict[str, Tensor]:
+        """Every parameter must be present (tied weights may appear once) with its shape."""
+        current = self._model.state_dict()
+        unknown = sorted(set(state) - set(current))
+        if unknown:
+            raise RequestError(f"{what} has tensors this model does not: {unknown[:3]}")
+        by_storage: dict[int, list[str]] = {}
+        for name, tensor in current.items():
+            by_storage.setdefault(tensor.data_ptr(), []).append(name)
+        for names in by_storage.values():
+            if not any(n in state for n in names):
+                raise RequestError(f"{what} is missing tensor {names[0]!r}")
+        for name, tensor in state.items():
+            if tensor.shape != current[name].shape:
+                raise RequestError(
+                    f"{what}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(current[name].shape)}"
+                )
+        return state
+
+    def _swap_weights(self, state: dict[str, Tensor], version: int, started: float) -> WeightUpdate:
+        return self._on_loop(lambda: self._swap_now(state, version, started))
+
+    def _swap_now(self, state: dict[str, Tensor], version: int, started: float) -> WeightUpdate:
+        def copy_in(current: dict[str, Tensor]) -> None:
+            for name, tensor in state.items():
+                current[name].copy_(tensor)
+
+        return self._install(copy_in, version, started)
+
+    def _install(self, write: Callable[[dict[str, Tensor]], None], version: int | None,
+                 started: float) -> WeightUpdate:
+        """`write(state dict)` puts new weights in place; then policy `version` is served
+        (None: a part of an update whose last part names the version). If `write` fails part
+        way, the weights are a mix of two versions: nothing is generated until a whole update
+        lands."""
+        current = self._model.state_dict()
+        swap_started = time.perf_counter()
+        if version is not None:
+            self._check_version(version)
+        self._weights_incomplete = True
+        with torch.no_grad():
+            write(current)
+        if version is None:
+            self._swap_seconds += time.perf_counter() - swap_started
+            return WeightUpdate(self._version, 0, time.perf_counter() - started)
+        with self._wake:
+            self._weights_incomplete = False
+            self._version = version
+            # The cache holds keys/values of the old weights: drop it, and let every
+            # unfinished request prefill prompt + tokens so far under the new ones.
+            for request in self._running:
+                request.cached = 0
+                request.result.interruptions += 1
+            self._interrupted_total += len(self._running)
+            interrupted = len(self._running)
+            self._swap_seconds += time.perf_counter() - swap_started
+        return WeightUpdate(version, interrupted, time.perf_counter() - started)
+
+    # ------------------------------------------------------------------ the loop
+
+    def _on_loop(self, work: Callable[[], Any]) -> Any:
+        """`work()`, run on the loop's thread between two steps (inline when no loop runs),
+        and its result or exception."""
+        with self._wake:
+            inline = (self._thread is None or self._loop_done
+                      or threading.current_thread() is self._thread)
+            if not inline:
+                future: Future = Future()
+                self._calls.append((work, future))
+                self._wake.notify_all()
+        if inline:
+            with self._step_lock:
+                return work()
+        return future.result()
+
+    def _run_calls(self) -> None:
+        while True:
+            with self._wake:
+                if not self._calls:
+                    return
+                work, future = self._calls.popleft()
+            with self._step_lock:
+                try:
+                    future.set_result(work())
+                except BaseException as exc:  # the caller re-raises it
+                    future.set_exception(exc)
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            self._run_calls()
+            with self._wake:
+                while not self._stopping and not self._calls and (
+                    self._paused or self._weights_incomplete
+                    or not (self._waiting or self._running)
+                ):
+                    self._idle = True
+                    self._wake.notify_all()
+                    self._wake.wait()
+                if self._calls:
+                    continue
+                if self._stopping:
+                    self._loop_done = True
+                    self._idle = True
+                    self._wake.notify_all()
+                    break
+                self._idle = False
+            with self._step_lock:
+                started = time.perf_counter()
+                try:
+                    self._step()
+                except Exception as exc:  # a bug must fail the requests, not hang them
+                    self._fail_all(exc)
+                self._busy_seconds += time.perf_counter() - started
+        self._run_calls()  # handed over before the loop knew it was stopping
+
+    def _step(self) -> None:
+        with self._wake:
+            while self._waiting and len(self._running) < self._cache.num_slots:
+                request = self._waiting.popleft()
+                if request.params.penalized and request.counts is None:
+                    request.counts = torch.zeros(self.vocab_size, device=self._device)
+                self._running.append(request)
+        for rows in _prefill_batches(self._running, PREFILL_MAX_TOKENS):
+            self._prefill(rows)
+        self._finish_done()
+        if self._running:
+            self._decode()
+            self._finish_done()
+
+    def _prefill(self, rows: slice) -> None:
+        """Fills the cache rows of the requests in `rows` from their tokens. A fresh request
+        samples its first token here; a resumed one (after a weight update) keeps its last
+        sampled token pending for the next decode.
+
+        Requests with the same prompt (the n responses to one prompt) share one forward row
+        for it: the rows are ordered distinct prompts first, only those go through the model
+        (one pass, right-padded to the longest), the others get a copy of their twin's cache
+        row and, if fresh, sample from the same logits. The resumed requests' generated tokens
+        then go through the model, each row continuing its prompt's cache, rows of about one
+        length in one pass (`_extend`)."""
+        started = time.perf_counter()
+        entries = []  # (request, its prompt, its generated tokens to cache after the prompt)
+        for request in self._running[rows]:
+            generated = request.result.output_ids
+            if generated:  # resumed after a weight update
+                request.pending = generated[-1]
+            entries.append((request, request.result.prompt_ids, generated[:-1]))
+        seen: set[tuple[int, ...]] = set()  # the prompts a row computes
+        distinct, copies = [], []
+        for index, (_, prompt, _) in enumerate(entries):
+            (copies if tuple(prompt) in seen else distinct).append(index)
+            seen.add(tuple(prompt))
+
+        def resumed(index: int) -> bool:
+            return bool(entries[index][0].result.output_ids)
+
+        def longest_first(index: int) -> int:
+            return -len(entries[index][2])
+
+        # The resumed rows in one run (computed fresh, computed resumed, copied resumed, copied
+        # fresh), longest first within each part, so that `_extend` pads little.
+        distinct.sort(key=lambda index: (resumed(index), longest_first(index)))
+        copies.sort(key=lambda index: (not resumed(index), longest_first(index)))
+        order = distinct + copies
+        self._running[rows] = [entries[index][0] for index in order]
+        computed = slice(rows.start, rows.start + len(distinct))
+        row_of = {tuple(entries[index][1]): offset for offset, index in enumerate(distinct)}
+
+        prompts = [entries[index][1] for index in distinct]
+        width = max(len(prompt) for prompt in prompts)
+        ids = torch.tensor([prompt + [0] * (width - len(prompt)) for prompt in prompts],
+                           device=self._device)
+        lengths = torch.tensor([len(prompt) for prompt in prompts], device=self._device)
+        span = torch.arange(width, device=self._device)
+        # Causal, and no row attends to its padding; a padded position attends to real tokens
+        # only (never to nothing, which would give NaNs), and its output is never read.
+        mask = (span[None, :] <= span[:, None])[None] & (span[None, None, :] < lengths[:, None, None])
+        logits = self._forward(ids, span[None].expand(len(distinct), -1), computed, width,
+                               mask[:, None], last=lengths - 1)
+        for row, index in enumerate(copies, start=computed.stop):
+            prompt = entries[index][1]
+            self._cache.move(rows.start + row_of[tuple(prompt)], row, len(prompt))
+        extending = [(row, len(entries[index][2]))
+                     for row, index in enumerate(order, start=rows.start) if entries[index][2]]
+        for run in _extend_runs(extending):
+            self._extend(run)
+        for request, prompt, generated in entries:
+            request.cached = len(prompt) + len(generated)
+        # (request, the row of logits it samples from), fresh requests only
+        fresh = [(entries[index][0], row_of[tuple(entries[index][1])])
+                 for index in order if not resumed(index)]
+        if fresh:
+            tokens, logprobs = self._sample([r for r, _ in fresh], logits[[i for _, i in fresh]])
+            for index, (request, _) in enumerate(fresh):
+                self._append(request, tokens[index : index + 1], logprobs[index : index + 1])
+        if len(fresh) < len(entries):
+            self._resume_prefill_seconds += time.perf_counter() - started
+
+    def _extend(self, rows: slice) -> None:
+        """Caches the generated tokens (but the pending last one) of the resumed requests in
+        `rows`, whose prompts are cached: one pass, each row's tokens right-padded to the
+        longest and placed after its prompt. A padded position writes past its row's tokens
+        (at most at the cache's last position, which a request's tokens never reach before
+        their pending one), where the next decode steps write before they read."""
+        requests = self._running[rows]
+        generated = [r.result.output_ids[:-1] for r in requests]
+        width = max(len(tokens) for tokens in generated)
+        starts = [len(r.result.prompt_ids) for r in requests]
+        ids = torch.tensor([tokens + [0] * (width - len(tokens)) for tokens in generated],
+                           device=self._device)
+        last = self._cache.max_length - 1
+        positions = (torch.tensor(starts, device=self._device)[:, None]
+                     + torch.arange(width, device=self._device)[None]).clamp_(max=last)
+        read_length = min(max(start + width for start in starts), last + 1)
+        # A position attends to every cached one up to itself (its prompt included).
+        span = torch.arange(read_length, device=self._device)
+        mask = span[None, None, :] <= positions[:, :, None]
+        self._hidden(ids, positions, rows, read_length, mask[:, None])
+
+    def _decode(self) -> None:
+        """One token for every running request."""
+        running = self._running
+        ids = torch.tensor([[r.pending] for r in running], device=self._device)
+        positions = torch.tensor([[r.cached] for r in running], device=self._device)
+        read_length = max(r.cached for r in running) + 1
+        span = torch.arange(read_length, device=self._device)[None, :]
+        mask = (span <= positions)[:, None, None, :]  # [n, 1, 1, read_length]
+        if self._fused is not None:
+            logits = self._fused.logits(ids, positions, self._cache, read_length, mask)
+        else:
+            logits = self._forward(ids, positions, slice(0, len(running)), read_length, mask)
+        tokens, logprobs = self._sample(running, logits)
+        self._decode_steps += 1
+        self._decode_rows += len(running)
+        for index, request in enumerate(running):
+            request.cached += 1
+            self._append(request, tokens[index : index + 1], logprobs[index : index + 1])
+
+    def _forward(
+        self, ids: Tensor, positions: Tensor, rows: slice, read_length: int, mask: Tensor,
+        last: Tensor | None = None,
+    ) -> Tensor:
+        """Logits at position `last[b]` of each row (the last one by default), through the
+        model's own decoder layers."""
+        hidden = self._hidden(ids, positions, rows, read_length, mask)
+        if last is None:
+            return self._model.lm_head(hidden[:, -1])
+        return self._model.lm_head(hidden[torch.arange(len(last), device=hidden.device), last])
+
+    def _hidden(self, ids: Tensor, positions: Tensor, rows: slice, read_length: int,
+                mask: Tensor) -> Tensor:
+        """The last hidden states of `ids` at `positions` in the cache's `rows` (written there
+        as they go), through the model's own decoder layers."""
+        self._cache.prepare(rows, positions, read_length)
+        return self._model.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=mask,
+            use_cache=True,
+            **{self._cache_keyword: self._cache},
+        ).last_hidden_state
+
+    def _sample(self, requests: list[_Request], logits: Tensor) -> tuple[Tensor, Tensor]:
+        """One token per request (row of `logits`) and its log-probability under the
+        distribution it was drawn from: penalties, then temperature, top-k and top-p."""
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=self._device)
+
+        penalized = [i for i, r in enumerate(requests) if r.counts is not None]
+        if penalized:
+            logits = logits.float()
+            rows = column(penalized, torch.long)
+            chosen = [requests[i] for i in penalized]
+            logits[rows] = apply_penalties(
+                logits[rows],
+                torch.stack([r.counts for r in chosen]),
+                column([r.params.frequency_penalty for r in chosen], torch.float32),
+                column([r.params.presence_penalty for r in chosen], torch.float32),
+            )
+        return sample_tokens(
+            logits,
+            column([r.params.temperature for r in requests], torch.float32),
+            column([r.params.top_p for r in requests], torch.float32),
+            column([r.params.top_k for r in requests], torch.long),
+            self._generator,
+        )
+
+    def _append(self, request: _Request, token: Tensor, logprob: Tensor) -> None:
+        token_id = int(token[0])
+        result = request.result
+        result.output_ids.append(token_id)
+        result.output_logprobs.append(float(logprob[0]))
+        result.output_versions.append(self._version)
+        if request.counts is not None:
+            request.counts[token_id] += 1
+        request.pending = token_id
+        self._generated_total += 1
+
+    def _finish_done(self) -> None:
+        """Retires requests that hit a stop token, their token budget or the cache length."""
+        for row in reversed(range(len(self._running))):
+            request = self._running[row]
+            result = request.result
+            if result.output_ids and result.output_ids[-1] in request.stop_ids:
+                result.matched_stop = result.output_ids[-1]
+                reason = "stop"
+            elif len(result.output_ids) >= request.params.max_new_tokens:
+                reason = "length"
+            elif len(request.tokens) >= self._cache.max_length:
+                reason = "length"
+            else:
+                continue
+            self._release_row(row)
+            with self._wake:
+                self._finish(request, reason)
+
+    def _release_row(self, row: int) -> None:
+        """Removes the request in `row`, moving the last running request into its place."""
+        last = len(self._running) - 1
+        if row != last:
+            moved = self._running[last]
+            if moved.cached:
+                self._cache.move(last, row, moved.cached)
+            self._running[row] = moved
+        self._running.pop()
+
+    def _finish(self, request: _Request, reason: str) -> None:
+        request.result.finish_reason = reason
+        self._requests.pop(request.result.request_id, None)
+        if not request.future.done():
+            request.future.set_result(request.result)
+
+    def _fail_all(self, exc: Exception) -> None:
+        with self._wake:
+            for request in itertools.chain(self._waiting, self._running):
+                self._requests.pop(request.result.request_id, None)
+                if not request.future.done():
+                    request.future.set_exception(exc)
+            self._waiting.clear()
+            self._running.clear()

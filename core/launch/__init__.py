@@ -1,0 +1,1 @@
+"""How an engine or trainer process is started: SGLang's server arguments, torchrun's options."""

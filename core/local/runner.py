@@ -1,0 +1,354 @@
+"""`asyncrl run`: the whole job on one machine, as separate service processes on loopback.
+
+    redis-server (unless the job names one) -> buffer -> trainer -> rollout worker
+
+Each service is the same `asyncrl serve ...` command the operator runs in a pod. The runner
+splits the CPU cores between the trainer and the rollout worker, waits for each to be healthy,
+shows live progress, and stops everything cleanly on completion, Ctrl-C or a crash (with the
+crashed service's log tail). A redis-server it started that dies is started again on the same
+port and files (its AOF holds every acknowledged write) while the services wait for it, as a
+StatefulSet brings a Redis pod back, up to REDIS_MAX_RESTARTS times. The run folder holds
+everything needed to resume.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+# Before grpc is imported: services are started with a preexec_fn, so Popen really forks,
+# and gRPC's fork handler can wait forever on a thread of the runner's own health-check
+# channels (grpc/grpc#37259). The runner never uses gRPC in a forked child.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+import grpc  # noqa: E402
+import yaml
+from google.protobuf.json_format import MessageToDict
+
+from asyncrl.platform.grpc_health import is_serving_at
+from asyncrl.platform.outage import DEFAULT_OUTAGE_SECONDS
+from asyncrl.platform.redis_server import RedisServer, free_port
+from asyncrl.platform.settings import serve_command
+from asyncrl.launch.torchrun import LOCAL_MAX_RESTARTS, torchrun_arguments
+from asyncrl.v1 import (
+    buffer_pb2,
+    buffer_pb2_grpc,
+    rollout_pb2,
+    rollout_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
+
+
+#: How often a run restarts the redis-server it owns before it gives up (a Redis that keeps
+#: dying, e.g. on a full disk, is not going to recover by itself).
+REDIS_MAX_RESTARTS = 5
+#: A restarted Redis reloads its whole AOF before it answers; the services wait as long.
+REDIS_RESTART_SECONDS = DEFAULT_OUTAGE_SECONDS
+
+
+class ServiceFailed(RuntimeError):
+    def __init__(self, name: str, returncode: int | None, log_tail: str):
+        super().__init__(f"{name} exited with code {returncode}")
+        self.name, self.returncode, self.log_tail = name, returncode, log_tail
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM if the runner dies, even by kill -9, so a
+    service is never left running on its own."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    args: list[str]
+    log_path: Path
+    env: dict[str, str]
+    process: subprocess.Popen | None = None
+
+    def start(self) -> ServiceProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("a")
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(self.args)}\n")
+        log.flush()
+        # Own process group: Ctrl-C in the terminal reaches the runner only, which then stops
+        # each service in order.
+        self.process = subprocess.Popen(
+            self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        return self
+
+    def check(self) -> None:
+        if self.process is not None and self.process.poll() is not None:
+            raise ServiceFailed(self.name, self.process.returncode, self.log_tail())
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def log_tail(self, lines: int = 30) -> str:
+        if not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    run_dir: Path
+    sync: bool = False
+    max_steps: int | None = None
+    trainer_threads: int | None = None
+    rollout_threads: int | None = None
+    metrics: bool = False  # each service serves /metrics; Prometheus files in <run_dir>/prometheus
+
+
+def resolve_manifest(manifest: dict, options: RunOptions) -> dict:
+    """The job as this run executes it: --sync means η = 0 (generation waits for training)."""
+    resolved = yaml.safe_load(yaml.safe_dump(manifest))
+    algorithm = resolved.setdefault("spec", {}).setdefault("algorithm", {})
+    if options.sync:
+        algorithm["maxStaleness"] = 0
+    if options.max_steps:
+        algorithm["maxSteps"] = options.max_steps
+    # Data and reward code are named relative to where `asyncrl run` was started; the
+    # services run elsewhere (the run folder), so they get absolute paths.
+    spec = resolved["spec"]
+    for section, key in (("dataset", "path"), ("dataset", "evalPath")):
+        _absolute(spec.get(section) or {}, key)
+    _absolute((spec.get("reward") or {}).get("python") or {}, "path")
+    return resolved
+
+
+def _absolute(section: dict, key: str) -> None:
+    value = section.get(key)
+    if isinstance(value, str) and "://" not in value:
+        section[key] = os.path.abspath(value)
+
+
+def thread_split(options: RunOptions) -> tuple[int, int]:
+    """(trainer, rollout) torch threads. Async: the cores are shared, half each. Sync: the two
+    alternate, so each may use every core."""
+    cores = os.cpu_count() or 1
+    if options.sync:
+        default = (cores, cores)
+    else:
+        rollout = max(1, cores // 2)
+        default = (max(1, cores - rollout), rollout)
+    return options.trainer_threads or default[0], options.rollout_threads or default[1]
+
+
+class LocalJob:
+    def __init__(self, job, manifest: dict, options: RunOptions,
+                 notify: Callable[[str], None] = print):
+        self.job = job
+        self.options = options
+        self.notify = notify  # one line of the run's output, for events worth telling the user
+        # Absolute from here on: services (redis-server above all, which changes into its
+        # --dir before opening its log) must not read a relative path against their own cwd.
+        self.run_dir = options.run_dir.resolve()
+        self.manifest = resolve_manifest(manifest, options)
+        self.config_path = self.run_dir / "config.yaml"
+        self.services: list[ServiceProcess] = []
+        self.redis: RedisServer | None = None
+        self.redis_restarts = 0
+        self.ports = {name: free_port() for name in (
+            "buffer", "reward", "trainer", "trainer_weights", "rollout_http", "rollout_grpc")}
+        # /metrics of each service (the rollout worker serves it on its HTTP port); 0 = off.
+        self.metrics_ports = {name: free_port() if options.metrics else 0
+                              for name in ("buffer", "reward", "trainer")}
+        self.prometheus_dir = self.run_dir / "prometheus"
+        self.trainer_threads, self.rollout_threads = thread_split(options)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(yaml.safe_dump(self.manifest, sort_keys=False))
+        if self.options.metrics:
+            self.write_prometheus_config()
+        redis_url = self.start_redis()
+        exe = str(Path(sys.executable).parent / "asyncrl")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        job_file = self.config_path
+        buffer_address = f"127.0.0.1:{self.ports['buffer']}"
+        self._launch("buffer", [exe, *serve_command(
+            "buffer", job_file=job_file, redis_url=redis_url, grpc_port=self.ports["buffer"],
+            metrics_port=self.metrics_ports["buffer"])], env)
+        self._wait(lambda: is_serving_at(buffer_address), "buffer")
+        reward_address = f"127.0.0.1:{self.ports['reward']}"
+        self._launch("reward", [exe, *serve_command(
+            "reward", job_file=job_file, grpc_port=self.ports["reward"],
+            metrics_port=self.metrics_ports["reward"], workers=1)], env)
+        self._wait(lambda: is_serving_at(reward_address), "reward")
+        self._launch("trainer", self._trainer_command(exe, buffer_address, reward_address), env)
+        self._launch("rollout", [exe, *serve_command(
+            "rollout", job_file=job_file, buffer_address=buffer_address,
+            reward_address=reward_address, redis_url=redis_url,
+            http_port=self.ports["rollout_http"], grpc_port=self.ports["rollout_grpc"],
+            weights_address=self._weights_address(), threads=self.rollout_threads)], env)
+        self._wait(lambda: self.trainer_status() is not None, "trainer", timeout=600)
+
+    def start_redis(self) -> str:
+        """The job's Redis URL: the one the job names, else that of a redis-server this run
+        starts (and owns) with its files in <run_dir>/redis, every write in its AOF."""
+        if self.job.spec.buffer.redis.url is not None:
+            return self.job.spec.buffer.redis.url
+        self.redis = RedisServer(self.run_dir / "redis", append_only=True).start()
+        return self.redis.url
+
+    def _weights_address(self) -> str | None:
+        """Where the rollout worker joins the trainer's weight transfer group, if it does."""
+        if self.job.spec.trainer.weight_transfer != "distributed":
+            return None
+        return f"127.0.0.1:{self.ports['trainer_weights']}"
+
+    def _trainer_command(self, exe: str, buffer_address: str, reward_address: str) -> list[str]:
+        """`asyncrl serve trainer ...`; with trainer.processesPerReplica > 1 the same command
+        under torchrun, one process per replica slot, the trainer threads split between them.
+        A rank that dies makes torchrun stop the others and start them all again (at most
+        LOCAL_MAX_RESTARTS times), resuming from the last checkpoint; the runner sees one
+        process that exits 0 once every rank is done."""
+        processes = self.job.spec.trainer.processes_per_replica
+        serve = serve_command(
+            "trainer", job_file=self.config_path, buffer_address=buffer_address,
+            reward_address=reward_address, run_dir=self.run_dir, grpc_port=self.ports["trainer"],
+            metrics_port=self.metrics_ports["trainer"], weights_port=self.ports["trainer_weights"],
+            threads=max(1, self.trainer_threads // processes))
+        if processes == 1:
+            return [exe, *serve]
+        return [sys.executable, "-m", "torch.distributed.run",
+                *torchrun_arguments(processes, max_restarts=LOCAL_MAX_RESTARTS), *serve]
+
+    def write_prometheus_config(self) -> Path:
+        """<run_dir>/prometheus/targets.json (Prometheus file_sd: one entry per service, labelled
+        `service` and `rljob`) and prometheus.yml, which scrapes them: run
+        `prometheus --config.file=<run_dir>/prometheus/prometheus.yml`. Returns the latter."""
+        job = self.job.metadata.name
+        targets = {**self.metrics_ports, "rollout": self.ports["rollout_http"]}
+        groups = [{"targets": [f"127.0.0.1:{port}"], "labels": {"service": name, "rljob": job}}
+                  for name, port in targets.items()]
+        config = {
+            "global": {"scrape_interval": "5s", "evaluation_interval": "5s"},
+            "scrape_configs": [{
+                "job_name": "asyncrl",
+                # The services' own `rljob` label wins over the target's (the same value), rather
+                # than being renamed to exported_rljob.
+                "honor_labels": True,
+                # Relative to this file's folder: the run folder may be moved.
+                "file_sd_configs": [{"files": ["targets.json"], "refresh_interval": "5s"}],
+            }],
+        }
+        self.prometheus_dir.mkdir(parents=True, exist_ok=True)
+        # Written whole and renamed: Prometheus watches the file and must never read half of it.
+        for name, text in (("targets.json", json.dumps(groups, indent=2) + "\n"),
+                           ("prometheus.yml", yaml.safe_dump(config, sort_keys=False))):
+            partial = self.prometheus_dir / f".{name}.partial"
+            partial.write_text(text)
+            partial.replace(self.prometheus_dir / name)
+        return self.prometheus_dir / "prometheus.yml"
+
+    def _launch(self, name: str, args: list[str], env: dict[str, str]) -> None:
+        self.services.append(ServiceProcess(name, args, self.run_dir / "logs" / f"{name}.log", env).start())
+
+    def _wait(self, ready, what: str, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            self.check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} did not become ready within {timeout:.0f}s; "
+                                   f"see {self.run_dir / 'logs'}")
+            time.sleep(0.2)
+
+    def check(self) -> None:
+        """Raises ServiceFailed for the first service that exited, the trainer excepted once it
+        finished its steps; restarts the run's own redis-server if it died."""
+        self._check_redis()
+        for service in self.services:
+            if service.name == "trainer" and service.process.poll() == 0:
+                continue
+            service.check()
+
+    def _check_redis(self) -> None:
+        """A redis-server of this run that exited (only stop() ends it on purpose) is started
+        again on the same port and data folder, where it reloads its AOF; the services ride
+        through meanwhile. After REDIS_MAX_RESTARTS restarts, the run fails as for a crashed
+        service."""
+        if self.redis is None or self.redis.returncode is None:
+            return
+        code = self.redis.returncode
+        if self.redis_restarts >= REDIS_MAX_RESTARTS:
+            raise ServiceFailed(f"redis-server (restarted {self.redis_restarts} times already)",
+                                code, self.redis.log_tail())
+        self.redis_restarts += 1
+        self.notify(f"redis-server exited with code {code}; restarting it on port "
+                    f"{self.redis.port} from {self.redis.data_dir} (restart "
+                    f"{self.redis_restarts} of {REDIS_MAX_RESTARTS}); the services wait for it")
+        try:
+            self.redis.start(timeout=REDIS_RESTART_SECONDS)
+        except (RuntimeError, TimeoutError) as exc:  # it exited again, or never answered
+            raise ServiceFailed("redis-server", self.redis.returncode,
+                                self.redis.log_tail()) from exc
+        self.notify(f"redis-server is back on port {self.redis.port}")
+
+    def trainer_done(self) -> bool:
+        trainer = next(s for s in self.services if s.name == "trainer")
+        return trainer.process.poll() == 0
+
+    def stop(self) -> None:
+        # The rollout side first (it writes into the buffer), then trainer, buffer, Redis.
+        order = ["rollout", "trainer", "reward", "buffer"]
+        for service in sorted(self.services, key=lambda s: order.index(s.name)):
+            service.stop()
+        if self.redis is not None:
+            self.redis.stop()
+
+    # ------------------------------------------------------------------ observation
+
+    def trainer_status(self) -> trainer_pb2.TrainerStatus | None:
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{self.ports['trainer']}") as channel:
+                stub = trainer_pb2_grpc.TrainerStatusServiceStub(channel)
+                return stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=2)
+        except grpc.RpcError:
+            return None
+
+    def buffer_stats(self) -> buffer_pb2.BufferStats | None:
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{self.ports['buffer']}") as channel:
+                stub = buffer_pb2_grpc.BufferStub(channel)
+                return stub.GetStats(buffer_pb2.GetStatsRequest(job=self.job.metadata.name), timeout=2)
+        except grpc.RpcError:
+            return None
+
+    def record_rollout_status(self) -> None:
+        """Appends the rollout engine's counters to rollout_status.jsonl (occupancy, idle time,
+        interruptions over the run: what the async-vs-sync comparison is explained with)."""
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{self.ports['rollout_grpc']}") as channel:
+                stub = rollout_pb2_grpc.RolloutControlStub(channel)
+                status = stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=2)
+        except grpc.RpcError:
+            return
+        record = {"time": time.time(), **MessageToDict(status, preserving_proto_field_name=True,
+                                                       always_print_fields_with_no_presence=True)}
+        with (self.run_dir / "rollout_status.jsonl").open("a") as out:
+            out.write(json.dumps(record) + "\n")
+

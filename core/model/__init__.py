@@ -1,0 +1,1 @@
+"""The policy model: loading it and computing per-token log-probabilities."""

@@ -1,0 +1,1 @@
+"""Plumbing every process shares: settings, ports, devices, gRPC, Redis keys, outages."""

@@ -1,0 +1,1 @@
+"""Policy weights between trainer and rollout: announcements in Redis, the distributed transfer."""
