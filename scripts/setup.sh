@@ -96,6 +96,9 @@ if [ ! -f "$links_stamp" ]; then
     step "linking asyncrl into .venv (editable)"
     rm -rf build/__editable__.asyncrl-*
     "${PIP[@]}" install --no-deps --no-build-isolation -e . --config-settings editable_mode=strict
+    # import-linter's graph (grimp) skips folders without __init__.py; in the link tree, where
+    # nothing can shadow the stdlib, asyncrl.operator gets one so its imports are checked too.
+    for tree in build/__editable__.asyncrl-*/asyncrl; do touch "$tree/operator/__init__.py"; done
     rm -f .venv/.links-*
     touch "$links_stamp"
 fi

@@ -20,7 +20,7 @@ from typing import Sequence
 from asyncrl.scoring.code_reward import CodeScorer
 from asyncrl.scoring.http_reward import HttpScorer
 from asyncrl.scoring.math_reward import MathScorer, MathVerifierPool
-from asyncrl.reward.metrics import RewardMetrics
+from asyncrl.scoring.metrics import RewardMetrics
 from asyncrl.scoring.python_reward import PythonScorer
 from asyncrl.scoring.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 from asyncrl.scoring.types import Failure, MathReference, RowReference, ScoreResult, ScoreTask

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from asyncrl.reward.metrics import RewardMetrics
+from asyncrl.scoring.metrics import RewardMetrics
 from asyncrl.scoring.sandbox import SandboxUnavailable
 from asyncrl.scoring.scorer import RewardScorer, UnsupportedTask
 from asyncrl.scoring.types import ScoreTask
