@@ -156,20 +156,10 @@ def _meta(job: RLJob, component: str, name: str | None = None) -> dict[str, Any]
 # --------------------------------------------------------------------------- job config
 
 
-def resolved_manifest(job: RLJob) -> dict[str, Any]:
-    """The job as the services read it: every default filled in, no server fields."""
-    data = job.model_dump(mode="json", by_alias=True, exclude={"status", "metadata"})
-    metadata = {"name": job.metadata.name}
-    if job.metadata.namespace:
-        metadata["namespace"] = job.metadata.namespace
-    return {"apiVersion": data.pop("apiVersion"), "kind": data.pop("kind"),
-            "metadata": metadata, **data}
-
-
 def config_hash(job: RLJob) -> str:
     """Changes when what the pods run changes, but not for replicas or suspend: scaling and
     suspending must not restart the pods that keep running."""
-    manifest = resolved_manifest(job)
+    manifest = job.resolved()
     spec = manifest["spec"]
     spec["suspend"] = False
     for section in ("rollout", "reward", "trainer", "buffer"):
@@ -180,7 +170,7 @@ def config_hash(job: RLJob) -> str:
 def config_map(job: RLJob) -> dict[str, Any]:
     return {
         "apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(job, "config"),
-        "data": {"job.yaml": yaml.safe_dump(resolved_manifest(job), sort_keys=False)},
+        "data": {"job.yaml": yaml.safe_dump(job.resolved(), sort_keys=False)},
     }
 
 

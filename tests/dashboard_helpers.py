@@ -9,7 +9,7 @@ from pathlib import Path
 
 from asyncrl.buffer.metrics import BufferMetrics
 from asyncrl.buffer.store import Stats
-from asyncrl.reward.metrics import RewardMetrics
+from asyncrl.scoring.metrics import RewardMetrics
 from asyncrl.scoring.sandbox import RunResult
 from asyncrl.scoring.types import Failure, ScoreResult
 from asyncrl.rollout.metrics import RolloutMetrics

@@ -11,7 +11,7 @@ from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from asyncrl.platform.redis_server import free_port
-from asyncrl.reward.metrics import RewardMetrics
+from asyncrl.scoring.metrics import RewardMetrics
 from asyncrl.scoring.scorer import RewardScorer
 from asyncrl.reward.server import create_server
 

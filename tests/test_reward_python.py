@@ -16,7 +16,7 @@ from asyncrl.platform.grpc_health import is_serving_at
 from asyncrl.data.prompts import PromptItem
 from asyncrl.platform.redis_server import free_port
 from asyncrl.clients.reward import PromptScorer, RewardClient, reward_reference, reward_scorer
-from asyncrl.reward.metrics import MAX_EXTRA_FIELDS, RewardMetrics
+from asyncrl.scoring.metrics import MAX_EXTRA_FIELDS, RewardMetrics
 from asyncrl.scoring.scorer import RewardScorer
 from asyncrl.scoring.types import (
     CodeReference,

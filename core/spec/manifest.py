@@ -82,6 +82,17 @@ class RLJob(SpecModel):
         )
         return data
 
+    def resolved(self) -> dict[str, Any]:
+        """The job as its services run it, the one form both the operator (the job's
+        ConfigMap) and `asyncrl run` (the run folder's job.yaml) hand them: every default
+        filled in, camelCase keys, no status and no server-set metadata."""
+        data = self.model_dump(mode="json", by_alias=True, exclude={"status", "metadata"})
+        metadata = {"name": self.metadata.name}
+        if self.metadata.namespace:
+            metadata["namespace"] = self.metadata.namespace
+        return {"apiVersion": data.pop("apiVersion"), "kind": data.pop("kind"),
+                "metadata": metadata, **data}
+
 
 # --------------------------------------------------------------------------- loading
 
