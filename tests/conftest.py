@@ -1,7 +1,7 @@
 import pytest
 
 from asyncrl.platform.redis_server import RedisServer
-from reward_helpers import LoopThread
+from support.reward import LoopThread
 
 
 @pytest.fixture(scope="module")

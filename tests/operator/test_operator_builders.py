@@ -1,0 +1,883 @@
+"""The operator's builders and status logic, without a cluster: pure functions in, dicts out."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import kopf
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate.utils import latest_version
+
+import asyncrl
+from asyncrl.operator import builders
+from asyncrl.operator.builders import OperatorConfig, build_children
+from asyncrl.operator.status import (
+    BufferStats,
+    Observation,
+    TrainerStatus,
+    Workload,
+    compute_status,
+    status_changes,
+    trainer_failure,
+)
+from asyncrl.platform.settings import SGLANG_STARTUP_SECONDS
+from asyncrl.spec import load_manifest, parse_manifest
+
+from support import ROOT
+CONFIG = OperatorConfig(image="example.org/asyncrl:test", gpu_image="example.org/asyncrl:test-gpu")
+
+
+def job_from(path: str = "examples/tiny.yaml", namespace: str = "ml", **spec_overrides):
+    data = yaml.safe_load((ROOT / path).read_text())
+    data["metadata"]["namespace"] = namespace
+    for dotted, value in spec_overrides.items():
+        node = data["spec"]
+        *parents, leaf = dotted.split("__")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return parse_manifest(data)
+
+
+def by_kind_name(children):
+    return {(c["kind"], c["metadata"]["name"]): c for c in children}
+
+
+@pytest.fixture
+def tiny():
+    return job_from()
+
+
+@pytest.fixture
+def gpu():
+    return job_from("examples/gpu-cluster.yaml", namespace="ml-research")
+
+
+#: A file dataset and a python reward, each on a claim of the user's.
+ON_VOLUMES = {
+    "dataset": {"kind": "file", "path": "/data/arith/train.jsonl",
+                "evalPath": "/data/arith/test.jsonl", "volume": "prompts",
+                "fields": {"prompt": "question", "answer": "answer"}},
+    "reward": {"kind": "python", "python": {"function": "mine.score:reward",
+                                            "path": "/rewards/mine", "volume": "reward-code"}},
+}
+
+
+def test_children_of_a_managed_redis_job(tiny):
+    children = by_kind_name(build_children(tiny, CONFIG, redis_password="pw"))
+    assert set(children) == {
+        ("ConfigMap", "tiny-config"), ("Secret", "tiny-redis"), ("Service", "tiny-redis"),
+        ("StatefulSet", "tiny-redis"), ("PersistentVolumeClaim", "tiny-run"),
+        ("Service", "tiny-buffer"), ("Deployment", "tiny-buffer"),
+        ("Service", "tiny-reward"), ("Deployment", "tiny-reward"),
+        ("Service", "tiny-trainer-headless"), ("StatefulSet", "tiny-trainer"),
+        ("Service", "tiny-rollout"), ("Deployment", "tiny-rollout"),
+        ("NetworkPolicy", "tiny-redis"), ("NetworkPolicy", "tiny-buffer"),
+        ("NetworkPolicy", "tiny-trainer"), ("NetworkPolicy", "tiny-reward"),
+    }
+    for child in children.values():
+        meta = child["metadata"]
+        assert meta["namespace"] == "ml"
+        assert meta["labels"]["app.kubernetes.io/instance"] == "tiny"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "asyncrl-operator"
+        assert meta["labels"]["asyncrl.io/job"] == "tiny"
+        assert meta["labels"]["app.kubernetes.io/name"] == "asyncrl"
+        assert "app.kubernetes.io/component" in meta["labels"]
+
+
+def test_every_child_is_a_valid_kubernetes_object(tiny, gpu):
+    for job in (tiny, gpu):
+        for child in build_children(job, CONFIG, redis_password="pw"):
+            kubernetes_validate.validate(child, latest_version(), strict=True)
+
+
+def test_network_policies_admit_only_the_jobs_own_pods(tiny):
+    children = by_kind_name(build_children(tiny, CONFIG, redis_password="pw"))
+    own_pods = {"podSelector": {"matchLabels": {"asyncrl.io/job": "tiny"}}}
+
+    def ports(rule):
+        return {p["port"] for p in rule.get("ports", [])}
+
+    redis = children[("NetworkPolicy", "tiny-redis")]["spec"]
+    assert redis["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "redis"
+    assert redis["ingress"] == [{"from": [own_pods], "ports": [{"protocol": "TCP", "port": 6379}]}]
+
+    operator = {"podSelector": {"matchLabels": {"asyncrl.io/operator": "true"}},
+                "namespaceSelector": {}}
+    buffer = children[("NetworkPolicy", "tiny-buffer")]["spec"]
+    grpc_rules = [r for r in buffer["ingress"] if builders.BUFFER_PORT in ports(r)]
+    # gRPC: the job's pods and the operator (buffer statistics); never an open rule.
+    assert all(r.get("from") for r in grpc_rules)
+    assert operator in [f for r in grpc_rules for f in r["from"]]
+    assert [r for r in buffer["ingress"] if "from" not in r] == [
+        {"ports": [{"protocol": "TCP", "port": builders.BUFFER_METRICS}]}]
+
+    trainer = children[("NetworkPolicy", "tiny-trainer")]["spec"]
+    assert trainer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "trainer"
+    # The job's pods on every port (rendezvous, then torch.distributed's own ports), the
+    # operator on the status port only (trainer status), metrics from anywhere.
+    assert {"from": [own_pods]} in trainer["ingress"]
+    assert {"from": [operator], "ports": [{"protocol": "TCP", "port": builders.TRAINER_PORT}]} \
+        in trainer["ingress"]
+    assert [r for r in trainer["ingress"] if "from" not in r] == [
+        {"ports": [{"protocol": "TCP", "port": builders.TRAINER_METRICS}]}]
+    assert len(trainer["ingress"]) == 3
+
+    reward = children[("NetworkPolicy", "tiny-reward")]["spec"]
+    assert reward["policyTypes"] == ["Ingress", "Egress"] and "egress" not in reward  # none
+    assert reward["ingress"][0] == {"from": [own_pods],
+                                    "ports": [{"protocol": "TCP", "port": builders.REWARD_PORT}]}
+
+
+def test_http_reward_pods_may_reach_their_endpoint_and_no_others_egress():
+    http = job_from(reward={"kind": "http", "http": {"url": "http://judge.ml:8000/score"}})
+    (policy,) = [c for c in build_children(http, CONFIG, redis_password="pw")
+                 if c["kind"] == "NetworkPolicy" and c["metadata"]["name"] == "tiny-reward"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    python = job_from(**ON_VOLUMES)
+    (policy,) = [c for c in build_children(python, CONFIG, redis_password="pw")
+                 if c["kind"] == "NetworkPolicy" and c["metadata"]["name"] == "tiny-reward"]
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+
+
+def test_network_policies_follow_the_operator_setting_and_external_redis(tiny):
+    off = OperatorConfig(image="example.org/asyncrl:test", network_policies=False)
+    assert not [c for c in build_children(tiny, off, redis_password="pw")
+                if c["kind"] == "NetworkPolicy"]
+    external = job_from(buffer__redis={"url": "redis://redis.example:6379/0"})
+    names = {c["metadata"]["name"] for c in build_children(external, CONFIG, redis_password="pw")
+             if c["kind"] == "NetworkPolicy"}
+    assert names == {"tiny-buffer", "tiny-trainer", "tiny-reward"}  # no Redis of ours to guard
+
+
+def test_gpu_pods_without_tolerations_get_the_operators_gpu_tolerations():
+    job = job_from("examples/gpu-cluster.yaml", rollout__placement__tolerations=[])
+    custom = ({"key": "gpu-pool", "operator": "Equal", "value": "a100", "effect": "NoSchedule"},)
+    for config, expected in ((CONFIG, list(CONFIG.gpu_tolerations)),
+                             (OperatorConfig(gpu_tolerations=custom), list(custom))):
+        rollout = builders.rollout_deployment(job, config)["spec"]["template"]["spec"]
+        assert rollout["tolerations"] == expected
+    # The spec's own tolerations win; CPU pods get none.
+    gpu_job = job_from("examples/gpu-cluster.yaml")
+    trainer = builders.trainer_statefulset(gpu_job, CONFIG)["spec"]["template"]["spec"]
+    assert trainer["tolerations"] == [t.model_dump(mode="json", by_alias=True, exclude_none=True)
+                                      for t in gpu_job.spec.trainer.placement.tolerations]
+    assert "tolerations" not in builders.buffer_deployment(gpu_job, CONFIG)["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("text, profile", [
+    ("RuntimeDefault", {"type": "RuntimeDefault"}), ("Unconfined", {"type": "Unconfined"}),
+    ("Localhost:profiles/sandbox.json",
+     {"type": "Localhost", "localhostProfile": "profiles/sandbox.json"}),
+])
+def test_reward_pods_take_the_configured_seccomp_profile(tiny, text, profile):
+    config = OperatorConfig(reward_seccomp_profile=text)
+    reward = builders.reward_deployment(tiny, config)["spec"]["template"]["spec"]
+    assert reward["securityContext"]["seccompProfile"] == profile
+    buffer = builders.buffer_deployment(tiny, config)["spec"]["template"]["spec"]
+    assert buffer["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+@pytest.mark.parametrize("seccomp", ["RuntimeDefault", "Unconfined"])
+def test_code_reward_pods_run_as_root_with_only_the_sandboxs_capabilities(seccomp):
+    # tests/e2e/test_e2e_code_reward.py shows why on a real node: non-root, no seccomp profile
+    # lets the sandbox build its cage.
+    code = job_from("examples/code.yaml")
+    config = OperatorConfig(reward_seccomp_profile=seccomp)
+    pod = builders.reward_deployment(code, config)["spec"]["template"]["spec"]
+    assert pod["securityContext"] == {"runAsNonRoot": False, "runAsUser": 0, "runAsGroup": 0,
+                                      "fsGroup": 0, "seccompProfile": {"type": seccomp}}
+    assert pod["containers"][0]["securityContext"] == {
+        "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"], "add": ["SYS_ADMIN", "SETUID", "SETGID",
+                                                  "DAC_OVERRIDE"]}}
+    assert pod["automountServiceAccountToken"] is False and pod["enableServiceLinks"] is False
+    # Only the reward pods of code jobs: every other pod stays non-root.
+    others = [child for child in build_children(code, config, redis_password="pw")
+              if child["kind"] in ("Deployment", "StatefulSet")
+              and child["metadata"]["name"] != builders.child_name(code, "reward")]
+    assert len(others) == 4
+    for child in others:
+        assert child["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+@pytest.mark.parametrize("text", ["", "Localhost", "Localhost:", "unconfined", "Unconfined:x"])
+def test_a_bad_seccomp_profile_names_the_accepted_forms(text):
+    with pytest.raises(ValueError, match="expected RuntimeDefault, Unconfined or Localhost"):
+        builders.seccomp_profile(text)
+
+
+def test_building_twice_gives_the_same_objects(tiny):
+    assert build_children(tiny, CONFIG, redis_password="pw") == \
+        build_children(tiny, CONFIG, redis_password="pw")
+
+
+def test_config_map_holds_the_resolved_job(tiny):
+    data = builders.config_map(tiny)["data"]["job.yaml"]
+    resolved = yaml.safe_load(data)
+    assert resolved["metadata"] == {"name": "tiny", "namespace": "ml"}
+    assert resolved["spec"]["algorithm"]["clipEps"] == 0.2  # a default, filled in
+    assert parse_manifest(resolved).spec == tiny.spec
+
+
+def test_pods_run_the_serve_commands_with_the_job_file(tiny):
+    children = by_kind_name(build_children(tiny, CONFIG, redis_password="pw"))
+    for kind, name, component in [("Deployment", "tiny-buffer", "buffer"),
+                                  ("Deployment", "tiny-reward", "reward"),
+                                  ("Deployment", "tiny-rollout", "rollout"),
+                                  ("StatefulSet", "tiny-trainer", "trainer")]:
+        pod = children[(kind, name)]["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["image"] == "example.org/asyncrl:test"
+        assert container["command"] == ["asyncrl"]
+        assert container["args"][:4] == ["serve", component, "--job-file", "/etc/asyncrl/job.yaml"]
+        assert {"name": "config", "configMap": {"name": "tiny-config"}} in pod["volumes"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert probe in container
+        assert container["resources"]["requests"]  # defaults when the spec gives none
+    rollout = children[("Deployment", "tiny-rollout")]["spec"]["template"]["spec"]["containers"][0]
+    args = rollout["args"]
+    assert args[args.index("--buffer-address") + 1] == "tiny-buffer:50051"
+    assert args[args.index("--reward-address") + 1] == "tiny-reward:50081"
+    assert args[args.index("--redis-url") + 1] == \
+        "redis://:$(ASYNCRL_REDIS_PASSWORD)@tiny-redis:6379/0"
+    trainer = children[("StatefulSet", "tiny-trainer")]["spec"]["template"]["spec"]
+    assert {"name": "run", "mountPath": "/run/asyncrl", "readOnly": False} in \
+        trainer["containers"][0]["volumeMounts"]
+    assert {"name": "run", "mountPath": "/run/asyncrl", "readOnly": True} in \
+        rollout["volumeMounts"]
+
+
+def test_redis_password_comes_from_the_generated_secret(tiny):
+    secret = builders.redis_secret(tiny, "s3cret")
+    assert secret["stringData"] == {"password": "s3cret"}
+    redis = builders.redis_statefulset(tiny, CONFIG)
+    container = redis["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "ASYNCRL_REDIS_PASSWORD",
+            "valueFrom": {"secretKeyRef": {"name": "tiny-redis", "key": "password"}}} in \
+        container["env"]
+    assert "--requirepass" in container["args"]
+    # persistence: none keeps the data in an emptyDir, no claim template.
+    assert "volumeClaimTemplates" not in redis["spec"]
+    assert redis["spec"]["template"]["spec"]["volumes"] == [{"name": "data", "emptyDir": {}}]
+
+
+def test_redis_aof_gets_a_volume_claim_template():
+    job = job_from(buffer__redis__persistence="aof")
+    redis = builders.redis_statefulset(job, CONFIG)
+    (template,) = redis["spec"]["volumeClaimTemplates"]
+    assert template["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert "--appendonly" in redis["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_external_redis_creates_no_redis_and_uses_the_named_secret(gpu):
+    children = by_kind_name(build_children(gpu, CONFIG, redis_password="unused"))
+    assert not [key for key in children if key[1] == "qwen-math-redis"]
+    buffer = children[("Deployment", "qwen-math-buffer")]["spec"]["template"]["spec"]
+    container = buffer["containers"][0]
+    args = container["args"]
+    assert args[args.index("--redis-url") + 1] == "rediss://redis.data.svc.cluster.local:6380/0"
+    assert {"name": "ASYNCRL_REDIS_PASSWORD",
+            "valueFrom": {"secretKeyRef": {"name": "redis-auth", "key": "password"}}} in \
+        container["env"]
+    assert [kind for kind, _ in builders.workloads(gpu)] == \
+        ["Deployment", "Deployment", "StatefulSet", "Deployment"]
+
+
+def test_gpu_rollout_requests_gpus_on_the_pool(gpu):
+    rollout = builders.rollout_deployment(gpu, CONFIG)
+    assert rollout["spec"]["replicas"] == 4
+    pod = rollout["spec"]["template"]["spec"]
+    resources = pod["containers"][0]["resources"]
+    assert resources["requests"]["nvidia.com/gpu"] == "1" == resources["limits"]["nvidia.com/gpu"]
+    assert resources["requests"]["cpu"] == "8"
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-l4",
+                                   "node-pool": "rollout"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                   "effect": "NoSchedule"}]
+    assert "podAntiAffinity" in pod["affinity"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+
+
+def test_cpu_rollout_has_no_gpus_and_no_pool(tiny):
+    pod = builders.rollout_deployment(tiny, CONFIG)["spec"]["template"]["spec"]
+    resources = pod["containers"][0]["resources"]
+    assert "nvidia.com/gpu" not in resources.get("requests", {})
+    assert "nodeSelector" not in pod and "tolerations" not in pod and "affinity" not in pod
+
+
+def test_multi_node_trainer_runs_under_torchrun(gpu):
+    trainer = builders.trainer_statefulset(gpu, CONFIG)
+    spec = trainer["spec"]
+    assert spec["replicas"] == 2 and spec["podManagementPolicy"] == "Parallel"
+    assert spec["serviceName"] == "qwen-math-trainer-headless"
+    container = spec["template"]["spec"]["containers"][0]
+    assert container["command"][0] == "torchrun"
+    assert "--nnodes=2" in container["command"] and "--nproc-per-node=8" in container["command"]
+    assert ("--rdzv-endpoint=qwen-math-trainer-0.qwen-math-trainer-headless:29400"
+            in container["command"])
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    headless = builders.trainer_headless_service(gpu)
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_distributed_weights_open_the_trainer_store_to_rollout_workers(tiny):
+    def ports(container_or_service, key):
+        return {p["name"]: p[key] for p in container_or_service["ports"]}
+
+    def weights_address(job):
+        args = builders.rollout_deployment(job, CONFIG)["spec"]["template"]["spec"][
+            "containers"][0]["args"]
+        return args[args.index("--weights-address") + 1] if "--weights-address" in args else None
+
+    assert weights_address(tiny) is None  # disk, the default: nothing more is opened
+    trainer = builders.trainer_statefulset(tiny, CONFIG)["spec"]["template"]["spec"]
+    assert "weights" not in ports(trainer["containers"][0], "containerPort")
+
+    job = job_from(trainer__weightTransfer="distributed")
+    assert weights_address(job) == "tiny-trainer-0.tiny-trainer-headless:29500"
+    trainer = builders.trainer_statefulset(job, CONFIG)["spec"]["template"]["spec"]
+    assert ports(trainer["containers"][0], "containerPort")["weights"] == 29500
+    assert ports(builders.trainer_headless_service(job)["spec"], "port")["weights"] == 29500
+
+
+def test_single_process_trainer_runs_asyncrl_directly(tiny):
+    pod = builders.trainer_statefulset(tiny, CONFIG)["spec"]["template"]["spec"]
+    assert pod["containers"][0]["command"] == ["asyncrl"]
+    assert "initContainers" not in pod
+
+
+def test_gpu_pods_run_the_gpu_image_and_the_others_the_cpu_image(gpu, tiny):
+    def images(job):
+        found = {}
+        for child in build_children(job, CONFIG, redis_password="pw"):
+            if child["kind"] in ("Deployment", "StatefulSet"):
+                pod = child["spec"]["template"]["spec"]
+                for container in pod.get("initContainers", []) + pod["containers"]:
+                    found[(child["metadata"]["name"], container["name"])] = container["image"]
+        return found
+
+    # SGLang rollout and the multi-node trainer (its init container too) request GPUs.
+    assert images(gpu) == {
+        ("qwen-math-buffer", "buffer"): "example.org/asyncrl:test",
+        ("qwen-math-reward", "reward"): "example.org/asyncrl:test",
+        ("qwen-math-trainer", "wait-for-rendezvous"): "example.org/asyncrl:test-gpu",
+        ("qwen-math-trainer", "trainer"): "example.org/asyncrl:test-gpu",
+        ("qwen-math-rollout", "rollout"): "example.org/asyncrl:test-gpu",
+    }
+    # A CPU job runs the CPU image everywhere; a torch rollout on a GPU is a GPU pod.
+    assert set(images(tiny).values()) == {"example.org/asyncrl:test", "redis:7.4-alpine"}
+    on_gpu = job_from(rollout__placement={"gpus": 1, "nodeSelector": {"pool": "gpu"}})
+    assert images(on_gpu)[("tiny-rollout", "rollout")] == "example.org/asyncrl:test-gpu"
+    assert images(on_gpu)[("tiny-trainer", "trainer")] == "example.org/asyncrl:test"
+
+
+def test_default_gpu_image_is_the_service_gpu_tag():
+    defaults = OperatorConfig()
+    assert defaults.gpu_image == f"{defaults.image}-gpu"
+    assert defaults.image == f"ghcr.io/asyncrl/asyncrl:{asyncrl.__version__}"
+
+
+def test_a_rollout_worker_is_unready_but_alive_while_redis_is_down(tiny):
+    (rollout,) = builders.rollout_deployment(tiny, CONFIG)["spec"]["template"]["spec"]["containers"]
+    assert rollout["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    for probe in ("startupProbe", "livenessProbe"):
+        assert rollout[probe]["httpGet"] == {"path": "/health", "port": "http"}
+
+
+def startup_window(container) -> float:
+    probe = container["startupProbe"]
+    return probe["periodSeconds"] * probe["failureThreshold"]
+
+
+def test_an_sglang_rollout_may_take_sglangs_start_up_allowance(gpu, tiny):
+    # The worker serves /health only once SGLang is healthy, which it allows this long.
+    (sglang,) = builders.rollout_deployment(gpu, CONFIG)["spec"]["template"]["spec"]["containers"]
+    assert startup_window(sglang) >= builders.STARTUP_SECONDS + SGLANG_STARTUP_SECONDS
+    assert sglang["readinessProbe"]["periodSeconds"] == sglang["startupProbe"]["periodSeconds"]
+    # The torch engine (CPU or GPU) and every other service keep the 600 s.
+    torch_on_gpu = job_from("examples/gpu-cluster.yaml", rollout__engine="torch")
+    for job in (tiny, torch_on_gpu):
+        for child in build_children(job, CONFIG, redis_password="pw"):
+            if child["kind"] in ("Deployment", "StatefulSet") and \
+                    not child["metadata"]["name"].endswith("-redis"):
+                (container,) = child["spec"]["template"]["spec"]["containers"]
+                assert startup_window(container) == 600, child["metadata"]["name"]
+
+
+def test_a_single_pod_trainer_runs_torchrun_standalone():
+    job = job_from(trainer__processesPerReplica=4)
+    pod = builders.trainer_statefulset(job, CONFIG)["spec"]["template"]["spec"]
+    command = pod["containers"][0]["command"]
+    assert command == ["torchrun", "--nnodes=1", "--nproc-per-node=4", "--standalone",
+                       "-m", "asyncrl.cli"]
+    assert "initContainers" not in pod
+
+
+def test_a_multi_pod_trainer_waits_for_its_rendezvous(gpu):
+    pod = builders.trainer_statefulset(gpu, CONFIG)["spec"]["template"]["spec"]
+    (wait,) = pod["initContainers"]
+    assert wait["command"][:2] == ["python", "-c"]
+    assert wait["command"][3:] == ["qwen-math-trainer-0.qwen-math-trainer-headless", "29400"]
+    assert "$(" not in wait["command"][2]  # the kubelet would expand it
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in \
+        wait["env"]
+    assert wait["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "resources" in wait and "limits" not in wait["resources"]  # no GPU for the wait
+
+
+def run_wait(host: str, port: int, pod_ip: str, timeout: float) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-c", builders.WAIT_FOR_RENDEZVOUS, host, str(port)]
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "POD_IP": pod_ip})
+    except subprocess.TimeoutExpired as exc:  # still waiting; its output is bytes here
+        return subprocess.CompletedProcess(command, None, (exc.stdout or b"").decode(),
+                                           (exc.stderr or b"").decode())
+
+
+def test_the_rendezvous_wait_ends_when_the_store_accepts_connections():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert run_wait("127.0.0.1", port, "10.0.0.9", timeout=20).returncode == 0
+    # Nothing listens any more: the other pods keep waiting for pod 0's store.
+    waiting = run_wait("127.0.0.1", port, "10.0.0.9", timeout=3)
+    assert waiting.returncode is None
+    assert f"waiting for the trainer rendezvous at 127.0.0.1:{port}" in waiting.stdout
+
+
+def test_the_rendezvous_host_waits_until_its_name_resolves_to_itself():
+    # Pod 0 hosts the store: its name must resolve to its own address before torchrun starts.
+    me = socket.gethostname()
+    address = socket.getaddrinfo(me, 0)[0][4][0]
+    assert run_wait(me, 29400, address, timeout=20).returncode == 0
+    # Still an old address (or none) in DNS: wait, and never connect to anyone.
+    assert run_wait(me, 29400, "10.255.255.254", timeout=3).returncode is None
+
+
+def test_every_pod_is_unprivileged_and_reward_is_locked_down(tiny):
+    for child in build_children(tiny, CONFIG, redis_password="pw"):
+        if child["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        pod = child["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert pod["automountServiceAccountToken"] is False
+        for container in pod["containers"]:
+            security = container["securityContext"]
+            assert security["allowPrivilegeEscalation"] is False
+            assert security["capabilities"] == {"drop": ["ALL"]}
+            assert security["readOnlyRootFilesystem"] is True
+    reward = builders.reward_deployment(tiny, CONFIG)["spec"]["template"]["spec"]
+    assert reward["enableServiceLinks"] is False
+    assert not [v for v in reward["volumes"] if "persistentVolumeClaim" in v]
+
+
+def pod_of(workload: dict) -> tuple[dict, dict]:
+    pod = workload["spec"]["template"]["spec"]
+    return pod, pod["containers"][0]
+
+
+def test_the_users_claims_are_mounted_read_only_where_their_files_are_read():
+    job = job_from(**ON_VOLUMES)
+    children = by_kind_name(build_children(job, CONFIG, redis_password="pw"))
+    dataset = {"name": "dataset", "persistentVolumeClaim": {"claimName": "prompts",
+                                                            "readOnly": True}}
+    # Training prompts in the rollout pods, evaluation prompts in the trainer pods.
+    for key in [("Deployment", "tiny-rollout"), ("StatefulSet", "tiny-trainer")]:
+        pod, container = pod_of(children[key])
+        assert dataset in pod["volumes"], key
+        assert {"name": "dataset", "mountPath": "/data", "readOnly": True} in \
+            container["volumeMounts"], key
+        assert not [v for v in pod["volumes"] if v["name"] == "reward-python"], key
+    # The reward's module, imported from reward.python.path, in the reward pods alone.
+    pod, container = pod_of(children[("Deployment", "tiny-reward")])
+    assert {"name": "reward-python", "persistentVolumeClaim": {
+        "claimName": "reward-code", "readOnly": True}} in pod["volumes"]
+    assert {"name": "reward-python", "mountPath": "/rewards", "readOnly": True} in \
+        container["volumeMounts"]
+    assert dataset not in pod["volumes"]
+    for child in children.values():
+        kubernetes_validate.validate(child, latest_version(), strict=True)
+        if child["kind"] in ("Deployment", "StatefulSet"):
+            pod, container = pod_of(child)
+            # No volume takes the name or the folder of another.
+            names = [v["name"] for v in pod.get("volumes", [])]
+            folders = [m["mountPath"] for m in container.get("volumeMounts", [])]
+            assert len(set(names)) == len(names) and len(set(folders)) == len(folders), names
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"dataset": {**ON_VOLUMES["dataset"], "volume": None}},
+    {"reward": {"kind": "python", "python": {"function": "mine.score:reward",
+                                             "path": "/rewards/mine"}}},
+], ids=["arith", "file-in-the-image", "python-in-the-image"])
+def test_nothing_of_the_users_is_mounted_without_a_volume(overrides):
+    job = job_from(**overrides)
+    for child in build_children(job, CONFIG, redis_password="pw"):
+        if child["kind"] in ("Deployment", "StatefulSet"):
+            pod, container = pod_of(child)
+            claims = [v["persistentVolumeClaim"]["claimName"] for v in pod.get("volumes", [])
+                      if "persistentVolumeClaim" in v]
+            assert claims in ([], ["tiny-run"]), child["metadata"]["name"]
+            assert not {"dataset", "reward-python"} & {
+                m["name"] for m in container["volumeMounts"]}, child["metadata"]["name"]
+
+
+def test_suspend_scales_workers_to_zero_and_keeps_state(tiny):
+    suspended = job_from(suspend=True)
+    before = by_kind_name(build_children(tiny, CONFIG, redis_password="pw"))
+    after = by_kind_name(build_children(suspended, CONFIG, redis_password="pw"))
+    for key in [("Deployment", "tiny-rollout"), ("Deployment", "tiny-reward"),
+                ("StatefulSet", "tiny-trainer")]:
+        assert after[key]["spec"]["replicas"] == 0, key
+    assert after[("StatefulSet", "tiny-redis")]["spec"]["replicas"] == 1
+    assert after[("Deployment", "tiny-buffer")]["spec"]["replicas"] == 1
+    assert after[("PersistentVolumeClaim", "tiny-run")] == \
+        before[("PersistentVolumeClaim", "tiny-run")]
+    # Suspending is not a configuration change: templates (and so pods) stay the same.
+    assert after[("StatefulSet", "tiny-trainer")]["spec"]["template"] == \
+        before[("StatefulSet", "tiny-trainer")]["spec"]["template"]
+
+
+def test_scaling_changes_replicas_only(tiny):
+    scaled = job_from(rollout__replicas=3)
+    a = builders.rollout_deployment(tiny, CONFIG)
+    b = builders.rollout_deployment(scaled, CONFIG)
+    assert (a["spec"]["replicas"], b["spec"]["replicas"]) == (1, 3)
+    assert a["spec"]["template"] == b["spec"]["template"]
+
+
+def test_buffer_replicas_scale_the_buffer_alone(tiny):
+    scaled = job_from(buffer__replicas=3)
+    a, b = builders.buffer_deployment(tiny, CONFIG), builders.buffer_deployment(scaled, CONFIG)
+    assert (a["spec"]["replicas"], b["spec"]["replicas"]) == (1, 3)
+    assert builders.desired_replicas(scaled, "buffer") == 3
+    # More buffer pods restart none of the job's pods, the buffer's own included.
+    assert a["spec"]["template"] == b["spec"]["template"]
+    assert builders.trainer_statefulset(tiny, CONFIG)["spec"]["template"] == \
+        builders.trainer_statefulset(scaled, CONFIG)["spec"]["template"]
+    # A suspended job's buffer keeps serving, with all its replicas.
+    suspended = job_from(buffer__replicas=3, suspend=True)
+    assert builders.buffer_deployment(suspended, CONFIG)["spec"]["replicas"] == 3
+    assert builders.desired_replicas(suspended, "buffer") == 3
+
+
+def test_a_config_change_rolls_the_pods(tiny):
+    changed = job_from(algorithm__learningRate=0.5)
+    a = builders.trainer_statefulset(tiny, CONFIG)["spec"]["template"]["metadata"]
+    b = builders.trainer_statefulset(changed, CONFIG)["spec"]["template"]["metadata"]
+    assert a["annotations"][builders.CONFIG_HASH] != b["annotations"][builders.CONFIG_HASH]
+
+
+def test_kopf_adopt_gives_owner_references(tiny):
+    owner = {"apiVersion": "asyncrl.io/v1alpha1", "kind": "RLJob",
+             "metadata": {"name": "tiny", "namespace": "ml", "uid": "1234",
+                          "labels": {"team": "x"}}}
+    child = builders.rollout_deployment(tiny, CONFIG)
+    kopf.adopt(child, owner=owner)
+    (ref,) = child["metadata"]["ownerReferences"]
+    assert ref["uid"] == "1234" and ref["kind"] == "RLJob" and ref["controller"] is True
+    assert child["metadata"]["labels"]["team"] == "x"
+
+
+def test_examples_all_build(tmp_path):
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        job = load_manifest(path)
+        if job.metadata.namespace is None:
+            job = job.model_copy(update={"metadata": job.metadata.model_copy(
+                update={"namespace": "default"})})
+        assert build_children(job, CONFIG, redis_password="pw")
+
+
+# --------------------------------------------------------------------------- status
+
+NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def observation(**overrides):
+    ready = [Workload(c, 1, exists=True, replicas=1, ready=1)
+             for c in ("redis", "buffer", "reward", "trainer", "rollout")]
+    values = dict(generation=3, suspend=False, max_steps=10, workloads=tuple(ready), now=NOW)
+    values.update(overrides)
+    return Observation(**values)
+
+
+def condition(status, kind):
+    return next(c for c in status["conditions"] if c["type"] == kind)
+
+
+def test_all_ready_is_running():
+    status = compute_status(observation(), None)
+    assert status["phase"] == "Running"
+    assert status["observedGeneration"] == 3
+    assert condition(status, "Ready")["status"] == "True"
+    assert condition(status, "BufferReachable")["status"] == "False"
+    assert status["rolloutReplicas"] == 1
+
+
+def test_nothing_created_is_pending_and_some_missing_is_starting():
+    nothing = tuple(Workload(c, 1) for c in ("buffer", "rollout"))
+    assert compute_status(observation(workloads=nothing), None)["phase"] == "Pending"
+    some = (Workload("buffer", 1, exists=True, replicas=1, ready=0), Workload("rollout", 2))
+    status = compute_status(observation(workloads=some), None)
+    assert status["phase"] == "Starting"
+    assert condition(status, "Ready")["reason"] == "ChildrenNotCreated"
+
+
+def test_not_ready_names_the_workloads():
+    waiting = (Workload("rollout", 2, exists=True, replicas=2, ready=1),)
+    status = compute_status(observation(workloads=waiting), None)
+    assert status["phase"] == "Starting"
+    assert condition(status, "Ready")["message"] == "rollout 1/2 ready."
+
+
+def test_counts_from_before_the_latest_spec_are_not_ready():
+    # A resume's status read before the controller saw it: the counts are the old ones.
+    stale = (Workload("rollout", 1, exists=True, replicas=1, ready=1, current=False),)
+    status = compute_status(observation(workloads=stale), None)
+    assert status["phase"] == "Starting"
+    assert condition(status, "Ready")["message"] == \
+        "rollout 1/1 ready, its new spec not yet seen by its controller."
+
+
+def test_invalid_spec_is_failed_with_the_message():
+    status = compute_status(observation(invalid="spec.rollout.replicas: must be >= 1"), None)
+    assert status["phase"] == "Failed"
+    valid = condition(status, "Valid")
+    assert (valid["status"], valid["reason"]) == ("False", "InvalidSpec")
+    assert "spec.rollout.replicas" in valid["message"]
+
+
+def test_suspended_and_succeeded():
+    assert compute_status(observation(suspend=True), None)["phase"] == "Suspended"
+    stats = BufferStats(trainer_version=10, trainer_step=10, accepted_total=80,
+                        consumed_total=80, staleness_counts=(2, 1, 1))
+    status = compute_status(observation(stats=stats), None)
+    assert status["phase"] == "Succeeded"
+    assert status["policyVersion"] == 10
+    assert status["stalenessMean"] == 0.75
+
+
+def test_completion_is_judged_by_the_step_not_the_version():
+    # A trainer restarted from an older checkpoint publishes under newer versions: version 12
+    # at step 9 of 10 is not done, version 13 at step 10 is.
+    ahead = BufferStats(trainer_version=12, trainer_step=9, accepted_total=80, consumed_total=80)
+    status = compute_status(observation(stats=ahead), None)
+    assert status["phase"] == "Running" and status["policyVersion"] == 12
+    assert condition(status, "Complete")["status"] == "False"
+    done = BufferStats(trainer_version=13, trainer_step=10, accepted_total=88, consumed_total=88)
+    status = compute_status(observation(stats=done), {"trainerStep": 9})
+    assert status["phase"] == "Succeeded"
+    # The step comes from the buffer too: a finished trainer may exit before it is asked.
+    assert status["trainerStep"] == 10
+    assert condition(status, "Complete")["message"] == "Step 10 of 10 published."
+
+
+def test_a_job_whose_dataset_is_used_up_succeeds_before_max_steps():
+    running = BufferStats(trainer_version=4, trainer_step=4, accepted_total=40,
+                          consumed_total=32)
+    assert compute_status(observation(stats=running), None)["phase"] == "Running"
+    ended = BufferStats(trainer_version=4, trainer_step=4, accepted_total=40, consumed_total=32,
+                        trainer_finished=True)
+    status = compute_status(observation(stats=ended), None)
+    assert status["phase"] == "Succeeded"
+    complete = condition(status, "Complete")
+    assert (complete["status"], complete["reason"]) == ("True", "DatasetUsedUp")
+    assert complete["message"] == "Step 4 of 10 published. The dataset's epochs are used up."
+
+
+def test_trainer_failure_is_failed():
+    status = compute_status(observation(trainer_failure="trainer pod x crashed"), None)
+    assert status["phase"] == "Failed"
+    assert condition(status, "Failed")["reason"] == "TrainerFailed"
+
+
+def test_transition_time_only_moves_when_a_condition_flips():
+    first = compute_status(observation(), None)
+    later = compute_status(observation(now=datetime(2026, 1, 2, tzinfo=timezone.utc)),
+                           copy.deepcopy(first))
+    assert condition(later, "Ready")["lastTransitionTime"] == "2026-01-01T00:00:00Z"
+    assert status_changes(first, later) == {}
+    flipped = compute_status(observation(suspend=True,
+                                         now=datetime(2026, 1, 3, tzinfo=timezone.utc)), first)
+    assert condition(flipped, "Suspended")["lastTransitionTime"] == "2026-01-03T00:00:00Z"
+    assert set(status_changes(first, flipped)) == {"phase", "conditions"}
+
+
+def test_trainer_failure_from_pods():
+    crashing = {"metadata": {"name": "j-trainer-0"}, "status": {"phase": "Running",
+                "containerStatuses": [{"restartCount": 6,
+                                       "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                                       "lastState": {"terminated": {"reason": "Error",
+                                                                    "exitCode": 1}}}]}}
+    assert "CrashLoopBackOff after 6 restarts (last exit: Error, code 1)" in \
+        trainer_failure([crashing], 5)
+    assert trainer_failure([crashing], 10) is None
+    assert trainer_failure([], 5) is None
+    finished = copy.deepcopy(crashing)
+    finished["status"]["containerStatuses"][0]["lastState"] = {
+        "terminated": {"reason": "Completed", "exitCode": 0}}
+    assert trainer_failure([finished], 5) is None
+    failed = {"metadata": {"name": "j-trainer-0"}, "status": {"phase": "Failed"}}
+    assert trainer_failure([failed], 5) == \
+        "trainer pod j-trainer-0 failed: its container exited"
+    # A pod stopped on purpose (suspend) ends Failed too, while it is being deleted.
+    stopping = {"metadata": {"name": "j-trainer-0", "deletionTimestamp": "2026-01-01T00:00:00Z"},
+                "status": {"phase": "Failed"}}
+    assert trainer_failure([stopping], 5) is None
+
+
+def test_a_finished_job_stays_succeeded_whatever_its_trainer_pod_does():
+    stats = BufferStats(trainer_version=10, trainer_step=10, accepted_total=80,
+                        consumed_total=80, staleness_counts=(2, 1, 1))
+    status = compute_status(observation(stats=stats, trainer_failure="trainer pod x crashed"),
+                            None)
+    assert status["phase"] == "Succeeded"
+    assert condition(status, "Failed")["status"] == "False"
+    unfinished = BufferStats(trainer_version=9, trainer_step=9, accepted_total=72,
+                             consumed_total=72, staleness_counts=(2, 1, 1))
+    assert compute_status(observation(stats=unfinished, trainer_failure="trainer pod x crashed"),
+                          None)["phase"] == "Failed"
+
+
+# --------------------------------------------------------------------------- buffer stats
+
+
+def test_buffer_stats_from_a_real_buffer(redis_server, tiny):
+    import grpc
+    from support.buffer import BufferThread
+
+    from asyncrl.buffer.store import JobConfig
+    from asyncrl.operator.handlers import buffer_stats
+    from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc
+
+    server = BufferThread(redis_server.url, [JobConfig.from_job(tiny)]).start()
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            buffer_pb2_grpc.BufferStub(channel).SetVersion(
+                buffer_pb2.SetVersionRequest(job="tiny", version=3, weights_uri="/w/3",
+                                             trainer_step=2))
+        stats, error = buffer_stats(tiny, address=server.address)
+    finally:
+        server.stop()
+    assert error is None
+    assert (stats.trainer_version, stats.trainer_step, stats.accepted_total) == (3, 2, 0)
+    status = compute_status(observation(stats=stats), None)
+    assert status["policyVersion"] == 3
+    assert next(c for c in status["conditions"] if c["type"] == "BufferReachable")["status"] \
+        == "True"
+
+
+def test_buffer_stats_says_why_when_unreachable(tiny):
+    from asyncrl.operator.handlers import buffer_stats
+    from asyncrl.platform.redis_server import free_port
+
+    stats, error = buffer_stats(tiny, address=f"127.0.0.1:{free_port()}", timeout=0.5)
+    assert stats is None
+    assert "UNAVAILABLE" in error or "DEADLINE_EXCEEDED" in error, error
+
+
+# --------------------------------------------------------------------------- trainer status
+
+
+def test_trainer_figures_are_written_from_its_status():
+    trainer = TrainerStatus(step=12, phase="waiting_for_batch", tokens_per_second=812.54,
+                            reward_mean=0.62512, eval_accuracy=0.40625)
+    status = compute_status(observation(trainer=trainer), None)
+    assert (status["trainerStep"], status["tokensPerSecond"], status["rewardMean"],
+            status["evalAccuracy"]) == (12, 812.5, 0.6251, 0.4062)
+    reachable = condition(status, "TrainerReachable")
+    assert (reachable["status"], reachable["reason"]) == ("True", "GetStatusAnswered")
+    assert reachable["message"] == "Step 12 of 10 (waiting for batch)."
+
+
+def test_trainer_figures_wait_for_the_first_step_and_evaluation():
+    starting = TrainerStatus(step=0, phase="evaluating")
+    status = compute_status(observation(trainer=starting), None)
+    assert status["trainerStep"] == 0
+    assert not {"tokensPerSecond", "rewardMean", "evalAccuracy"} & set(status)
+
+
+def test_an_unreachable_trainer_keeps_the_figures_and_says_why():
+    trainer = TrainerStatus(step=3, phase="training", tokens_per_second=100.0, reward_mean=0.5,
+                            eval_accuracy=0.25)
+    first = compute_status(observation(trainer=trainer), None)
+    later = compute_status(observation(trainer_error="tiny-trainer-0...:50071: UNAVAILABLE"),
+                           copy.deepcopy(first))
+    for key in ("trainerStep", "tokensPerSecond", "rewardMean", "evalAccuracy"):
+        assert later[key] == first[key], key
+    unreachable = condition(later, "TrainerReachable")
+    assert (unreachable["status"], unreachable["reason"]) == ("False", "GetStatusFailed")
+    assert unreachable["message"] == "tiny-trainer-0...:50071: UNAVAILABLE"
+    assert condition(compute_status(observation(), None), "TrainerReachable")["message"] == \
+        "The trainer has not answered yet."
+
+
+def test_trainer_status_from_a_real_trainer_status_server(tiny):
+    from support.operator_status import TrainerStatusThread
+
+    from asyncrl.operator.handlers import trainer_status
+    from asyncrl.trainer.service import Status
+
+    served = Status(version=5, step=4, max_steps=10, phase="training",
+                    trained_tokens_per_second=250.0, reward_mean=0.75, eval_accuracy=-1.0)
+    with TrainerStatusThread(served) as server:
+        found, error = trainer_status(tiny, [server.address])
+        assert error is None
+        assert found == TrainerStatus(step=4, phase="training", tokens_per_second=250.0,
+                                      reward_mean=0.75, eval_accuracy=None)
+        served.eval_accuracy = 0.5  # the trainer evaluated
+        assert trainer_status(tiny, [server.address])[0].eval_accuracy == 0.5
+    status = compute_status(observation(trainer=found), None)
+    assert (status["trainerStep"], status["tokensPerSecond"], status["rewardMean"]) == \
+        (4, 250.0, 0.75)
+
+
+def test_trainer_status_comes_from_the_leader_whichever_pod_it_is_on(tiny):
+    from support.operator_status import TrainerStatusThread
+
+    from asyncrl.operator.handlers import trainer_status
+    from asyncrl.platform.redis_server import free_port
+    from asyncrl.trainer.service import Status
+
+    # Under torchrun every pod serves its first process's status; the rendezvous may put the
+    # leader (global rank 0) on any pod, and the others follow it with no figures of their own.
+    follower = Status(step=0, max_steps=10, phase="following")
+    leader = Status(step=6, max_steps=10, phase="training", trained_tokens_per_second=90.0,
+                    reward_mean=0.5)
+    with TrainerStatusThread(follower) as pod0, TrainerStatusThread(leader) as pod1:
+        found, error = trainer_status(tiny, [pod0.address, pod1.address])
+        assert error is None and (found.step, found.phase) == (6, "training")
+        found, error = trainer_status(tiny, [pod0.address, f"127.0.0.1:{free_port()}"],
+                                      timeout=0.5)
+        assert found is None
+        assert error.startswith(f"{pod0.address}: a following rank; 127.0.0.1:"), error
+
+
+def test_trainer_status_says_why_when_unreachable(tiny):
+    from asyncrl.operator.handlers import trainer_status
+    from asyncrl.platform.redis_server import free_port
+
+    found, error = trainer_status(tiny, [f"127.0.0.1:{free_port()}"], timeout=0.5)
+    assert found is None
+    assert "UNAVAILABLE" in error or "DEADLINE_EXCEEDED" in error, error
+    # By default: every trainer pod in order, through the headless Service.
+    two = job_from(trainer__replicas=2)
+    found, error = trainer_status(two, timeout=0.5)
+    assert found is None
+    first, second = error.split("; ")
+    assert first.startswith("tiny-trainer-0.tiny-trainer-headless.ml.svc:50071: "), error
+    assert second.startswith("tiny-trainer-1.tiny-trainer-headless.ml.svc:50071: "), error

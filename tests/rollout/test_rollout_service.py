@@ -1,0 +1,147 @@
+"""`asyncrl serve rollout` as a real process: HTTP generation, gRPC control, and weight
+versions announced in Redis."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import save_model
+
+from asyncrl.model.policy import load_model
+from asyncrl.platform.redis_server import free_port
+from asyncrl.v1 import rollout_pb2, rollout_pb2_grpc
+from asyncrl.weights.announcements import WeightVersion, weights_channel, weights_key
+
+from support import ROOT
+
+
+def start_rollout(redis_url: str, log: Path, env: dict | None = None):
+    """`asyncrl serve rollout` of the tiny job, once its /health answers 200: (process, base
+    URL, gRPC port)."""
+    http_port, grpc_port = free_port(), free_port()
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [str(Path(sys.executable).parent / "asyncrl"), "serve", "rollout",
+             "--job-file", str(ROOT / "examples/tiny.yaml"), "--http-port", str(http_port),
+             "--grpc-port", str(grpc_port), "--redis-url", redis_url, "--threads", "1"],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )
+    base = f"http://127.0.0.1:{http_port}"
+    wait_for_status(process, log, f"{base}/health", 200)
+    return process, base, grpc_port
+
+
+def wait_for_status(process, log: Path, url: str, status: int, timeout: float = 120) -> None:
+    """Until `url` answers `status`, the process running all along; the limit catches a hang."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"{url} never answered {status}"
+        try:
+            if httpx.get(url, timeout=1).status_code == status:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def rollout_process(redis_server, tmp_path):
+    log = tmp_path / "rollout.log"
+    process, base, grpc_port = start_rollout(redis_server.url, log)
+    yield base, grpc_port
+    process.terminate()
+    # SIGTERM stops a service as Ctrl-C does (130); the limit only catches a hang.
+    assert process.wait(timeout=120) == 130, log.read_text()[-3000:]
+
+
+@pytest.mark.slow
+def test_rollout_service_generates_and_follows_announced_versions(rollout_process, redis_server, tmp_path):
+    base, grpc_port = rollout_process
+    reply = httpx.post(f"{base}/generate", json={
+        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        "return_logprob": True,
+    }, timeout=30).json()
+    assert len(reply["output_ids"]) == 4 and len(reply["meta_info"]["output_token_logprobs"]) == 4
+
+    # The trainer announces version 1: the worker loads it without being called.
+    snapshot = tmp_path / "v1" / "model.safetensors"
+    snapshot.parent.mkdir()
+    save_model(load_model("tiny-random"), str(snapshot))
+    client = redis.from_url(redis_server.url)
+    client.hset(weights_key("tiny"), mapping=WeightVersion(1, str(snapshot.parent), 1).to_hash())
+    client.publish(weights_channel("tiny"), "1")
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{base}/get_model_info").json()["weight_version"] != "1":
+        assert time.monotonic() < deadline, "announced version never applied"
+        time.sleep(0.1)
+
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        stub = rollout_pb2_grpc.RolloutControlStub(channel)
+        status = stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=10)
+        assert status.version == 1 and status.generated_tokens_total >= 4
+        assert httpx.post(f"{base}/pause_generation", json={"mode": "in_place"}).status_code == 200
+        assert stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=10).paused
+        assert httpx.post(f"{base}/continue_generation", json={}).status_code == 200
+        assert not stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=10).paused
+    metrics = httpx.get(f"{base}/metrics").text
+    values = {(s.name, s.labels.get("result")): s
+              for family in text_string_to_metric_families(metrics) for s in family.samples}
+    assert values[("asyncrl_rollout_policy_version", None)].value == 1
+    assert values[("asyncrl_rollout_policy_version", None)].labels["rljob"] == "tiny"
+    # An update applied by the weights watcher is counted and timed like one asked for.
+    assert values[("asyncrl_rollout_weight_updates_total", "success")].value == 1
+    assert values[("asyncrl_rollout_weight_update_seconds_count", None)].value == 1
+
+
+@pytest.mark.slow
+def test_not_ready_while_redis_is_down_and_ready_again_once_it_is_back(rollout_process,
+                                                                       redis_server, tmp_path):
+    base, _ = rollout_process
+    process_log = tmp_path / "rollout.log"
+    assert httpx.get(f"{base}/ready").status_code == 200
+    redis_server.stop()
+    # Not ready (no traffic, no weight updates can reach it), yet alive: no restart.
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{base}/ready").status_code != 503:
+        assert time.monotonic() < deadline, "/ready never answered 503 while Redis was down"
+        time.sleep(0.1)
+    assert httpx.get(f"{base}/health").status_code == 200
+    redis_server.start()  # the same port and files
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{base}/ready").status_code != 200:
+        assert time.monotonic() < deadline, process_log.read_text()[-3000:]
+        time.sleep(0.1)
+    # The fixture then checks it still runs and stops cleanly.
+
+
+@pytest.mark.slow
+def test_past_the_outage_bound_the_worker_exits_naming_redis(redis_server, tmp_path):
+    log = tmp_path / "rollout.log"
+    env = {**os.environ, "ASYNCRL_OUTAGE_SECONDS": "2"}
+    process, _, _ = start_rollout(redis_server.url, log, env=env)
+    try:
+        redis_server.stop()
+        code = process.wait(timeout=120)
+    finally:
+        process.kill()
+    text = " ".join(log.read_text().split())
+    assert code == 1, text[-3000:]
+    assert f"rollout: Redis at 127.0.0.1:{redis_server.port} has been unreachable" in text
+
+
+def test_bad_settings_exit_with_a_clear_message(tmp_path):
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "asyncrl"), "serve", "rollout",
+         "--job-file", str(tmp_path / "missing.yaml")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert "job file" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,131 @@
+"""`asyncrl serve rollout` and `asyncrl run` with `rollout.engine: sglang`, on CPU.
+
+SGLang needs a GPU, so the launch command is overridden (`--sglang-command`, or
+ASYNCRL_SGLANG_COMMAND) with our torch engine's SGLang-compatible server standing in for it:
+`asyncrl serve rollout --engine torch ...`. Everything else is the real path: the worker
+launches the server as a child, waits for /health, drives it over SGLang's HTTP API, follows
+announced versions through /update_weights_from_disk, and dies with the child.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from asyncrl.platform.redis_server import free_port
+
+from support import ROOT
+ASYNCRL = str(Path(sys.executable).parent / "asyncrl")
+# Every test starts service processes that load a model.
+pytestmark = pytest.mark.slow
+
+
+def sglang_job(path: Path, **rollout) -> Path:
+    """examples/tiny.yaml with SGLang rollout workers (a GPU pool is required by the spec;
+    without a GPU here, everything runs on the CPU)."""
+    manifest = yaml.safe_load((ROOT / "examples/tiny.yaml").read_text())
+    manifest["spec"]["rollout"].update(
+        engine="sglang", placement={"gpus": 1, "nodeSelector": {"pool": "gpu"}}, **rollout)
+    path.write_text(yaml.safe_dump(manifest))
+    return path
+
+
+def stand_in_command(job_file: Path) -> str:
+    """SGLang's stand-in: the torch engine's SGLang-compatible API on {port}."""
+    return (f"{ASYNCRL} serve rollout --engine torch --job-file {job_file} --http-port {{port}} "
+            f"--grpc-port {free_port()} --threads 1")
+
+
+def start_worker(job_file: Path, command: str, log: Path, *extra: str):
+    http_port = free_port()
+    process = subprocess.Popen(
+        [ASYNCRL, "serve", "rollout", "--job-file", str(job_file), "--http-port", str(http_port),
+         "--grpc-port", str(free_port()), "--sglang-port", str(free_port()),
+         "--sglang-command", command, "--threads", "1", *extra],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    return process, f"http://127.0.0.1:{http_port}"
+
+
+def wait_healthy(process, base: str, log: Path, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "the worker did not become healthy"
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+
+
+def children(pid: int) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in found.stdout.split()]
+
+
+def test_a_server_that_dies_at_start_stops_the_worker_with_its_output(tmp_path):
+    job = sglang_job(tmp_path / "job.yaml")
+    command = f"{sys.executable} -c \"print('cuda out of memory at start'); raise SystemExit(3)\""
+    process, _ = start_worker(job, command, tmp_path / "worker.log")
+    assert process.wait(timeout=120) != 0
+    output = (tmp_path / "worker.log").read_text()
+    assert "SGLang exited with code 3" in output and "cuda out of memory at start" in output
+
+
+def test_without_sglang_installed_the_worker_says_what_to_do(tmp_path):
+    job = sglang_job(tmp_path / "job.yaml")
+    result = subprocess.run(
+        [ASYNCRL, "serve", "rollout", "--job-file", str(job), "--http-port", str(free_port()),
+         "--grpc-port", str(free_port())],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode != 0
+    assert "needs the sglang package" in result.stderr and "engine: torch" in result.stderr
+
+
+def test_worker_health_follows_sglang_and_its_death_stops_the_worker(tmp_path):
+    job = sglang_job(tmp_path / "job.yaml")
+    log = tmp_path / "worker.log"
+    process, base = start_worker(job, stand_in_command(job), log)
+    try:
+        wait_healthy(process, base, log)
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        assert 'asyncrl_rollout_policy_version{rljob="tiny"} 0.0' in metrics
+        (server,) = children(process.pid)
+        os.kill(server, signal.SIGKILL)  # the SGLang server dies
+        assert process.wait(timeout=60) != 0  # ... and takes the worker (the pod) with it
+        assert "SGLang exited with code -9" in log.read_text()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def test_a_tiny_job_runs_to_completion_through_engine_sglang(tmp_path):
+    run_dir = tmp_path / "run"
+    job = sglang_job(tmp_path / "job.yaml", maxNewTokens=48)
+    env = {**os.environ, "ASYNCRL_SGLANG_COMMAND": stand_in_command(run_dir / "config.yaml")}
+    done = subprocess.run([ASYNCRL, "run", str(job), "--run-dir", str(run_dir), "--steps", "4"],
+                          capture_output=True, text=True, timeout=900, env=env)
+    rollout_log = (run_dir / "logs/rollout.log").read_text()
+    assert done.returncode == 0, done.stdout[-3000:] + rollout_log[-3000:]
+    assert "launching SGLang" in rollout_log
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    eta = yaml.safe_load(job.read_text())["spec"]["algorithm"]["maxStaleness"]
+    assert all(0 <= s <= eta for r in train for s in r["staleness"])
+    # The worker followed the trainer's versions through SGLang's weight-update API.
+    statuses = [json.loads(line) for line in
+                (run_dir / "rollout_status.jsonl").read_text().splitlines()]
+    assert max(int(s["version"]) for s in statuses) >= 1
