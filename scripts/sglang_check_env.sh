@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A separate virtual environment in which SGLang's own request models can be imported on a
-# CPU-only machine, so tests/sglang_request_check.py can check our request bodies and launch
+# CPU-only machine, so tests/support/sglang_requests.py can check our request bodies and launch
 # flags against them. SGLang itself cannot run here (no GPU); only its pure-Python parts are
 # needed: `pip install --no-deps sglang` plus what `sglang.srt.managers.io_struct`,
 # `sglang.srt.entrypoints.api_contract` and `sglang.srt.server_args` import.

@@ -7,7 +7,7 @@ policy no older than v − η. AReaL enforces this at admission: a new rollout m
 The authority is the buffer's ACQUIRE script (asyncrl.buffer.scripts), which applies the rule
 atomically in Redis across every rollout replica. `rollout_capacity` is the same formula over the
 same inputs (the job's config and state hashes), for readers and for the workflow's in-process
-test gate; tests/test_buffer_gate_formula.py checks that both grant alike at random states.
+test gate; tests/buffer/test_buffer_gate_formula.py checks that both grant alike at random states.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Launching an SGLang server for a rollout replica (engine: sglang, on GPU node pools).
 
 `sglang_launch_command` is a pure function from the job spec to the command line;
-`tests/sglang_request_check.py` parses its flags with SGLang's own argument parser
+`tests/support/sglang_requests.py` parses its flags with SGLang's own argument parser
 (`ServerArgs.add_cli_args`). `SGLangServer` runs that command as a child process and waits for
 /health. Flags, all checked against SGLang 0.5.23's server arguments:
 

@@ -4,7 +4,7 @@ store and the weight announcements use.
 All keys of a job start with `asyncrl:{<job>}:`; the braces put them in one Redis Cluster hash
 slot, so a Lua script may touch any of them atomically. The scripts (asyncrl.buffer.scripts)
 get that prefix as an argument and append the suffixes below, and Python code builds keys with
-`key`; tests/test_redis_keys.py checks that neither uses a suffix this table does not declare.
+`key`; tests/buffer/test_redis_keys.py checks that neither uses a suffix this table does not declare.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ bodies follow SGLang's request models (`sglang.srt.managers.io_struct`: Generate
 PauseGenerationReqInput, ContinueGenerationReqInput, UpdateWeightFromDiskReqInput, AbortReq)
 and its HTTP contract for /generate (`sglang.api.v1.api_types.GenerateRequest`, whose
 `sampling_params` refuses unknown keys). They are built by pure functions
-(`generate_payload`, ...) that `tests/sglang_request_check.py` feeds to SGLang's own models.
+(`generate_payload`, ...) that `tests/support/sglang_requests.py` feeds to SGLang's own models.
 
 Token-in/token-out: prompts go in as `input_ids` and come back as `output_ids` (the server runs
 with `--skip-tokenizer-init`); every request asks for `return_logprob`, so each output token

@@ -9,7 +9,7 @@ workflow ends when the gate says every prompt of every epoch is used.
 
 The workflow meets the rest of the system at four small interfaces, so the same loop drives
 the torch engine or SGLang, scores in-process or through the reward service, and talks to the
-Redis-backed buffer (the tests also drive it with an in-process gate, tests/rollout_helpers.py).
+Redis-backed buffer (the tests also drive it with an in-process gate, tests/support/rollout.py).
 """
 
 from __future__ import annotations

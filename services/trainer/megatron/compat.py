@@ -2,7 +2,7 @@
 
 Megatron-Core is written for GPUs. On a CPU, megatron-core MEGATRON_CORE_VERSION needs the
 shims below; each names the upstream code it works around. They are pinned to that version:
-tests/test_megatron.py counts the call sites they cover and fails when an upgrade changes them.
+tests/trainer/test_megatron.py counts the call sites they cover and fails when an upgrade changes them.
 Everything else (layers, attention, the optimizer's math) is Megatron-Core's own.
 
 Two more CPU needs are met by how asyncrl.trainer.megatron.policy calls GPTModel, not by
