@@ -17,9 +17,9 @@ the process a second OpenMP pool, and slow every small kernel (see asyncrl.platf
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
-import json
 import logging
 import threading
 import time
@@ -31,8 +31,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from torch import Tensor
 
 from asyncrl.platform.openmp import release_idle_thread_pools
@@ -46,6 +44,7 @@ from asyncrl.engine.types import (
     SamplingParams,
     WeightUpdate,
 )
+from asyncrl.weights.disk import SnapshotError, check_snapshot, read_snapshot
 from asyncrl.weights.distributed import TensorMeta, broadcast
 
 log = logging.getLogger(__name__)
@@ -66,6 +65,16 @@ class _Request:
     @property
     def tokens(self) -> list[int]:
         return self.result.prompt_ids + self.result.output_ids
+
+
+@contextlib.contextmanager
+def _refused():
+    """A snapshot the engine cannot take is a request it refuses (RequestError, HTTP 400),
+    with asyncrl.weights.disk's message."""
+    try:
+        yield
+    except SnapshotError as exc:
+        raise RequestError(str(exc)) from exc
 
 
 #: The most (padded) tokens one prefill forward pass takes: admitted requests prefill
@@ -283,11 +292,16 @@ class TorchEngine:
 
     def update_weights(self, path: str | Path, version: int) -> WeightUpdate:
         """Loads a safetensors snapshot (a file; a directory with a sharded Hugging Face
-        checkpoint, model.safetensors or *.safetensors files) as policy `version`. On any
-        error the engine keeps serving with its current weights."""
+        checkpoint, model.safetensors or *.safetensors files; read and checked by
+        asyncrl.weights.disk) as policy `version`. On any error the engine keeps serving with
+        its current weights."""
         started = time.perf_counter()
-        state = self._read_snapshot(Path(path), version)
-        return self._swap_weights(state, version, started)
+        self._check_version(version)
+        path = Path(path)
+        with _refused():
+            state = read_snapshot(path, self._device)
+        return self._swap_weights(self._check_tensors(state, f"snapshot {str(path)!r}"),
+                                  version, started)
 
     def update_weights_from_state_dict(self, state: dict[str, Tensor], version: int) -> WeightUpdate:
         started = time.perf_counter()
@@ -373,97 +387,10 @@ class TorchEngine:
                 "versions only move forward"
             )
 
-    def _read_snapshot(self, path: Path, version: int) -> dict[str, Tensor]:
-        """Reads a snapshot in any layout Hugging Face writes: one safetensors file; a
-        directory with a sharded checkpoint (`model.safetensors.index.json` and the shards its
-        weight_map names); a directory with `model.safetensors`; or a directory of
-        `*.safetensors` files. Nothing is applied unless the whole snapshot checks out."""
-        self._check_version(version)
-        where = f"model_path {str(path)!r}"
-        if path.is_dir():
-            index = path / "model.safetensors.index.json"
-            if index.is_file():
-                state = self._read_sharded(path, index, where)
-            elif (path / "model.safetensors").is_file():
-                state = self._read_files([path / "model.safetensors"], where)
-            elif files := sorted(path.glob("*.safetensors")):
-                state = self._read_files(files, where)
-            else:
-                raise RequestError(f"{where}: no safetensors snapshot there")
-        elif path.is_file():
-            state = self._read_files([path], where)
-        else:
-            raise RequestError(f"{where}: no safetensors snapshot there")
-        return self._check_tensors(state, f"snapshot {str(path)!r}")
-
-    def _read_sharded(self, directory: Path, index: Path, where: str) -> dict[str, Tensor]:
-        """The shards a Hugging Face index names; every tensor of its weight_map must be in
-        the shard the map says."""
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            if not isinstance(weight_map, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-            ):
-                raise ValueError("weight_map must map tensor names to shard file names")
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise RequestError(f"{where}: unreadable {index.name} ({exc!r})") from exc
-        shards: dict[str, list[str]] = {}
-        for name, shard in weight_map.items():
-            shards.setdefault(shard, []).append(name)
-        root = directory.resolve()
-        files = []
-        for shard in shards:
-            file = (directory / shard).resolve()
-            if file.parent != root:
-                raise RequestError(f"{where}: {index.name} names {shard!r}, outside the directory")
-            if not file.is_file():
-                raise RequestError(f"{where}: shard {shard!r} named by {index.name} is missing")
-            files.append(file)
-        state = self._read_files(files, where)
-        for shard, names in shards.items():
-            absent = [n for n in names if n not in state]
-            if absent:
-                raise RequestError(
-                    f"{where}: shard {shard!r} lacks tensor {absent[0]!r} that {index.name} "
-                    "puts there"
-                )
-        return state
-
-    def _read_files(self, files: list[Path], where: str) -> dict[str, Tensor]:
-        state: dict[str, Tensor] = {}
-        for file in files:
-            try:
-                part = load_file(file, device=str(self._device))
-            except (SafetensorError, OSError, ValueError) as exc:
-                raise RequestError(f"{where}: unreadable snapshot {file.name!r} ({exc})") from exc
-            repeated = sorted(set(part) & set(state))
-            if repeated:
-                raise RequestError(
-                    f"{where}: tensor {repeated[0]!r} appears in more than one file "
-                    f"(again in {file.name!r})"
-                )
-            state.update(part)
-        return state
-
     def _check_tensors(self, state: dict[str, Tensor], what: str) -> dict[str, Tensor]:
         """Every parameter must be present (tied weights may appear once) with its shape."""
-        current = self._model.state_dict()
-        unknown = sorted(set(state) - set(current))
-        if unknown:
-            raise RequestError(f"{what} has tensors this model does not: {unknown[:3]}")
-        by_storage: dict[int, list[str]] = {}
-        for name, tensor in current.items():
-            by_storage.setdefault(tensor.data_ptr(), []).append(name)
-        for names in by_storage.values():
-            if not any(n in state for n in names):
-                raise RequestError(f"{what} is missing tensor {names[0]!r}")
-        for name, tensor in state.items():
-            if tensor.shape != current[name].shape:
-                raise RequestError(
-                    f"{what}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(current[name].shape)}"
-                )
-        return state
+        with _refused():
+            return check_snapshot(state, self._model.state_dict(), what)
 
     def _swap_weights(self, state: dict[str, Tensor], version: int, started: float) -> WeightUpdate:
         return self._on_loop(lambda: self._swap_now(state, version, started))

@@ -3,11 +3,11 @@
     <run>/checkpoints/step-000010/{config.json, model.safetensors, optimizer.pt, state.json}
     <run>/weights/v000010/{config.json, model.safetensors}     (what rollout workers load)
 
-Both are Hugging Face model directories, so SGLang's /update_weights_from_disk, the torch
-engine and `from_pretrained` load them unchanged. A snapshot is in the model's dtype
-(`model.dtype`: bf16 tensors for bfloat16); a checkpoint keeps the float32 master weights and
-the optimizer state keyed by parameter name. Tied weights are stored once, under the first
-name (lm_head.weight is the embedding's alias), as `save_pretrained` does.
+Both hold the model as a snapshot in asyncrl.weights.disk's format (a Hugging Face model
+directory, tied weights once; that module owns it, for the engines that read it too): this
+module owns where they go in the run folder and how many are kept. A published snapshot is in
+the model's dtype (`model.dtype`: bf16 tensors for bfloat16); a checkpoint keeps the float32
+master weights and the optimizer state keyed by parameter name.
 
 Functions take whole state dicts (under FSDP gathered by every rank, written by rank 0 only).
 Both kinds are written into a hidden staging directory and renamed into place, so a reader (or
@@ -16,7 +16,6 @@ a restart after a crash) sees a complete snapshot or none.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -25,9 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from asyncrl.model.policy import tied_aliases
+from asyncrl.weights.disk import read_state_dict, write_snapshot
 
 
 @dataclass(frozen=True)
@@ -56,30 +54,6 @@ def _atomic_dir(target: Path, write) -> Path:
     return target
 
 
-def _write_model(directory: Path, model: torch.nn.Module, state: dict[str, torch.Tensor],
-                 dtype: torch.dtype) -> None:
-    """config.json (saying `dtype`) and model.safetensors: a Hugging Face model directory."""
-    config = copy.deepcopy(model.config)
-    config.dtype = dtype
-    config.save_pretrained(directory)
-    aliases = tied_aliases(model)
-    tensors = {name: tensor.detach().to(device="cpu", dtype=dtype).contiguous()
-               for name, tensor in state.items() if name not in aliases}
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-
-
-def _read_model(directory: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """model.safetensors with every alias of a tied weight filled in (files written by
-    safetensors' save_model may hold either name)."""
-    state = load_file(str(directory / "model.safetensors"))
-    for alias, name in tied_aliases(model).items():
-        if alias in state and name not in state:
-            state[name] = state[alias]
-        elif name in state:
-            state[alias] = state[name]
-    return state
-
-
 def publish_weights(
     model: torch.nn.Module, state: dict[str, torch.Tensor], run_dir: Path, version: int,
     dtype: torch.dtype, keep: int = 3,
@@ -89,7 +63,7 @@ def publish_weights(
     still be loading the previous one)."""
     root = run_dir / "weights"
     target = _atomic_dir(root / f"v{version:06d}",
-                         lambda d: _write_model(d, model, state, dtype))
+                         lambda d: write_snapshot(d, model, state, dtype))
     for old in sorted(root.glob("v*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return target
@@ -102,7 +76,7 @@ def save_checkpoint(
     """Writes a checkpoint of the float32 master weights, the optimizer state (keyed by
     parameter name) and the step/version; keeps the newest `keep`."""
     def write(directory: Path) -> None:
-        _write_model(directory, model, model_state, torch.float32)
+        write_snapshot(directory, model, model_state, torch.float32)
         torch.save(optimizer_state, directory / "optimizer.pt")
         (directory / "state.json").write_text(json.dumps(asdict(state)))
 
@@ -122,7 +96,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def read_checkpoint(directory: Path, model: torch.nn.Module) -> Checkpoint:
     """A checkpoint's whole state dicts (for asyncrl.trainer.distributed.load_full_state)."""
     return Checkpoint(
-        model=_read_model(directory, model),
+        model=read_state_dict(directory, model),
         optimizer=torch.load(directory / "optimizer.pt", weights_only=True),
         state=TrainerState(**json.loads((directory / "state.json").read_text())),
     )
