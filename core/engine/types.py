@@ -39,6 +39,18 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
 
+    @classmethod
+    def from_spec(cls, spec, *, greedy: bool = False) -> SamplingParams:
+        """A job's sampling settings (`spec.rollout` of an RLJobSpec): the one place they are
+        read, for the rollout workers, the synchronous demo and the trainer's evaluation.
+        `greedy` (evaluation): the same response budget, decoded greedily (temperature 0;
+        top-p and top-k off)."""
+        rollout = spec.rollout
+        if greedy:
+            return cls(max_new_tokens=rollout.max_new_tokens, temperature=0)
+        return cls(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
+                   top_p=rollout.top_p, top_k=rollout.top_k)
+
     @property
     def penalized(self) -> bool:
         return self.frequency_penalty != 0 or self.presence_penalty != 0

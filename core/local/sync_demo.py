@@ -17,6 +17,7 @@ import torch
 
 from asyncrl.data import arith
 from asyncrl.algorithms.advantages import aggregation_weights, compute_advantages
+from asyncrl.engine.types import SamplingParams
 from asyncrl.model.policy import load_policy, packed_token_logprobs
 from asyncrl.scoring.scorer import RewardScorer
 from asyncrl.scoring.types import MathReference, ScoreTask
@@ -84,7 +85,7 @@ def run_demo(spec, steps: int, on_step: Callable[[DemoStep], None] = lambda _: N
 def _rollout(model, tokenizer, problems, spec) -> tuple[list[TrainSample], list[list[str]]]:
     """n sampled responses per problem: samples with their behaviour log-probs, and the n
     response texts of each problem."""
-    n, rollout = spec.algorithm.group_size, spec.rollout
+    n, params = spec.algorithm.group_size, SamplingParams.from_spec(spec)
     prompts = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": p.prompt}], add_generation_prompt=True, tokenize=False
@@ -95,14 +96,15 @@ def _rollout(model, tokenizer, problems, spec) -> tuple[list[TrainSample], list[
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     model.eval()
     with torch.no_grad():
+        # The rollout workers' sampling settings, in transformers' terms.
         output = model.generate(
             input_ids=encoded.input_ids.repeat_interleave(n, 0),
             attention_mask=encoded.attention_mask.repeat_interleave(n, 0),
             do_sample=True,
-            temperature=max(rollout.temperature, 1e-5),
-            top_p=rollout.top_p,
-            top_k=rollout.top_k if rollout.top_k > 0 else None,
-            max_new_tokens=rollout.max_new_tokens,
+            temperature=max(params.temperature, 1e-5),
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else None,
+            max_new_tokens=params.max_new_tokens,
             pad_token_id=tokenizer.pad_token_id,
         )
     width = encoded.input_ids.shape[1]
@@ -118,7 +120,7 @@ def _rollout(model, tokenizer, problems, spec) -> tuple[list[TrainSample], list[
         with torch.no_grad():
             behaviour = packed_token_logprobs(
                 model, ids, torch.arange(ids.numel()), torch.tensor([0, ids.numel()]),
-                rollout.temperature,
+                params.temperature,
             )
         samples.append(TrainSample(ids, mask, behaviour * mask, 0.0))
         texts[row // n].append(tokenizer.decode(response, skip_special_tokens=True))

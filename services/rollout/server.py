@@ -205,7 +205,6 @@ def _workflow_factory(settings: RolloutSettings, job, tokenizer, train, metrics)
                               lease_seconds=spec.buffer.lease_seconds,
                               outage_seconds=settings.outage_seconds, prompts=len(train))
         prompts = PromptOrder(train, spec.dataset.seed)
-        rollout = spec.rollout
         reward = reward_scorer(settings.reward_address, job.metadata.name, spec.reward)
         scorer = PromptScorer(reward, tokenizer)
         workflow = RolloutWorkflow(
@@ -214,10 +213,7 @@ def _workflow_factory(settings: RolloutSettings, job, tokenizer, train, metrics)
             scorer=scorer,
             gate=client,
             group_size=spec.algorithm.group_size,
-            params=SamplingParams(
-                max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
-                top_p=rollout.top_p, top_k=rollout.top_k,
-            ),
+            params=SamplingParams.from_spec(spec),
             skip_uniform=spec.algorithm.skip_uniform_groups,
             on_skipped=lambda _group: metrics.observe_skipped_group(),
             on_dropped=lambda _item: metrics.observe_dropped_prompt("too_long"),
