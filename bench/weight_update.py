@@ -23,7 +23,7 @@ from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.engine.api import TorchInferenceEngine
 from asyncrl.rollout.weights_receiver import TransferMember
 from asyncrl.trainer.checkpoints import publish_weights
-from asyncrl.trainer.weights_distributed import WeightBroadcaster
+from asyncrl.trainer.weights_broadcast import WeightBroadcaster
 from asyncrl.weights.distributed import model_manifest
 from asyncrl.platform.redis_server import free_port
 

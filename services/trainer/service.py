@@ -44,7 +44,7 @@ from asyncrl.clients.reward import PromptScorer, reward_scorer
 from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.engine.types import SamplingParams
 from asyncrl.platform.settings import TrainerSettings
-from asyncrl.spec import load_manifest
+from asyncrl.spec import RLJob, load_manifest
 from asyncrl.trainer.checkpoints import (
     TrainerState,
     latest_checkpoint,
@@ -64,7 +64,7 @@ from asyncrl.trainer.distributed import (
     under_torchrun,
 )
 from asyncrl.trainer.metrics import TrainerMetrics
-from asyncrl.trainer.weights_distributed import WeightBroadcaster
+from asyncrl.trainer.weights_broadcast import WeightBroadcaster
 from asyncrl.trainer.step import PolicyUpdater, TrainSample, reference_policy
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
 from asyncrl.weights.distributed import announcement_uri, model_manifest
@@ -127,12 +127,13 @@ class Trainer:
     """One trainer process. Rank 0 (the leader, the only process outside torchrun) runs the
     loop with the buffer; the other ranks follow its commands (asyncrl.trainer.distributed)."""
 
-    def __init__(self, settings: TrainerSettings, group: TrainerGroup | None = None,
+    def __init__(self, settings: TrainerSettings, job: RLJob, group: TrainerGroup | None = None,
                  device: torch.device | None = None):
+        """`job`: the manifest of `settings.job_file`, loaded once by the caller."""
         self.settings = settings
         self.group = group or TrainerGroup()
-        self.job = load_manifest(settings.job_file)
-        spec = self.job.spec
+        self.job = job
+        spec = job.spec
         self.spec = spec
         self.device = device or select_device(spec.trainer.placement.gpus, self.group.local_rank)
         # float32 master weights whatever model.dtype says; bf16 is autocast (see step.py).
@@ -478,7 +479,7 @@ class Trainer:
                 eos_token_ids=(self.tokenizer.eos_token_id,), seed=0, fused_decode=not shares,
             )
         engine = self._evaluator
-        params = SamplingParams(max_new_tokens=self.spec.rollout.max_new_tokens, temperature=0)
+        params = SamplingParams.from_spec(self.spec, greedy=True)
 
         def generate() -> list:
             engine.update_weights_from_state_dict(state, self.status.version)
@@ -559,8 +560,8 @@ def serve(settings: TrainerSettings) -> None:
     if settings.threads:
         torch.set_num_threads(settings.threads)
     settings.run_dir.mkdir(parents=True, exist_ok=True)
-    spec = load_manifest(settings.job_file).spec
-    device = select_device(spec.trainer.placement.gpus, local_rank())
+    job = load_manifest(settings.job_file)
+    device = select_device(job.spec.trainer.placement.gpus, local_rank())
     if under_torchrun():
         # A rank may be blocked in a collective (or in joining the group), which no Python
         # handler interrupts: SIGTERM (torchrun stopping the group after a rank died, or the
@@ -569,7 +570,7 @@ def serve(settings: TrainerSettings) -> None:
     group = TrainerGroup.from_environment(device, settings.collective_timeout)
 
     async def run() -> None:
-        trainer = Trainer(settings, group, device)
+        trainer = Trainer(settings, job, group, device)
         server = None
         if group.local_rank == 0:
             async def running() -> bool:

@@ -26,7 +26,7 @@ from asyncrl.rollout.weights_receiver import (
     WeightWatcher,
     engine_applier,
 )
-from asyncrl.trainer.weights_distributed import WeightBroadcaster
+from asyncrl.trainer.weights_broadcast import WeightBroadcaster
 from asyncrl.weights.distributed import (
     announcement_uri,
     buckets,
