@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-__all__ = ["PackedBatch", "balance_micro_batches", "balance_sharing_prefixes", "pack_sequences",
-           "pack_sharing_prefixes", "unpack"]
+__all__ = ["PackedBatch", "balance_micro_batches", "balance_shares", "balance_sharing_prefixes",
+           "pack_sequences", "pack_sharing_prefixes", "unpack"]
 
 MAX_TOKENS_FIELD = "trainer.microBatchMaxTokens"
 
@@ -235,6 +235,19 @@ def balance_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[
         if bins is not None:
             return sorted((sorted(b) for b in bins if b), key=lambda b: b[0])
         k += 1  # terminates: with k = len(lengths) every sequence gets a micro-batch of its own
+
+
+def balance_shares(lengths: Sequence[int], shares: int) -> list[list[int]]:
+    """Partition sequence indices into exactly ``shares`` shares (one per data-parallel rank)
+    with token counts as even as the greedy of `balance_micro_batches` makes them: longest
+    first, each into the least-loaded share. There is no budget, so every sequence is placed;
+    a share may be empty. Indices are ascending inside each share; shares keep their order."""
+    if shares < 1:
+        raise ValueError(f"shares must be >= 1, got {shares}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    # The budget is the whole batch, so every placement fits and the result is never None.
+    bins = _fill_least_loaded(order, lengths, max(sum(lengths), 1), shares)
+    return [sorted(b) for b in bins]
 
 
 def _check_lengths(lengths: Sequence[int], max_tokens: int) -> None:

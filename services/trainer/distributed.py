@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from asyncrl.algorithms.packing import _fill_least_loaded
+from asyncrl.algorithms.packing import balance_shares
 from asyncrl.platform.devices import distributed_backend
 from asyncrl.trainer.step import TrainSample
 
@@ -133,11 +133,8 @@ class TrainerGroup:
 def split_by_tokens(samples: Sequence[TrainSample], ranks: int) -> list[list[TrainSample]]:
     """The batch's samples in `ranks` shares with token counts as even as the longest-first
     greedy of the micro-batch packer makes them; a share may be empty."""
-    lengths = [s.input_ids.numel() for s in samples]
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    # The budget is the whole batch, so every placement fits and the result is never None.
-    shares = _fill_least_loaded(order, lengths, max(sum(lengths), 1), ranks)
-    return [[samples[i] for i in sorted(share)] for share in shares]
+    shares = balance_shares([s.input_ids.numel() for s in samples], ranks)
+    return [[samples[i] for i in share] for share in shares]
 
 
 def shares_per_rank(samples: Sequence[TrainSample], world_size: int,

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from asyncrl.algorithms.packing import (
     PackedBatch,
     balance_micro_batches,
+    balance_shares,
     balance_sharing_prefixes,
     pack_sequences,
     pack_sharing_prefixes,
@@ -184,6 +185,25 @@ def test_balance_is_near_optimal_on_small_inputs(lengths, max_tokens):
     """Brute force the optimal number of micro-batches for small inputs; allow one more."""
     k = len(balance_micro_batches(lengths, max_tokens))
     assert k <= optimal_bins(lengths, max_tokens) + 1
+
+
+@given(lengths=st.lists(st.integers(0, 64), max_size=40), shares=st.integers(1, 8))
+@settings(max_examples=150, deadline=None)
+def test_balance_shares_places_every_sequence_in_exactly_the_shares_asked(lengths, shares):
+    split = balance_shares(lengths, shares)
+    assert len(split) == shares
+    assert sorted(i for share in split for i in share) == list(range(len(lengths)))
+    assert all(share == sorted(share) for share in split)
+    # Least-loaded placement, longest first: loads within one sequence length of each other.
+    share_loads = loads(split, lengths)
+    assert max(share_loads) - min(share_loads) <= max(lengths, default=0)
+
+
+def test_balance_shares_exact_and_invalid():
+    assert balance_shares([5, 1, 4, 2], 2) == [[0, 1], [2, 3]]  # 5 + 1 and 4 + 2
+    assert balance_shares([3], 3) == [[0], [], []]
+    with pytest.raises(ValueError, match="shares"):
+        balance_shares([1], 0)
 
 
 def optimal_bins(lengths, capacity):
