@@ -1,13 +1,10 @@
-"""AReaL's staleness bound as pure arithmetic.
+"""How stale a trajectory is, as pure arithmetic.
 
 With staleness bound η, every sample the trainer consumes at version v must have been started by a
-policy no older than v − η. AReaL enforces this at admission: a new rollout may start only while
-``(η + trainer_version + 1) · batch_size − (accepted − dropped_stale + running) > 0``.
-
-The authority is the buffer's ACQUIRE script (asyncrl.buffer.scripts), which applies the rule
-atomically in Redis across every rollout replica. `rollout_capacity` is the same formula over the
-same inputs (the job's config and state hashes), for readers and for the workflow's in-process
-test gate; tests/buffer/test_buffer_gate_formula.py checks that both grant alike at random states.
+policy no older than v − η (AReaL's rule). The bound is enforced at admission by the buffer's
+ACQUIRE script (asyncrl.buffer.scripts), the gate formula's one owner, atomically in Redis across
+every rollout replica; the tests hold it to an oracle (tests/support/gate_oracle.py). What the
+trainer measures afterwards, a consumed trajectory's staleness, is here.
 """
 
 from __future__ import annotations
@@ -16,44 +13,7 @@ from collections.abc import Iterable
 
 from torch import Tensor
 
-__all__ = ["rollout_capacity", "staleness"]
-
-
-def rollout_capacity(
-    *,
-    max_staleness: int,
-    trainer_version: int,
-    batch_size: int,
-    accepted: int,
-    running: int,
-    dropped_stale: int = 0,
-    max_concurrent: int = 0,
-) -> int:
-    """How many new rollouts (groups) may start now; never negative.
-
-    ``batch_size`` is groups per training step, ``accepted`` counts groups ever accepted into the
-    buffer, ``dropped_stale`` those of them the trainer dropped as too stale (never trained:
-    their places are given back, or a job whose every slot went to a dropped group would wait
-    forever), ``running`` counts granted slots whose group has not been put yet, and
-    ``max_concurrent`` caps how many may run at once (0: no cap).
-    """
-    _check_non_negative(
-        max_staleness=max_staleness,
-        trainer_version=trainer_version,
-        accepted=accepted,
-        running=running,
-        dropped_stale=dropped_stale,
-        max_concurrent=max_concurrent,
-    )
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if dropped_stale > accepted:
-        raise ValueError(f"dropped_stale ({dropped_stale}) cannot exceed accepted ({accepted})")
-    kept = accepted - dropped_stale
-    capacity = (max_staleness + trainer_version + 1) * batch_size - (kept + running)
-    if max_concurrent:
-        capacity = min(capacity, max_concurrent - running)
-    return max(capacity, 0)
+__all__ = ["staleness"]
 
 
 def staleness(trainer_version: int, token_versions: Iterable[int] | Tensor) -> int:

@@ -1,11 +1,13 @@
-"""AReaL's staleness capacity rule against a hand-computed table."""
+"""AReaL's staleness capacity rule (the tests' oracle for the buffer's gate, support.gate_oracle)
+against a hand-computed table, and a trajectory's staleness."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from asyncrl.algorithms.staleness import rollout_capacity, staleness
+from asyncrl.algorithms.staleness import staleness
+from support.gate_oracle import rollout_capacity
 
 # (η, trainer_version, batch_size, accepted, running, max_concurrent (0: no cap), expected)
 CAPACITY_TABLE = [

@@ -6,10 +6,10 @@ import time
 import grpc
 import pytest
 
-from asyncrl.algorithms.staleness import rollout_capacity
 from asyncrl.buffer.store import JobConfig
 from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc
 from support.buffer import BufferThread, buffer_stub, make_group  # noqa: F401 (stub fixture)
+from support.gate_oracle import rollout_capacity
 
 GROUP = 2
 BATCH = 3

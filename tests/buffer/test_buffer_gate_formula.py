@@ -1,5 +1,5 @@
-"""The staleness gate has one authority, the buffer's ACQUIRE script in Redis; the Python
-`rollout_capacity` is the same formula over the same inputs. Both are asked at many random
+"""The staleness gate has one authority, the buffer's ACQUIRE script in Redis; the tests'
+oracle `rollout_capacity` (support.gate_oracle) is the same formula over the same inputs. Both are asked at many random
 states of a real Redis (trainer versions, accepted and dropped groups, live and expired slots,
 concurrency caps) and must grant alike."""
 
@@ -9,9 +9,9 @@ import random
 
 import redis
 
-from asyncrl.algorithms.staleness import rollout_capacity
 from asyncrl.buffer import scripts
 from asyncrl.platform.redis_keys import key, prefix
+from support.gate_oracle import rollout_capacity
 
 STATES = 400
 

@@ -15,12 +15,12 @@ import torch
 import uvicorn
 from safetensors.torch import save_model
 
-from asyncrl.algorithms.staleness import rollout_capacity
 from asyncrl.model.policy import TinyModelConfig, build_tiny_model, packed_token_logprobs
 from asyncrl.data.prompts import PromptItem, PromptSet
 from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.engine.types import EngineStatus
 from asyncrl.data.samples import Group, Slot
+from support.gate_oracle import rollout_capacity
 
 VOCAB = 256
 MAX_SEQUENCE_LENGTH = 256
