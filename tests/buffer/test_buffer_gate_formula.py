@@ -1,7 +1,7 @@
 """The staleness gate has one authority, the buffer's ACQUIRE script in Redis; the tests'
-oracle `rollout_capacity` (support.gate_oracle) is the same formula over the same inputs. Both are asked at many random
-states of a real Redis (trainer versions, accepted and dropped groups, live and expired slots,
-concurrency caps) and must grant alike."""
+oracle `rollout_capacity` (support.gate_oracle) is the same formula over the same inputs. Both
+are asked at many random states of a real Redis (trainer versions, accepted and dropped
+groups, live and expired slots, concurrency caps) and must grant alike."""
 
 from __future__ import annotations
 
