@@ -1,0 +1,95 @@
+"""The job's NetworkPolicies (where `OperatorConfig.network_policies` is on): only the job's
+own pods (and the operator, for buffer statistics and trainer status) reach Redis, the buffer
+and the trainer; reward pods, which may run untrusted programs, make no outgoing connection
+at all (but to a reward kind http's endpoint). Metrics ports stay open to Prometheus."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncrl.operator.builders.common import (
+    BUFFER_METRICS,
+    BUFFER_PORT,
+    JOB_LABEL,
+    REDIS_PORT,
+    REWARD_METRICS,
+    REWARD_PORT,
+    TRAINER_METRICS,
+    TRAINER_PORT,
+    OperatorConfig,
+    object_meta,
+    selector_labels,
+)
+from asyncrl.operator.builders.redis import manages_redis
+from asyncrl.spec import RLJob
+
+#: Carried by the operator's own pods (the chart sets it): they may read every job's buffer.
+OPERATOR_LABEL = "asyncrl.io/operator"
+
+
+def _network_policy(job: RLJob, component: str, *, ingress: list[dict],
+                    deny_egress: bool = False) -> dict[str, Any]:
+    spec: dict[str, Any] = {"podSelector": {"matchLabels": selector_labels(job, component)},
+                            "policyTypes": ["Ingress"], "ingress": ingress}
+    if deny_egress:
+        # Egress listed with no egress rules denies it all. (An explicit `egress: []` is
+        # dropped by the API server, so every apply would change the object again.)
+        spec["policyTypes"].append("Egress")
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": object_meta(job, component), "spec": spec}
+
+
+def _from_own_pods(job: RLJob, ports: list[int] | None) -> dict[str, Any]:
+    """From the job's own pods, on `ports` (None: every port)."""
+    rule: dict[str, Any] = {
+        "from": [{"podSelector": {"matchLabels": {JOB_LABEL: job.metadata.name}}}]}
+    if ports is not None:
+        rule["ports"] = [{"protocol": "TCP", "port": port} for port in ports]
+    return rule
+
+
+def _from_operator(port: int) -> dict[str, Any]:
+    """The operator's pods, in whatever namespace the chart put them, read the figures of
+    status (buffer statistics, trainer status)."""
+    return {"from": [{"namespaceSelector": {},
+                      "podSelector": {"matchLabels": {OPERATOR_LABEL: "true"}}}],
+            "ports": [{"protocol": "TCP", "port": port}]}
+
+
+def _from_anywhere(ports: list[int]) -> dict[str, Any]:
+    """Metrics: Prometheus runs wherever the platform team put it."""
+    return {"ports": [{"protocol": "TCP", "port": port} for port in ports]}
+
+
+def redis_network_policy(job: RLJob, config: OperatorConfig) -> dict[str, Any] | None:
+    if not config.network_policies or not manages_redis(job):
+        return None
+    return _network_policy(job, "redis", ingress=[_from_own_pods(job, [REDIS_PORT])])
+
+
+def buffer_network_policy(job: RLJob, config: OperatorConfig) -> dict[str, Any] | None:
+    if not config.network_policies:
+        return None
+    return _network_policy(job, "buffer", ingress=[
+        _from_own_pods(job, [BUFFER_PORT]), _from_operator(BUFFER_PORT),
+        _from_anywhere([BUFFER_METRICS])])
+
+
+def trainer_network_policy(job: RLJob, config: OperatorConfig) -> dict[str, Any] | None:
+    """The job's own pods on every port (torchrun's rendezvous, then the process group's
+    ports, which torch.distributed picks at run time); the operator on the status port."""
+    if not config.network_policies:
+        return None
+    return _network_policy(job, "trainer", ingress=[
+        _from_own_pods(job, None), _from_operator(TRAINER_PORT),
+        _from_anywhere([TRAINER_METRICS])])
+
+
+def reward_network_policy(job: RLJob, config: OperatorConfig) -> dict[str, Any] | None:
+    """Reward pods may run untrusted programs: no egress at all (not even DNS), and only the
+    job's own pods may ask for scores. Reward kind http runs none, and calls its endpoint
+    wherever it is served: its egress stays open."""
+    if not config.network_policies:
+        return None
+    return _network_policy(job, "reward", deny_egress=job.spec.reward.kind != "http", ingress=[
+        _from_own_pods(job, [REWARD_PORT]), _from_anywhere([REWARD_METRICS])])

@@ -1,0 +1,65 @@
+"""The job's run volume (a PersistentVolumeClaim it owns) and the pod volumes and mounts of
+it and of the user's own claims (spec.dataset.volume, spec.reward.python.volume)."""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+from typing import Any
+
+from asyncrl.operator.builders.common import RUN_DIR, OperatorConfig, child_name, object_meta
+from asyncrl.spec import RLJob
+
+#: Pod volumes of the user's own claims, named apart from the job's (config, tmp, run, dshm,
+#: data) so that a claim can never take one of their places.
+DATASET_VOLUME = "dataset"
+REWARD_VOLUME = "reward-python"
+
+
+def run_volume_claim(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
+    """Checkpoints, metrics and weight snapshots. The trainer writes, every rollout worker
+    reads the snapshot a new version announces, so the claim is ReadWriteMany. Kept across
+    suspend (it is the job's state) and deleted with the job."""
+    spec: dict[str, Any] = {"accessModes": ["ReadWriteMany"],
+                            "resources": {"requests": {"storage": config.run_volume_size}}}
+    if config.run_volume_storage_class:
+        spec["storageClassName"] = config.run_volume_storage_class
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": object_meta(job, "run"), "spec": spec}
+
+
+def run_volume(job: RLJob) -> dict[str, Any]:
+    return {"name": "run", "persistentVolumeClaim": {"claimName": child_name(job, "run")}}
+
+
+def run_mount(read_only: bool = False) -> dict[str, Any]:
+    return {"name": "run", "mountPath": RUN_DIR, "readOnly": read_only}
+
+
+def dataset_volumes(job: RLJob) -> tuple[list[dict], list[dict]]:
+    """The pod volume and container mount of spec.dataset.volume (none without one): at the
+    first folder of dataset.path, where the spec has both path and evalPath."""
+    dataset = job.spec.dataset
+    if dataset.volume is None:
+        return [], []
+    return read_only_claim(DATASET_VOLUME, dataset.volume, mount_folder(dataset.path))
+
+
+def reward_volumes(job: RLJob) -> tuple[list[dict], list[dict]]:
+    """The pod volume and container mount of spec.reward.python.volume (none without one): at
+    the first folder of reward.python.path, the folder the reward's module is imported from."""
+    python = job.spec.reward.python
+    if python is None or python.volume is None:
+        return [], []
+    return read_only_claim(REWARD_VOLUME, python.volume, mount_folder(python.path))
+
+
+def mount_folder(path: str) -> str:
+    """The first folder of an absolute path: /data/gsm8k/train.jsonl is mounted at /data."""
+    return "/" + PurePosixPath(path).parts[1]
+
+
+def read_only_claim(name: str, claim: str, mount_path: str) -> tuple[list[dict], list[dict]]:
+    """A user's claim, read-only twice over: the volume (so a ReadOnlyMany claim attaches, and
+    one claim can serve many jobs) and the mount (the job never writes the user's files)."""
+    return ([{"name": name, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}],
+            [{"name": name, "mountPath": mount_path, "readOnly": True}])
