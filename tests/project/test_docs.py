@@ -123,7 +123,12 @@ REFERENCE = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+.*)?$")
 
 def relative_links(page: Path) -> list[tuple[int, str]]:
     """(line, target) of every link on the page that is not to another site."""
-    prose, _ = split_page(page.read_text())
+    return links_in(page.read_text())
+
+
+def links_in(text: str) -> list[tuple[int, str]]:
+    """(line, target) of every link in Markdown `text`, outside code, not to another site."""
+    prose, _ = split_page(text)
     links = []
     for number, line in prose:
         line = without_code_spans(line)
@@ -149,6 +154,25 @@ def link_problem(page: Path, target: str) -> str | None:
         if anchor not in anchors(file):
             return f"no heading with anchor #{anchor} in {file.relative_to(ROOT)}"
     return None
+
+
+def test_links_are_read_as_github_renders_them():
+    text = ("See [a](docs/a.md#x) and ![img](b.png), not `[c](c.md)`.\n"
+            "```\n[d](d.md)\n```\n"
+            "[e]: e.md\n[site](https://example.com) [mail](mailto:x@example.com) [here](#top)\n")
+    assert links_in(text) == [(1, "docs/a.md#x"), (1, "b.png"), (5, "e.md"), (6, "#top")]
+
+
+@pytest.mark.parametrize("target, expected", [
+    ("docs/testing.md", None),
+    ("docs/testing.md#markers", None),
+    ("#layout", None),
+    ("docs/nothing.md", "no file docs/nothing.md"),
+    ("docs/testing.md#no-such-heading", "no heading with anchor #no-such-heading in docs/testing.md"),
+    ("#no-such-heading", "no heading with anchor #no-such-heading in README.md"),
+])
+def test_the_link_check_itself(target, expected):
+    assert link_problem(README, target) == expected
 
 
 def test_pages_exist():
@@ -190,42 +214,32 @@ def make_targets() -> frozenset[str]:
     return frozenset(re.findall(r"^([A-Za-z0-9_.-]+)\s*:(?!=)", text, re.M))
 
 
-def option_names(command: Any) -> set[str]:
+def unknown_options(command: Any, words: list[str]) -> list[str]:
     names = {"--help", "-h"}
     for param in command.params:
         names.update(param.opts)
         names.update(param.secondary_opts)
-    return names
+    return [word.split("=")[0] for word in words
+            if word.startswith("-") and word.split("=")[0] not in names]
 
 
 def asyncrl_problem(words: list[str]) -> str | None:
-    """`asyncrl <sub> [<sub>] [args] [--options]`: every subcommand exists (alternatives as
-    `a|b`), and so does every option named."""
-    command = cli()
-    path = ["asyncrl"]
+    """`asyncrl <sub> [<sub>] [args] [--options]`: every subcommand exists (alternatives
+    written `a|b`, each checked), and every option named is one of its command's."""
+    commands = [("asyncrl", cli())]
     rest = words
-    while is_group(command) and rest and not rest[0].startswith("-"):
+    while all(is_group(command) for _, command in commands) and rest \
+            and not rest[0].startswith("-"):
+        group_path, group = commands[0]
         names = rest[0].split("|")
-        missing = [name for name in names if name not in command.commands]
+        missing = [name for name in names if name not in group.commands]
         if missing:
-            return f"`{' '.join(path)}` has no subcommand {', '.join(missing)}"
-        path.append(rest[0])
-        subcommands = [command.commands[name] for name in names]
+            return f"`{group_path}` has no subcommand {', '.join(missing)}"
+        commands = [(f"{group_path} {name}", group.commands[name]) for name in names]
         rest = rest[1:]
-        if len(subcommands) > 1:  # alternatives: check options against each
-            for sub in subcommands:
-                unknown = [w.split("=")[0] for w in rest
-                           if w.startswith("-") and w.split("=")[0] not in option_names(sub)]
-                if unknown:
-                    return f"`asyncrl ... {sub.name}` has no option {', '.join(unknown)}"
-            return None
-        command = subcommands[0]
-    if is_group(command) and path == ["asyncrl"] and not rest:
-        return None
-    unknown = [w.split("=")[0] for w in rest
-               if w.startswith("-") and w.split("=")[0] not in option_names(command)]
-    if unknown:
-        return f"`{' '.join(path)}` has no option {', '.join(unknown)}"
+    for path, command in commands:
+        if unknown := unknown_options(command, rest):
+            return f"`{path}` has no option {', '.join(unknown)}"
     return None
 
 
@@ -316,6 +330,8 @@ def test_every_command_shown_exists(page):
     ("asyncrl serve buffer|trainer|rollout|reward", None),
     ("asyncrl serve buffer|tranier", "no subcommand tranier"),
     ("asyncrl fly FILE", "no subcommand fly"),
+    ("asyncrl serve buffer|trainer --job-file job.yaml", None),
+    ("asyncrl serve trainer|rollout --run-dir runs/x", "`asyncrl serve rollout` has no option --run-dir"),
     ("asyncrl run FILE --stpes 5", "no option --stpes"),
     ("make run     # a comment", None),
     ("make deploy", "no Makefile target 'deploy'"),
