@@ -476,7 +476,7 @@ def run_operator(
 
     import kopf
 
-    from asyncrl.operator import handlers
+    from asyncrl.operator import handlers, kube
     from asyncrl.operator.builders import OperatorConfig
     from asyncrl.operator.leader import Leadership, LeaseSettings
 
@@ -501,7 +501,7 @@ def run_operator(
     stop_flag: threading.Event | None = None
     leadership = None
     if leader_election:
-        handlers.api_client()  # loads the credentials the election's client uses
+        kube.api_client()  # loads the credentials the election's client uses
         leadership = Leadership(LeaseSettings(name=lease_name, namespace=lease_namespace)).start()
         leadership.wait_to_lead()
         stop_flag = leadership.stop_flag

@@ -136,9 +136,9 @@ def service_container(job: RLJob, config: OperatorConfig, component: str, args: 
 
 
 def grpc_probes(port: int) -> dict[str, dict]:
-    """The kubelet's native gRPC probes of grpc.health.v1 (asyncrl.platform.grpc_health): start-up and
-    liveness ask whether the process answers, readiness whether it can work (the buffer's
-    Redis, a code job's sandbox), so an outage makes the pod unready, not restarted."""
+    """The kubelet's native gRPC probes of grpc.health.v1 (asyncrl.platform.grpc_health):
+    start-up and liveness ask whether the process answers, readiness whether it can work (the
+    buffer's Redis, a code job's sandbox), so an outage makes the pod unready, not restarted."""
     return {"probe": {"grpc": {"port": port, "service": LIVENESS}},
             "readiness": {"grpc": {"port": port}}}
 

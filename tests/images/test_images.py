@@ -221,7 +221,7 @@ def test_final_stages_run_as_the_operators_pod_uid(dockerfile):
         uid, gid = map(int, user.value.split(":"))
         assert uid != 0 and gid != 0, f"{target}: runs as root"
         assert (uid, gid) == (APP_UID, APP_UID), (
-            f"{target}: USER {user.value}, but operator/builders.py runs pods as {APP_UID}")
+            f"{target}: USER {user.value}, but operator/builders/pods.py runs pods as {APP_UID}")
 
 
 def _image_reference_is_pinned(reference: str) -> bool:

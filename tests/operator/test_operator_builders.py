@@ -761,7 +761,7 @@ def test_buffer_stats_from_a_real_buffer(redis_server, tiny):
     from support.buffer import BufferThread
 
     from asyncrl.buffer.store import JobConfig
-    from asyncrl.operator.handlers import buffer_stats
+    from asyncrl.operator.observe import buffer_stats
     from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc
 
     server = BufferThread(redis_server.url, [JobConfig.from_job(tiny)]).start()
@@ -782,7 +782,7 @@ def test_buffer_stats_from_a_real_buffer(redis_server, tiny):
 
 
 def test_buffer_stats_says_why_when_unreachable(tiny):
-    from asyncrl.operator.handlers import buffer_stats
+    from asyncrl.operator.observe import buffer_stats
     from asyncrl.platform.redis_server import free_port
 
     stats, error = buffer_stats(tiny, address=f"127.0.0.1:{free_port()}", timeout=0.5)
@@ -829,7 +829,7 @@ def test_an_unreachable_trainer_keeps_the_figures_and_says_why():
 def test_trainer_status_from_a_real_trainer_status_server(tiny):
     from support.operator_status import TrainerStatusThread
 
-    from asyncrl.operator.handlers import trainer_status
+    from asyncrl.operator.observe import trainer_status
     from asyncrl.trainer.service import Status
 
     served = Status(version=5, step=4, max_steps=10, phase="training",
@@ -849,7 +849,7 @@ def test_trainer_status_from_a_real_trainer_status_server(tiny):
 def test_trainer_status_comes_from_the_leader_whichever_pod_it_is_on(tiny):
     from support.operator_status import TrainerStatusThread
 
-    from asyncrl.operator.handlers import trainer_status
+    from asyncrl.operator.observe import trainer_status
     from asyncrl.platform.redis_server import free_port
     from asyncrl.trainer.service import Status
 
@@ -868,7 +868,7 @@ def test_trainer_status_comes_from_the_leader_whichever_pod_it_is_on(tiny):
 
 
 def test_trainer_status_says_why_when_unreachable(tiny):
-    from asyncrl.operator.handlers import trainer_status
+    from asyncrl.operator.observe import trainer_status
     from asyncrl.platform.redis_server import free_port
 
     found, error = trainer_status(tiny, [f"127.0.0.1:{free_port()}"], timeout=0.5)

@@ -328,20 +328,22 @@ def test_status_and_kubectl_get_show_the_trainers_figures(kube, crd, namespace, 
     pods run nothing), so the handler is given its address."""
     from support.operator_status import TrainerStatusThread
 
-    from asyncrl.operator import handlers
+    from asyncrl.operator import kube as operator_kube
+    from asyncrl.operator.observe import trainer_status, write_status
+    from asyncrl.operator.reconcile import job_manifest
     from asyncrl.operator.status import Observation
     from asyncrl.spec import parse_manifest
     from asyncrl.trainer.service import Status
 
-    monkeypatch.setattr(handlers, "_api_client", kube.api)
+    monkeypatch.setattr(operator_kube, "CLIENTS", operator_kube.Clients(kube.api))
     body = create_job(kube, manifest("figures", namespace))
-    job = parse_manifest(handlers._manifest(body))
+    job = parse_manifest(job_manifest(body))
     served = Status(version=7, step=7, max_steps=job.spec.algorithm.max_steps, phase="training",
                     trained_tokens_per_second=812.5, reward_mean=0.625, eval_accuracy=0.375)
     with TrainerStatusThread(served) as server:
-        trainer, error = handlers.trainer_status(job, [server.address])
+        trainer, error = trainer_status(job, [server.address])
     assert error is None
-    handlers._write_status(body, Observation(
+    write_status(body, Observation(
         generation=body["metadata"]["generation"], suspend=False,
         max_steps=job.spec.algorithm.max_steps, trainer=trainer))
 

@@ -1,0 +1,183 @@
+"""Observing a job and writing its status: its workloads and trainer pods as the API shows
+them, its figures from its buffer (GetStats) and trainer (GetStatus) over gRPC, and the
+status `asyncrl.operator.status` computes from them (a pure function) patched onto the RLJob
+only where it changed, with an Event for each phase transition."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Sequence
+
+from asyncrl.operator import builders, kube
+from asyncrl.operator.state import OperatorState, job_key
+from asyncrl.operator.status import (
+    BufferStats,
+    Observation,
+    TrainerStatus,
+    Workload,
+    compute_status,
+    seen_by_controller,
+    status_changes,
+    trainer_failure,
+)
+from asyncrl.spec import RLJob
+
+#: The phase a trainer process that is not the leader reports (see trainer.proto).
+FOLLOWING = "following"
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What the job's buffer and trainer say over gRPC (None where not ready or not asked)."""
+    stats: BufferStats | None = None
+    stats_error: str | None = None
+    trainer: TrainerStatus | None = None
+    trainer_error: str | None = None
+
+
+def fetch_figures(job: RLJob, workloads: Sequence[Workload]) -> Figures:
+    """Asks only the ready ones: a pod that is not ready answers nothing worth the wait."""
+    ready = {w.component for w in workloads if w.ready}
+    stats, stats_error = buffer_stats(job) if "buffer" in ready else (None, None)
+    trainer, trainer_error = trainer_status(job) if "trainer" in ready else (None, None)
+    return Figures(stats, stats_error, trainer, trainer_error)
+
+
+def observe(state: OperatorState, job: RLJob, body: Any,
+            figures: Figures | None = None) -> Observation:
+    """The job's children as they are now; `figures` when the caller has just fetched them
+    (else they are fetched here, if the operator asks the services for them at all)."""
+    namespace = job.metadata.namespace
+    found = []
+    for kind, component in builders.workloads(job):
+        desired = builders.desired_replicas(job, component)
+        workload = kube.read_workload(kind, namespace, builders.child_name(job, component))
+        if workload is None:
+            found.append(Workload(component, desired))
+            continue
+        status = workload.status
+        found.append(Workload(component, desired, exists=True,
+                              replicas=status.replicas or 0,
+                              ready=status.ready_replicas or 0,
+                              updated=status.updated_replicas or 0,
+                              current=seen_by_controller(status.observed_generation,
+                                                         workload.metadata.generation)))
+
+    pods = kube.list_pods(namespace, builders.selector_labels(job, "trainer"))
+    failure = trainer_failure(pods, state.config.trainer_max_restarts)
+
+    if figures is None:
+        figures = fetch_figures(job, found) if state.buffer_stats else Figures()
+    rate = None
+    if figures.stats is not None:
+        uid = body["metadata"].get("uid", job.metadata.name)
+        rate = state.registry.accepted_rate(uid, figures.stats.accepted_total, time.monotonic())
+    observed = Observation(
+        generation=body["metadata"].get("generation"), suspend=job.spec.suspend,
+        max_steps=job.spec.algorithm.max_steps, workloads=tuple(found), trainer_failure=failure,
+        stats=figures.stats, stats_error=figures.stats_error, samples_per_second=rate,
+        trainer=figures.trainer, trainer_error=figures.trainer_error,
+        now=datetime.now(timezone.utc))
+    state.registry.remember(job_key(body), job, observed)
+    return observed
+
+
+def changed_figures(job: RLJob, observed: Observation) -> Figures | None:
+    """The job's figures now, if they differ from the last observation's (else None)."""
+    figures = fetch_figures(job, observed.workloads)
+    # samples/s decays to 0 once nothing more is accepted: one more refresh shows it.
+    changed = (figures.stats != observed.stats or figures.trainer != observed.trainer
+               or bool(observed.samples_per_second))
+    return figures if changed else None
+
+
+# --------------------------------------------------------------------------- figures over gRPC
+
+
+def buffer_stats(job: RLJob, address: str | None = None,
+                 timeout: float = 1.0) -> tuple[BufferStats | None, str | None]:
+    """GetStats from the job's buffer: by default its Service's cluster DNS name, which
+    resolves when the operator runs in the cluster. Returns (stats, None) or (None, why)."""
+    import grpc
+
+    from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc
+
+    address = address or (f"{builders.child_name(job, 'buffer')}.{job.metadata.namespace}.svc:"
+                           f"{builders.BUFFER_PORT}")
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = buffer_pb2_grpc.BufferStub(channel).GetStats(
+                buffer_pb2.GetStatsRequest(job=job.metadata.name), timeout=timeout)
+    except grpc.RpcError as exc:
+        return None, f"{address}: {exc.code().name}"
+    return BufferStats(reply.trainer_version, reply.trainer_step, reply.accepted_total,
+                       reply.consumed_total, tuple(reply.staleness_counts),
+                       reply.trainer_finished), None
+
+
+def trainer_status(job: RLJob, addresses: list[str] | None = None,
+                   timeout: float = 1.0) -> tuple[TrainerStatus | None, str | None]:
+    """GetStatus from the job's trainer. Each trainer pod serves the status of its first
+    process, and only the leader (global rank 0, on whichever pod the rendezvous made it) has
+    figures; the others report phase "following". By default the pods are asked in order
+    through the headless Service's cluster DNS names (pod 0 first), which resolve when the
+    operator runs in the cluster. Returns (status, None) or (None, why)."""
+    import grpc
+
+    from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
+
+    if addresses is None:
+        headless = f"{builders.child_name(job, 'trainer-headless')}.{job.metadata.namespace}.svc"
+        addresses = [f"{builders.child_name(job, 'trainer')}-{pod}.{headless}:"
+                     f"{builders.TRAINER_PORT}" for pod in range(job.spec.trainer.replicas)]
+    problems = []
+    for address in addresses:
+        try:
+            with grpc.insecure_channel(address) as channel:
+                reply = trainer_pb2_grpc.TrainerStatusServiceStub(channel).GetStatus(
+                    trainer_pb2.GetTrainerStatusRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            problems.append(f"{address}: {exc.code().name}")
+            continue
+        if reply.phase == FOLLOWING:
+            problems.append(f"{address}: a following rank")
+            continue
+        return TrainerStatus(
+            step=reply.step, phase=reply.phase,
+            tokens_per_second=reply.trained_tokens_per_second, reward_mean=reply.reward_mean,
+            eval_accuracy=reply.eval_accuracy if reply.eval_accuracy >= 0 else None), None
+    return None, "; ".join(problems)
+
+
+# --------------------------------------------------------------------------- status + events
+
+
+def write_status(body: Any, observed: Observation) -> dict:
+    """Recompute status; patch only what changed; an Event for each phase transition."""
+    current = stored_status(body)
+    new = compute_status(observed, current)
+    changes = status_changes(current, new)
+    meta = body["metadata"]
+    if changes:
+        kube.patch_job_status(meta["namespace"], meta["name"], changes)
+    old_phase, phase = current.get("phase"), new["phase"]
+    if phase != old_phase:
+        warning = phase == "Failed"
+        reason = next((c["reason"] for c in new["conditions"]
+                       if c["status"] == ("False" if c["type"] == "Valid" else "True")
+                       and c["type"] in ("Valid", "Failed")), phase) if warning else phase
+        message = next((c["message"] for c in new["conditions"] if c["reason"] == reason),
+                       f"Phase {old_phase or 'none'} -> {phase}.")
+        kube.post_event(body, reason, message, warning=warning)
+    return new
+
+
+def stored_status(body: Any) -> dict:
+    """The status as stored now: `body` may predate a reconcile that just finished."""
+    meta = body["metadata"]
+    stored = kube.read_job(meta["namespace"], meta["name"])
+    if stored is None:
+        stored = body
+    return dict(stored.get("status") or {})

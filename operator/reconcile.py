@@ -1,0 +1,158 @@
+"""Reconciling a job: validate its spec, apply every child the builders return, write the
+status observed.
+
+Reconciliation is level-based: `reconcile` computes every child from the current spec and
+applies it with server-side apply (applying an unchanged object changes nothing), then
+recomputes status from what it observes. kopf's handlers run it on create, spec update and
+operator start (resume); a child's change runs it again or refreshes only the status
+(`reconcile_by_name`); `refresh_figures_forever` refreshes the status of a job whose figures
+changed, and `resync_forever` reconciles every RLJob every resync interval, which repairs
+drift a watch missed. One reconcile at a time per job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import secrets
+from typing import Any
+
+import kopf
+from pydantic import ValidationError
+
+from asyncrl.operator import builders, kube
+from asyncrl.operator.observe import Figures, changed_figures, observe, write_status
+from asyncrl.operator.state import OperatorState, job_key
+from asyncrl.operator.status import Observation
+from asyncrl.spec import API_VERSION, KIND, RLJob, parse_manifest
+from asyncrl.spec.errors import describe
+
+log = logging.getLogger("asyncrl.operator")
+
+
+def job_manifest(body: Any) -> dict[str, Any]:
+    """The RLJob manifest of a body as kopf or the API gives it: what the spec parses."""
+    meta = body["metadata"]
+    return {"apiVersion": API_VERSION, "kind": KIND,
+            "metadata": {"name": meta["name"], "namespace": meta.get("namespace")},
+            "spec": dict(body.get("spec") or {})}
+
+
+def redis_password(job: RLJob) -> str:
+    """The stored generated password, or a new one the first time."""
+    if builders.redis_secret(job, "") is None:
+        return ""
+    data = kube.read_secret_data(job.metadata.namespace, builders.child_name(job, "redis"))
+    if data is None:
+        return secrets.token_hex(24)
+    return base64.b64decode(data["password"]).decode()
+
+
+def reconcile(state: OperatorState, body: Any, *,
+              logger: logging.Logger | logging.LoggerAdapter = log) -> dict:
+    """Validate, apply every child, write status. Raises kopf.PermanentError for an invalid
+    spec (nothing is created) and kopf.TemporaryError when the API refuses a child.
+
+    kopf's handlers and the resync loop may reconcile the same job at once; one at a time per
+    job, so a phase transition is seen (and announced as an Event) once."""
+    with state.registry.lock(job_key(body)):
+        return _reconcile(state, body, logger=logger)
+
+
+def _reconcile(state: OperatorState, body: Any, *,
+               logger: logging.Logger | logging.LoggerAdapter) -> dict:
+    from kubernetes.client.rest import ApiException
+
+    try:
+        job = parse_manifest(job_manifest(body))
+    except ValidationError as exc:
+        message = describe(exc)
+        write_status(body, Observation(generation=body["metadata"].get("generation"),
+                                       suspend=False, max_steps=0, invalid=message))
+        raise kopf.PermanentError(message) from None
+
+    try:
+        children = builders.build_children(job, state.config, redis_password=redis_password(job))
+        for child in children:
+            kopf.adopt(child, owner=body)
+            kube.apply(child)
+        logger.debug(f"applied {len(children)} children")
+    except ApiException as exc:
+        raise kopf.TemporaryError(f"applying children failed: {exc.status} {exc.reason}: "
+                                  f"{kube.api_message(exc)}", delay=5) from exc
+    return write_status(body, observe(state, job, body))
+
+
+def refresh_status(state: OperatorState, body: Any,
+                   figures: Figures | None = None) -> dict | None:
+    """The job's status from a fresh observation, without applying children."""
+    try:
+        job = parse_manifest(job_manifest(body))
+    except ValidationError:
+        return None  # an invalid spec's status says so already
+    with state.registry.lock(job_key(body)):
+        return write_status(body, observe(state, job, body, figures))
+
+
+def reconcile_by_name(state: OperatorState, namespace: str, name: str, full: bool,
+                      figures: Figures | None = None) -> None:
+    """The job as stored now: reconciled (`full`), else only its status refreshed."""
+    body = kube.read_job(namespace, name)
+    if body is None:
+        return  # the job is gone; its children go by garbage collection
+    if body["metadata"].get("deletionTimestamp"):
+        return
+    if full:
+        try:
+            reconcile(state, body)
+        except kopf.PermanentError:
+            pass  # status already says why
+    else:
+        refresh_status(state, body, figures)
+
+
+def resync_all(state: OperatorState) -> None:
+    for body in kube.list_jobs():
+        if body["metadata"].get("deletionTimestamp"):
+            continue
+        try:
+            reconcile(state, body)
+        except kopf.PermanentError:
+            pass  # status already says why
+        except Exception as exc:  # noqa: BLE001 - one job's trouble must not stop the others
+            log.warning("resync of %s/%s: %s", body["metadata"].get("namespace"),
+                        body["metadata"]["name"], exc)
+
+
+# --------------------------------------------------------------------------- periodic work
+
+
+async def refresh_figures_forever(state: OperatorState, logger) -> None:
+    """Every interval: each job's figures from its buffer and trainer (gRPC, no API call);
+    a job whose figures changed gets its status refreshed."""
+    while True:
+        await asyncio.sleep(state.interval)
+        if not state.buffer_stats:
+            continue
+        for key, observed in list(state.registry.observed.items()):
+            try:
+                job = state.registry.jobs.get(key)
+                if job is None:
+                    continue
+                figures = await asyncio.to_thread(changed_figures, job, observed)
+                if figures is not None:
+                    logger.debug(f"{key[0]}/{key[1]}: its figures changed")
+                    await asyncio.to_thread(reconcile_by_name, state, *key, False, figures)
+            except Exception as exc:  # noqa: BLE001 - keep refreshing the others
+                logger.warning(f"refreshing {key[0]}/{key[1]}: {exc}")
+
+
+async def resync_forever(state: OperatorState, logger) -> None:
+    """Level-based safety net: every RLJob is reconciled again every resync interval."""
+    while True:
+        await asyncio.sleep(state.resync_interval)
+        try:
+            await asyncio.to_thread(resync_all, state)
+        except Exception as exc:  # noqa: BLE001 - keep resyncing whatever one pass hit
+            logger.warning(f"resync pass failed: {exc}")
