@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,8 +37,9 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cluster.control_plane import (  # noqa: E402
-    BUILD_SCRIPT, SERVICE_CIDR, ControlPlane, _Process, bin_dir, free_port, missing_binaries,
-    spawn, stop_processes)
+    BUILD_SCRIPT, SERVICE_CIDR, ControlPlane, _Process, bin_dir, missing_binaries, spawn,
+    stop_processes)
+from support.ports import free_port  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 NODE_SCRIPT = HERE / "node.sh"
@@ -94,6 +96,29 @@ SYSCTL_VOLATILE = ("kernel.ns_last_pid", "kernel.random.", "kernel.hostname",
 
 class NodeMissing(RuntimeError):
     """Packages, binaries or the base image are missing; the message says how to get them."""
+
+
+#: Free disk a node needs: its containerd keeps an imported image twice, as layer blobs and
+#: unpacked (about 10 GiB for the 5 GB service image, measured), plus room for pods' logs.
+NODE_DISK_GIB = 12
+
+
+def check_disk(path: Path) -> None:
+    """Fail at once, naming what holds the space, rather than in an image import half-way."""
+    free = shutil.disk_usage(path).free / 2**30
+    if free >= NODE_DISK_GIB:
+        return
+    candidates = [*CACHE.glob("*"), *Path(tempfile.gettempdir()).glob("pytest-of-*")]
+    sizes = []
+    for candidate in candidates:
+        out = subprocess.run(["du", "-sx", "--block-size=1M", str(candidate)],
+                             capture_output=True, text=True)
+        if out.returncode == 0 and out.stdout:
+            sizes.append((int(out.stdout.split()[0]), candidate))
+    largest = ", ".join(f"{path} {mb / 1024:.1f} GiB" for mb, path in sorted(sizes)[::-1][:6])
+    raise NodeMissing(f"only {free:.1f} GiB free under {path}; a real node needs about "
+                      f"{NODE_DISK_GIB} GiB (containerd keeps the service image as layer blobs "
+                      f"and unpacked). Largest folders here: {largest}")
 
 
 def log(message: str) -> None:
@@ -878,6 +903,7 @@ class RealCluster:
         try:
             undo_stale()
             self.workdir.mkdir(parents=True, exist_ok=True)
+            check_disk(self.workdir)
             self.state = HostState.capture(self.workdir)
             self.state.save()
             self.plane = ControlPlane(self.workdir / "control-plane", binaries=self.binaries,
