@@ -1,10 +1,10 @@
 """RLJob status, recomputed from observation every time (a pure function, tested alone).
 
-The handlers observe the children (replicas ready per workload, trainer pods' restarts), the
-buffer's statistics and the trainer's status, and `compute_status` turns that, the spec and the
-previous status into the new status: a phase, typed conditions with reasons,
-observedGeneration and the training figures. The handler writes it only when it differs from
-what is stored.
+`asyncrl.operator.observe` observes the children (replicas ready per workload, trainer pods'
+restarts), the buffer's statistics and the trainer's status, and `compute_status` turns that,
+the spec and the previous status into the new status: a phase, typed conditions with reasons,
+observedGeneration and the training figures. `observe.write_status` writes it only when it
+differs from what is stored.
 """
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ class Observation:
     stats_error: str | None = None
     trainer: TrainerStatus | None = None
     trainer_error: str | None = None
-    #: accepted samples per second since the previous observation (the handler keeps the
-    #: previous count in memory), None when unknown.
+    #: accepted samples per second since the previous observation (the operator's
+    #: `state.JobRegistry` keeps the previous count in memory), None when unknown.
     samples_per_second: float | None = None
     now: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
 

@@ -60,7 +60,7 @@ def docker_env(images):
 
 
 def run(docker_env, ref: str, *args: str, entrypoint: str | None = None) -> str:
-    """Runs the image as a pod would (operator/builders.py: read-only root, all capabilities
+    """Runs the image as a pod would (operator/builders/pods.py: read-only root, all capabilities
     dropped, no privilege escalation; HOME=/tmp writable) and returns its output."""
     command = ["docker", "run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp",
                "--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
