@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from asyncrl.buffer.store import JobConfig
 from asyncrl.platform.devices import select_device
-from asyncrl.model.policy import TinyModelConfig, load_model, packed_token_logprobs
+from asyncrl.model.policy import TinyModelConfig, load_model, packed_token_logprobs, tied_aliases
 from asyncrl.platform.redis_server import free_port
 from asyncrl.local.runner import LocalJob, RunOptions
 from asyncrl.spec import load_manifest
@@ -32,7 +32,6 @@ from asyncrl.trainer.checkpoints import (
     publish_weights,
     read_checkpoint,
     save_checkpoint,
-    tied_aliases,
 )
 from asyncrl.trainer.distributed import (
     Command,
