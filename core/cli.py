@@ -117,13 +117,12 @@ def run(
     """Run a whole job on this machine: Redis, buffer, trainer and rollout as processes."""
     import time
 
-    import yaml
     from rich.console import Console
     from rich.live import Live
 
     from asyncrl.local.progress import RunProgress
     from asyncrl.local.report import read_metrics, write_plots, write_report
-    from asyncrl.local.runner import LocalJob, RunOptions, ServiceFailed
+    from asyncrl.local.runner import LocalJob, RunOptions, ServiceFailed, stop_on_signals
 
     job = _load_or_exit(file)
     _dataset_or_exit(job)
@@ -133,9 +132,9 @@ def run(
                          max_steps=steps, trainer_threads=trainer_threads,
                          rollout_threads=rollout_threads, metrics=metrics)
     console = Console()
-    local = LocalJob(job, yaml.safe_load(file.read_text()), options,
+    local = LocalJob(job, options,
                      notify=lambda line: console.print(line, style="yellow", markup=False))
-    max_steps = local.manifest["spec"]["algorithm"].get("maxSteps", job.spec.algorithm.max_steps)
+    max_steps = local.job.spec.algorithm.max_steps
     console.print(f"[bold]{job.metadata.name}[/]: {'sync' if sync else 'async'} run in "
                   f"{options.run_dir} (trainer {local.trainer_threads} / rollout "
                   f"{local.rollout_threads} threads); logs in {options.run_dir / 'logs'}")
@@ -144,7 +143,7 @@ def run(
                       f"scrape them with: prometheus --config.file="
                       f"{local.prometheus_dir / 'prometheus.yml'}", soft_wrap=True)
     progress = RunProgress(job.metadata.name, max_steps, job.spec.algorithm.group_size)
-    _stop_on_sigterm()
+    stop_on_signals()
     code = 0
     try:
         local.start()

@@ -4,16 +4,18 @@
 
 Each service is the same `asyncrl serve ...` command the operator runs in a pod. The runner
 splits the CPU cores between the trainer and the rollout worker, waits for each to be healthy,
-shows live progress, and stops everything cleanly on completion, Ctrl-C or a crash (with the
-crashed service's log tail). A redis-server it started that dies is started again on the same
-port and files (its AOF holds every acknowledged write) while the services wait for it, as a
-StatefulSet brings a Redis pod back, up to REDIS_MAX_RESTARTS times. The run folder holds
-everything needed to resume.
+shows live progress, and stops everything cleanly on completion, on Ctrl-C, `kill` or the
+terminal closing (SIGINT, SIGTERM, SIGHUP: one and the same stop), or on a crash (with the
+crashed service's log tail). Every child, redis-server included, also gets SIGTERM from the
+kernel if the runner dies without stopping it (kill -9), so a run never leaves one behind.
+A redis-server it started that dies is started again on the same port and files (its AOF
+holds every acknowledged write) while the services wait for it, as a StatefulSet brings a
+Redis pod back, up to REDIS_MAX_RESTARTS times. The run folder holds everything needed to
+resume.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -22,9 +24,9 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
-# Before grpc is imported: services are started with a preexec_fn, so Popen really forks,
+# Before grpc is imported: children are started with a preexec_fn, so Popen really forks,
 # and gRPC's fork handler can wait forever on a thread of the runner's own health-check
 # channels (grpc/grpc#37259). The runner never uses gRPC in a forked child.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
@@ -33,11 +35,13 @@ import grpc  # noqa: E402
 import yaml
 from google.protobuf.json_format import MessageToDict
 
+from asyncrl.platform.children import die_with_parent
 from asyncrl.platform.grpc_health import is_serving_at
 from asyncrl.platform.outage import DEFAULT_OUTAGE_SECONDS
 from asyncrl.platform.redis_server import RedisServer, free_port
 from asyncrl.platform.settings import serve_command
 from asyncrl.launch.torchrun import LOCAL_MAX_RESTARTS, torchrun_arguments
+from asyncrl.spec import RLJob, parse_manifest
 from asyncrl.v1 import (
     buffer_pb2,
     buffer_pb2_grpc,
@@ -61,12 +65,37 @@ class ServiceFailed(RuntimeError):
         self.name, self.returncode, self.log_tail = name, returncode, log_tail
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM if the runner dies, even by kill -9, so a
-    service is never left running on its own."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    PR_SET_PDEATHSIG = 1
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+#: What stops a run, all three alike: Ctrl-C, `kill`, and the terminal closing.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def stop_on_signals() -> None:
+    """Each of STOP_SIGNALS raises KeyboardInterrupt in the main thread, where `asyncrl run`
+    stops every service in order, then redis-server, and leaves the folder resumable. Without
+    this, SIGHUP (a closed terminal) would end the runner at once, before any clean-up. Also
+    makes Ctrl-C work when the shell started the run in the background with SIGINT ignored.
+
+    Only the first signal interrupts: the later ones are ignored, so that a second Ctrl-C, or
+    the SIGHUP that the kernel and then the shell each send when a terminal closes, cannot cut
+    the stop short and leave children to end out of order (each service's stop is bounded).
+    Once the terminal has closed, every write to it fails (EIO), which would end the stop and
+    the report early too: its output goes to /dev/null instead."""
+    terminals = [fd for fd in (1, 2) if os.isatty(fd)]
+
+    def interrupt(*_):
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        # A terminal that hung up is no longer a tty (its ioctls fail), whatever the signal.
+        gone = [fd for fd in terminals if not os.isatty(fd)]
+        if gone:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            for fd in gone:
+                os.dup2(devnull, fd)
+            os.close(devnull)
+        raise KeyboardInterrupt
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, interrupt)
 
 
 @dataclass
@@ -82,11 +111,11 @@ class ServiceProcess:
         log = self.log_path.open("a")
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(self.args)}\n")
         log.flush()
-        # Own process group: Ctrl-C in the terminal reaches the runner only, which then stops
-        # each service in order.
+        # Own session: Ctrl-C in the terminal, or the terminal closing, reaches the runner only,
+        # which then stops each service in order. SIGTERM if the runner dies without doing so.
         self.process = subprocess.Popen(
             self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent(),
         )
         return self
 
@@ -120,27 +149,35 @@ class RunOptions:
     metrics: bool = False  # each service serves /metrics; Prometheus files in <run_dir>/prometheus
 
 
-def resolve_manifest(manifest: dict, options: RunOptions) -> dict:
-    """The job as this run executes it: --sync means η = 0 (generation waits for training)."""
-    resolved = yaml.safe_load(yaml.safe_dump(manifest))
-    algorithm = resolved.setdefault("spec", {}).setdefault("algorithm", {})
+def resolve_manifest(manifest: Mapping | RLJob, options: RunOptions) -> RLJob:
+    """The job as this run executes it: the manifest validated as an RLJob, with this run's
+    overrides (--sync means η = 0, generation waits for training; --steps sets maxSteps) and
+    its file paths absolute. Its `resolved()` is what the services read, the same form as the
+    operator's ConfigMap: every default filled in."""
+    job = manifest if isinstance(manifest, RLJob) else parse_manifest(manifest)
+    spec = job.spec
+    algorithm = {}
     if options.sync:
-        algorithm["maxStaleness"] = 0
+        algorithm["max_staleness"] = 0
     if options.max_steps:
-        algorithm["maxSteps"] = options.max_steps
+        algorithm["max_steps"] = options.max_steps
     # Data and reward code are named relative to where `asyncrl run` was started; the
     # services run elsewhere (the run folder), so they get absolute paths.
-    spec = resolved["spec"]
-    for section, key in (("dataset", "path"), ("dataset", "evalPath")):
-        _absolute(spec.get(section) or {}, key)
-    _absolute((spec.get("reward") or {}).get("python") or {}, "path")
-    return resolved
+    dataset = {key: _absolute(getattr(spec.dataset, key)) for key in ("path", "eval_path")}
+    sections = {"algorithm": spec.algorithm.model_copy(update=algorithm),
+                "dataset": spec.dataset.model_copy(update=dataset)}
+    if spec.reward.python is not None:
+        python = spec.reward.python.model_copy(update={"path": _absolute(spec.reward.python.path)})
+        sections["reward"] = spec.reward.model_copy(update={"python": python})
+    # Validated again as a whole: the rules between fields hold for the job as run too.
+    return parse_manifest(job.model_copy(update={"spec": spec.model_copy(update=sections)})
+                          .to_manifest())
 
 
-def _absolute(section: dict, key: str) -> None:
-    value = section.get(key)
+def _absolute(value: str | None) -> str | None:
     if isinstance(value, str) and "://" not in value:
-        section[key] = os.path.abspath(value)
+        return os.path.abspath(value)
+    return value
 
 
 def thread_split(options: RunOptions) -> tuple[int, int]:
@@ -156,15 +193,13 @@ def thread_split(options: RunOptions) -> tuple[int, int]:
 
 
 class LocalJob:
-    def __init__(self, job, manifest: dict, options: RunOptions,
-                 notify: Callable[[str], None] = print):
-        self.job = job
+    def __init__(self, job: RLJob, options: RunOptions, notify: Callable[[str], None] = print):
+        self.job = resolve_manifest(job, options)  # as this run executes it
         self.options = options
         self.notify = notify  # one line of the run's output, for events worth telling the user
         # Absolute from here on: services (redis-server above all, which changes into its
         # --dir before opening its log) must not read a relative path against their own cwd.
         self.run_dir = options.run_dir.resolve()
-        self.manifest = resolve_manifest(manifest, options)
         self.config_path = self.run_dir / "config.yaml"
         self.services: list[ServiceProcess] = []
         self.redis: RedisServer | None = None
@@ -181,7 +216,7 @@ class LocalJob:
 
     def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(yaml.safe_dump(self.manifest, sort_keys=False))
+        self.config_path.write_text(yaml.safe_dump(self.job.resolved(), sort_keys=False))
         if self.options.metrics:
             self.write_prometheus_config()
         redis_url = self.start_redis()
@@ -211,7 +246,8 @@ class LocalJob:
         starts (and owns) with its files in <run_dir>/redis, every write in its AOF."""
         if self.job.spec.buffer.redis.url is not None:
             return self.job.spec.buffer.redis.url
-        self.redis = RedisServer(self.run_dir / "redis", append_only=True).start()
+        self.redis = RedisServer(self.run_dir / "redis", append_only=True,
+                                 supervised=True).start()
         return self.redis.url
 
     def _weights_address(self) -> str | None:

@@ -3,6 +3,11 @@
 Each instance gets its own port and data directory, so several jobs (or test sessions) never
 share state by accident. With `append_only=True` every write is in the AOF before Redis
 answers (appendfsync always), so a kill -9 loses nothing that was acknowledged.
+
+With `supervised=True` (the local runner's) the process that starts it alone stops it: it
+runs in its own session, so Ctrl-C in a terminal or the terminal closing reaches only that
+process, which stops Redis after the services that use it; and if that process dies without
+stopping it, even by kill -9, the kernel sends Redis SIGTERM (asyncrl.platform.children).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from asyncrl.platform.children import die_with_parent
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -21,11 +28,13 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, data_dir: Path, *, port: int | None = None, append_only: bool = True):
+    def __init__(self, data_dir: Path, *, port: int | None = None, append_only: bool = True,
+                 supervised: bool = False):
         # Absolute: redis-server changes into --dir before it opens --logfile.
         self.data_dir = Path(data_dir).resolve()
         self.port = port or free_port()
         self.append_only = append_only
+        self.supervised = supervised
         self._process: subprocess.Popen | None = None
 
     @property
@@ -46,7 +55,10 @@ class RedisServer:
         ]
         if self.append_only:
             args += ["--appendonly", "yes", "--appendfsync", "always"]
-        self._process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._process = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            start_new_session=self.supervised,
+            preexec_fn=die_with_parent() if self.supervised else None)
         deadline = time.monotonic() + timeout
         while not self._answers_ping():
             if self._process.poll() is not None:
@@ -62,10 +74,14 @@ class RedisServer:
         """None while it runs (or before it started); its exit code once it ended."""
         return self._process.poll() if self._process else None
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (Redis finishes its AOF and exits), then SIGKILL after `timeout`."""
         if self._process and self._process.poll() is None:
             self._process.terminate()
-            self._process.wait(timeout=10)
+            try:
+                self._process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
 
     def kill(self) -> None:
         """kill -9: what a crash looks like."""

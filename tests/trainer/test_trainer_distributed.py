@@ -212,15 +212,14 @@ def test_local_run_starts_more_than_one_trainer_process_under_torchrun(tmp_path)
     manifest["spec"]["trainer"]["processesPerReplica"] = 2
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(manifest))
-    local = LocalJob(load_manifest(path), manifest, RunOptions(run_dir=tmp_path / "run",
-                                                               trainer_threads=4))
+    local = LocalJob(load_manifest(path), RunOptions(run_dir=tmp_path / "run",
+                                                     trainer_threads=4))
     command = local._trainer_command("asyncrl", "b:1", "r:2")
     assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert "--nproc-per-node=2" in command and "--standalone" in command
     assert command[command.index("-m", 3):][:4] == ["-m", "asyncrl.cli", "serve", "trainer"]
     assert command[command.index("--threads") + 1] == "2"  # 4 threads, 2 each
-    manifest["spec"]["trainer"]["processesPerReplica"] = 1
-    single = LocalJob(load_manifest(TINY), manifest, RunOptions(run_dir=tmp_path / "run"))
+    single = LocalJob(load_manifest(TINY), RunOptions(run_dir=tmp_path / "run"))
     assert single._trainer_command("asyncrl", "b:1", "r:2")[:3] == [
         "asyncrl", "serve", "trainer"]
 
@@ -461,7 +460,7 @@ def test_killing_a_trainer_rank_restarts_the_group_and_loses_nothing(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(manifest))
     job = load_manifest(path)
-    local = LocalJob(job, manifest, RunOptions(run_dir=tmp_path / "run", max_steps=6))
+    local = LocalJob(job, RunOptions(run_dir=tmp_path / "run", max_steps=6))
     try:
         local.start()
         trainer = next(s for s in local.services if s.name == "trainer")
