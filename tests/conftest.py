@@ -1,7 +1,7 @@
 import pytest
 
 from asyncrl.platform.redis_server import RedisServer
-from support.reward import LoopThread
+from support.servers import LoopThread
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +29,7 @@ def control_plane(tmp_path_factory):
     """
     from cluster.control_plane import ControlPlane, ControlPlaneMissing
 
-    plane = ControlPlane(tmp_path_factory.mktemp("k8s"))
-    missing = None
-    try:
-        plane.start()
-    except ControlPlaneMissing as exc:
-        missing = str(exc)
-    if missing:
-        pytest.fail(missing, pytrace=False)
+    plane = _started(ControlPlane(tmp_path_factory.mktemp("k8s")), ControlPlaneMissing)
     yield plane
     plane.stop()
 
@@ -52,16 +45,22 @@ def real_node(tmp_path_factory):
     """
     from cluster.node import NodeMissing, RealCluster
 
-    cluster = RealCluster(tmp_path_factory.mktemp("real-node"))
+    cluster = _started(RealCluster(tmp_path_factory.mktemp("real-node")), NodeMissing)
+    yield cluster
+    cluster.stop()
+
+
+def _started(cluster, missing_error: type[Exception]):
+    """`cluster` started; if what it needs is missing (`missing_error`), the test fails with
+    the message, which names the command that provides it."""
     missing = None
     try:
         cluster.start()
-    except NodeMissing as exc:
+    except missing_error as exc:
         missing = str(exc)
     if missing:
         pytest.fail(missing, pytrace=False)
-    yield cluster
-    cluster.stop()
+    return cluster
 
 
 def pytest_collection_modifyitems(config, items):

@@ -20,9 +20,9 @@ from asyncrl.platform.redis_keys import key
 from asyncrl.platform.grpc_health import LIVENESS, NOT_SERVING, SERVING
 from asyncrl.platform.outage import OutageTooLong
 from asyncrl.v1 import buffer_pb2
+from support import ROOT
 from support.buffer import BufferProcess, make_group, wait_healthy
 
-from support import ROOT
 GROUPS = 24
 
 

@@ -4,14 +4,13 @@ every group is accepted once and then trained, dropped as stale or left waiting,
 
 import asyncio
 import itertools
-from pathlib import Path
 
 import yaml
 
 from asyncrl.clients.buffer import BufferClient
+from support import ROOT
 from support.buffer import BufferProcess, group_fates, make_group, wait_healthy
 
-from support import ROOT
 WORKERS = 4
 TASKS_PER_WORKER = 3     # slots each worker holds at once, like a rollout worker's concurrency
 STEPS = 24

@@ -26,14 +26,15 @@ from asyncrl.model.policy import load_tokenizer
 from asyncrl.data.prompt_order import PromptOrder, epoch_of
 from asyncrl.data.prompts import PromptItem, PromptSet, build_prompts
 from asyncrl.platform.redis_keys import key
-from asyncrl.platform.redis_server import free_port
 from asyncrl.platform.settings import serve_command
 from asyncrl.spec import load_manifest
 from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
-from support.buffer import BufferProcess, BufferThread, make_group
-from support.reward import RewardThread
-
 from support import ROOT
+from support.buffer import BufferProcess, BufferThread, make_group
+from support.ports import free_port
+from support.reward import RewardThread
+from support.waiting import wait_for, wait_for_status
+
 ASYNCRL = str(Path(sys.executable).parent / "asyncrl")
 
 
@@ -186,16 +187,7 @@ class Worker:
         return f"http://127.0.0.1:{self.http_port}"
 
     def wait_healthy(self, timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            assert self.process.poll() is None, self.log.read_text()[-3000:]
-            assert time.monotonic() < deadline, f"{self.name} never became healthy"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_for_status(self.process, self.log, f"{self.url}/health", 200, timeout)
 
     def signal(self, number: int) -> None:
         self.process.send_signal(number)
@@ -265,10 +257,7 @@ class Gate:
             time.sleep(0.05)
 
     def wait(self, condition, what: str, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            assert time.monotonic() < deadline, f"never {what}: {self.stats()}"
-            time.sleep(0.05)
+        wait_for(condition, timeout, what, lambda: f"stats: {self.stats()}", every=0.05)
 
     def accepted_groups(self) -> list[tuple[int, str, str]]:
         """(prompt cursor, prompt id, slot id) of every accepted group, from the groups stream

@@ -10,10 +10,10 @@ import pytest
 from asyncrl.clients import buffer as client_module
 from asyncrl.clients.buffer import BufferClient
 from asyncrl.platform.outage import OutageTooLong
-from asyncrl.platform.redis_server import free_port
 from asyncrl.data.samples import Slot
 from asyncrl.v1 import buffer_pb2
 from support.buffer import make_group
+from support.ports import free_port
 
 
 async def _serve(handler) -> tuple[grpc.aio.Server, str]:

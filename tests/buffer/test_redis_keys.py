@@ -4,13 +4,11 @@ use only the suffixes it declares."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
 from asyncrl.buffer import scripts
 from asyncrl.platform.redis_keys import LAYOUT, SUFFIXES, key, weights_channel, weights_key
-
 from support import ROOT
 
 

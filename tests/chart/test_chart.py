@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
@@ -15,8 +14,8 @@ from asyncrl.spec.crd import build_crd
 from asyncrl.operator import builders, handlers
 from asyncrl.operator.builders import OperatorConfig
 from asyncrl.spec import load_manifest
-
 from support import ROOT
+
 CHART = ROOT / "charts" / "asyncrl"
 
 

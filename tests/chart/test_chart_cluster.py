@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.control_plane import bin_dir, free_port
+from cluster.control_plane import bin_dir
+from support import ROOT
 from support.operator_cluster import (  # noqa: F401 - kube is a fixture
     OperatorProcess,
     _exists,
@@ -33,10 +34,10 @@ from support.operator_cluster import (  # noqa: F401 - kube is a fixture
     provide_run_volume,
     wait_for,
 )
+from support.ports import free_port
 
 pytestmark = pytest.mark.slow
 
-from support import ROOT
 CHART = ROOT / "charts" / "asyncrl"
 ASYNCRL = str(Path(sys.executable).parent / "asyncrl")
 RELEASE, RELEASE_NAMESPACE = "asyncrl", "asyncrl-system"

@@ -11,8 +11,8 @@ import yaml
 
 from asyncrl.local.runner import LocalJob, RunOptions
 from asyncrl.spec import load_manifest
+from support import ROOT
 from support.dashboard import (
-    ROOT,
     exercised_registries,
     exported_names,
     expressions,

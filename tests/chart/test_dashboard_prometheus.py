@@ -1,22 +1,28 @@
 """Every expression of the Grafana dashboard returns data from a real Prometheus scraping a real
 `asyncrl run --metrics` of the tiny job, through the files the run writes for Prometheus."""
 
-import math
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from asyncrl.platform.redis_server import free_port
-from support.dashboard import ROOT, expressions, load_dashboard, substitute
-from support.prometheus import ASYNCRL, TINY, JOB, READY, prometheus_binary, stop, tail, Prometheus
+from support.dashboard import expressions, load_dashboard, substitute
+from support.ports import free_port
+from support.prometheus import (
+    ASYNCRL,
+    JOB,
+    READY,
+    TINY,
+    Prometheus,
+    prometheus_binary,
+    stop,
+    tail,
+)
+
 
 @pytest.mark.slow
 def test_every_dashboard_expression_returns_data_from_a_real_run(tmp_path):

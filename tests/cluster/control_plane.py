@@ -24,7 +24,6 @@ import ipaddress
 import json
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -35,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = ROOT / "tests" / "cluster" / "build.sh"
@@ -60,12 +61,6 @@ def bin_dir() -> Path:
 
 def missing_binaries(directory: Path, names=BINARIES) -> list[str]:
     return [name for name in names if not os.access(directory / name, os.X_OK)]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- certificates

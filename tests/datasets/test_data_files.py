@@ -17,7 +17,6 @@ from asyncrl.model.policy import load_tokenizer
 from asyncrl.data.prompts import build_prompts
 from asyncrl.local.runner import RunOptions, resolve_manifest
 from asyncrl.spec import parse_spec
-
 from support import ROOT
 
 GSM8K_ROWS = [  # the layout of openai/grade-school-math's train.jsonl

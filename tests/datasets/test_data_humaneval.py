@@ -4,8 +4,6 @@ solution passes its tests, and the bare prompt (an empty body) fails them."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from asyncrl.model.policy import load_tokenizer
@@ -13,9 +11,8 @@ from asyncrl.data.prompts import build_prompts
 from asyncrl.clients.reward import RewardClient, reward_reference
 from asyncrl.scoring.types import ScoreTask
 from asyncrl.spec import load_manifest
-from support.reward import RewardThread
-
 from support import ROOT
+from support.reward import RewardThread
 
 pytestmark = pytest.mark.slow
 

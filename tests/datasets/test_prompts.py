@@ -1,7 +1,5 @@
 """Prompts of both datasets, scored through a real reward service."""
 
-from pathlib import Path
-
 import pytest
 
 from asyncrl.data import code_tasks
@@ -9,9 +7,8 @@ from asyncrl.model.policy import load_tokenizer
 from asyncrl.data.prompts import build_prompts
 from asyncrl.clients.reward import PromptScorer, RewardClient, reward_scorer
 from asyncrl.spec import load_manifest
-from support.reward import RewardThread
-
 from support import ROOT
+from support.reward import RewardThread
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,10 @@ silent skip) when the binaries are not built."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
 from cluster.control_plane import BUILD_SCRIPT, ControlPlane, ControlPlaneMissing
-
 from support import ROOT
 
 

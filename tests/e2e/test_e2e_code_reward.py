@@ -22,10 +22,8 @@ from __future__ import annotations
 import secrets
 import socket
 import subprocess
-import time
 import urllib.request
 import uuid
-from pathlib import Path
 
 import grpc
 import pytest
@@ -39,12 +37,13 @@ from asyncrl.operator.builders import OperatorConfig
 from asyncrl.scoring.types import CodeReference, IoCase, ScoreTask
 from asyncrl.spec import parse_manifest
 from asyncrl.v1 import reward_pb2, reward_pb2_grpc
+from support import ROOT
+from support.waiting import wait_for
 
 # The first test's set-up waits for the machine's one real node, may build the images and
 # imports the service image (5 GB).
 pytestmark = [pytest.mark.real_node, pytest.mark.timeout(3600)]
 
-from support import ROOT
 IMAGES_SCRIPT = ROOT / "tests" / "cluster" / "images.sh"
 #: Deadlines that only catch hangs.
 READY_SECONDS = 300
@@ -130,16 +129,15 @@ class RewardPod:
     def _wait_for(self, wanted):
         selector = ",".join(f"{k}={v}" for k, v in
                             builders.selector_labels(self.job, "reward").items())
-        deadline = time.monotonic() + READY_SECONDS
-        while True:
+        pods = []
+
+        def passing():
+            nonlocal pods
             pods = self.core.list_namespaced_pod(self.namespace, label_selector=selector).items
-            found = [p for p in pods if wanted(p)]
-            if found:
-                return found[0]
-            if time.monotonic() > deadline:
-                pytest.fail(f"no reward pod passed {wanted.__name__} after {READY_SECONDS}s:\n"
-                            f"{[p.status for p in pods]}\n{self.logs()}")
-            time.sleep(1)
+            return next((p for p in pods if wanted(p)), None)
+
+        return wait_for(passing, READY_SECONDS, f"a reward pod to pass {wanted.__name__}",
+                        lambda: f"{[p.status for p in pods]}\n{self.logs()}", every=1)
 
     @staticmethod
     def _ready(pod) -> bool:

@@ -5,7 +5,6 @@ restarted, and Ready again once Redis is back."""
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
 
 import pytest
 import yaml
@@ -14,11 +13,11 @@ from kubernetes import client
 from asyncrl.operator import builders
 from asyncrl.operator.builders import OperatorConfig
 from asyncrl.spec import parse_manifest
+from support import ROOT
 from support.real_pods import base_image, images, wait_for
 
 pytestmark = [pytest.mark.real_node, pytest.mark.timeout(1800)]
 
-from support import ROOT
 #: Deadlines that only catch hangs.
 READY_SECONDS = 300
 

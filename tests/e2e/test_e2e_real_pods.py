@@ -25,16 +25,25 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from asyncrl.platform.redis_server import free_port
+from support import ROOT
 from support.buffer import group_fates
 from support.dashboard import expressions, load_dashboard, substitute
-from test_dashboard_prometheus import READY, Prometheus, prometheus_binary, stop, tail
-
-from support import ROOT
-from support.real_pods import CLUSTER, JOB, MAX_STEPS, RELEASE, OPERATOR_NAMESPACE, wait_for, images, base_image
+from support.ports import free_port
+from support.prometheus import READY, Prometheus, prometheus_binary, stop, tail
+from support.real_pods import (
+    CLUSTER,
+    JOB,
+    MAX_STEPS,
+    OPERATOR_NAMESPACE,
+    RELEASE,
+    base_image,
+    images,
+    wait_for,
+)
 
 # The last test waits for the whole job: longer than the suite's default timeout.
 pytestmark = [pytest.mark.real_node, pytest.mark.timeout(1800)]
+
 
 class Job:
     """The RLJob under test, read through the API as `kubectl get` would."""

@@ -6,13 +6,13 @@ API through the `kubernetes` Service with its service-account token."""
 from __future__ import annotations
 
 import json
-import time
 import uuid
 
 import pytest
 from kubernetes import client
 
 from cluster.node import BASE_IMAGE
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.real_node
 
@@ -41,16 +41,16 @@ def pod(name: str, script: str, **spec) -> dict:
 
 
 def wait_for_pod(core, namespace: str, name: str, done, timeout: float = 60):
-    """Poll until `done(pod)`; on timeout, fail with the pod's status."""
-    deadline = time.monotonic() + timeout
-    while True:
+    """Poll until `done(pod)` and return the pod; on timeout, fail with the pod's status."""
+    current = None
+
+    def check():
+        nonlocal current
         current = core.read_namespaced_pod(name, namespace)
-        if done(current):
-            return current
-        if time.monotonic() > deadline:
-            pytest.fail(f"pod {namespace}/{name} still {current.status.phase} after {timeout}s: "
-                        f"{current.status}")
-        time.sleep(0.3)
+        return current if done(current) else None
+
+    return wait_for(check, timeout, f"pod {namespace}/{name} to be {done.__name__}",
+                    lambda: f"still {current.status.phase}: {current.status}", every=0.3)
 
 
 def finished(current) -> bool:

@@ -10,6 +10,7 @@ from asyncrl.model.policy import (
     packed_token_logprobs,
 )
 from asyncrl.model.packed_attention import PACKED_SDPA, use_packed_attention
+from support.tiny_model import tiny_model
 
 
 def _single(model, ids):
@@ -17,7 +18,7 @@ def _single(model, ids):
 
 
 def test_packed_logprobs_match_each_sequence_alone():
-    model = build_tiny_model(TinyModelConfig(), vocab_size=300).eval()
+    model = tiny_model(vocab_size=300).eval()
     sequences = [torch.randint(0, 300, (n,)) for n in (5, 1, 9, 3)]
     ids = torch.cat(sequences)
     positions = torch.cat([torch.arange(s.numel()) for s in sequences])
@@ -34,8 +35,8 @@ def test_packed_attention_equals_the_block_diagonal_mask_in_values_and_gradients
     """Packed SDPA (per-sequence attention) against transformers' SDPA over the whole packed
     row with its block-diagonal mask: the same log-probs and gradients. Without sequence
     boundaries (generation) the switched model computes exactly what SDPA does."""
-    reference = build_tiny_model(TinyModelConfig(), vocab_size=300)
-    packed = use_packed_attention(build_tiny_model(TinyModelConfig(), vocab_size=300))
+    reference = tiny_model(vocab_size=300)
+    packed = use_packed_attention(tiny_model(vocab_size=300))
     assert packed.config._attn_implementation == PACKED_SDPA
     assert reference.config._attn_implementation == "sdpa"
     sequences = [torch.randint(0, 300, (n,)) for n in (7, 2, 11, 4)]
@@ -63,7 +64,7 @@ def test_packed_attention_equals_the_block_diagonal_mask_in_values_and_gradients
 def test_only_the_needed_logprobs_are_computed_and_they_are_the_same():
     """The trainer asks for the response tokens' log-probs only: the same values, zeros
     elsewhere, and the gradient reaches the model through exactly those."""
-    model = build_tiny_model(TinyModelConfig(), vocab_size=300)
+    model = tiny_model(vocab_size=300)
     sequences = [torch.randint(0, 300, (n,)) for n in (6, 4, 7)]
     ids = torch.cat(sequences)
     positions = torch.cat([torch.arange(s.numel()) for s in sequences])
@@ -99,7 +100,7 @@ def test_recomputed_logits_and_checkpointed_layers_give_the_same_logprobs_and_gr
     needed = torch.rand(24, generator=torch.Generator().manual_seed(1)) < 0.7
     results = []
     for recomputed in (False, True):
-        model = use_packed_attention(build_tiny_model(TinyModelConfig(), vocab_size=300)).eval()
+        model = use_packed_attention(tiny_model(vocab_size=300)).eval()
         if recomputed:
             assert recompute.checkpoint_decoder_layers(model) == 2
         logprobs = packed_token_logprobs(model, ids, positions, cu_seqlens, 0.7, needed,
@@ -135,7 +136,7 @@ def test_a_row_sharing_prefixes_gives_each_sequences_logprobs_and_gradients(reco
     results = []
     for packed in (pack_sequences(sequences, fields),
                    pack_sharing_prefixes(sequences, [6, 6, 6, 0], fields)):
-        model = use_packed_attention(build_tiny_model(TinyModelConfig(), vocab_size=300)).eval()
+        model = use_packed_attention(tiny_model(vocab_size=300)).eval()
         if recomputed:
             recompute.checkpoint_decoder_layers(model)
         logprobs = packed_token_logprobs(
@@ -161,13 +162,13 @@ def test_a_row_sharing_prefixes_needs_packed_attention():
     prompt = torch.randint(0, 300, (4,))
     packed = pack_sharing_prefixes([torch.cat([prompt, torch.tensor([1, 2])])] * 2, [4, 4])
     with pytest.raises(ValueError, match="needs packed attention"):
-        packed_token_logprobs(build_tiny_model(TinyModelConfig(), vocab_size=300),
+        packed_token_logprobs(tiny_model(vocab_size=300),
                               packed.input_ids, packed.position_ids, packed.cu_seqlens,
                               continues=packed.continues)
 
 
 def test_logits_are_recomputed_only_for_models_whose_logits_are_their_heads_output():
-    model = build_tiny_model(TinyModelConfig(), vocab_size=300)
+    model = tiny_model(vocab_size=300)
     model.config.model_type = "gemma2"  # soft-caps its logits after the head
     ids = torch.randint(0, 300, (6,))
     with pytest.raises(ValueError, match="gemma2"):
@@ -176,7 +177,7 @@ def test_logits_are_recomputed_only_for_models_whose_logits_are_their_heads_outp
 
 
 def test_logprobs_are_log_softmax_of_the_next_token_with_temperature():
-    model = build_tiny_model(TinyModelConfig(), vocab_size=300).eval()
+    model = tiny_model(vocab_size=300).eval()
     ids = torch.randint(0, 300, (6,))
     with torch.no_grad():
         logits = model(ids[None]).logits[0] / 0.7
@@ -228,7 +229,7 @@ def _file_mappings(path) -> list[tuple[int, int]]:
 def test_loaded_parameters_own_their_memory_not_the_checkpoint_file(tmp_path, dtype):
     """A parameter left mapped from the checkpoint (copy on write) makes the first in-place
     update fault in every page: the first weight swap took seconds that way."""
-    source = build_tiny_model(TinyModelConfig(), vocab_size=512)
+    source = tiny_model(vocab_size=512)
     source.save_pretrained(tmp_path)
     checkpoint = (tmp_path / "model.safetensors").resolve()
     model = load_model(str(tmp_path), dtype=dtype)

@@ -5,13 +5,14 @@ import time
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import save_model
 
-from asyncrl.model.policy import TinyModelConfig, build_tiny_model, packed_token_logprobs
+from asyncrl.model.policy import packed_token_logprobs
 from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.engine.sampling import sample_tokens
 from asyncrl.engine.types import RequestError, SamplingParams
+from support.tiny_model import tiny_model, tiny_transformers_model
+from support.waiting import wait_for
 
 VOCAB = 256
 # fp32 on CPU: the engine's cached attention and the trainer's packed forward agree to ~1e-6.
@@ -19,7 +20,7 @@ LOGPROB_TOLERANCE = 1e-4
 
 
 def tiny(seed=1):
-    return build_tiny_model(TinyModelConfig(seed=seed), vocab_size=VOCAB).eval()
+    return tiny_model(seed, VOCAB).eval()
 
 
 def prompts(count, seed=0):
@@ -42,10 +43,8 @@ def engine():
 
 
 def wait_for_tokens(engine, count, timeout=30):
-    deadline = time.monotonic() + timeout
-    while engine.status().generated_tokens_total < count:
-        assert time.monotonic() < deadline, "engine made no progress"
-        time.sleep(0.001)
+    wait_for(lambda: engine.status().generated_tokens_total >= count, timeout,
+             f"{count} tokens generated", every=0.001)
 
 
 def test_behaviour_logprobs_equal_the_trainers_recomputation(engine):
@@ -368,7 +367,7 @@ def test_bad_weight_updates_are_refused_and_keep_the_old_weights(engine, tmp_pat
     corrupt = tmp_path / "corrupt.safetensors"
     corrupt.write_bytes(good.read_bytes()[:1000])
     wrong_shape = tmp_path / "wrong.safetensors"
-    save_model(build_tiny_model(TinyModelConfig(hidden_size=32), vocab_size=VOCAB), str(wrong_shape))
+    save_model(tiny_model(vocab_size=VOCAB, hidden_size=32), str(wrong_shape))
     for path, version, message in [
         (good, 2, "older than the serving version 3"),
         (corrupt, 4, "unreadable snapshot"),
@@ -538,22 +537,13 @@ def other_architecture(kind: str, seed: int = 1):
     """Tiny random models beyond build_tiny_model's plain Llama: biases in the projections
     (Llama with attention_bias and mlp_bias, Qwen2's q/k/v biases) and Qwen3's per-head
     q/k norms, which the fused decode step does not compute."""
-    sizes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
-                 tie_word_embeddings=True)
-    config, model = {
-        "llama-biased": (transformers.LlamaConfig(attention_bias=True, mlp_bias=True, **sizes),
-                         transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config(**sizes), transformers.Qwen2ForCausalLM),
-        "qwen3": (transformers.Qwen3Config(head_dim=16, **sizes), transformers.Qwen3ForCausalLM),
+    architecture, config = {
+        "llama-biased": ("llama", {"attention_bias": True, "mlp_bias": True}),
+        "qwen2": ("qwen2", {}),
+        "qwen3": ("qwen3", {"head_dim": 16}),
     }[kind]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        built = model(config).eval()
-        for name, parameter in built.named_parameters():
-            if name.endswith(".bias"):  # zero-initialised: give the biases something to do
-                torch.nn.init.normal_(parameter, std=0.3)
-    return built
+    return tiny_transformers_model(architecture, seed, bias_std=0.3, vocab_size=VOCAB,
+                                   **config).eval()
 
 
 @pytest.mark.parametrize("kind, fused", [("llama", True), ("llama-biased", True),

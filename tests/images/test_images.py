@@ -29,8 +29,8 @@ from packaging.utils import canonicalize_name
 import asyncrl
 from asyncrl.operator.builders import APP_UID
 from asyncrl.launch.sglang import SGLANG_VERSION
-
 from support import ROOT
+
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 #: The targets the operator (its default job image) and the chart (operator image, `-gpu` job

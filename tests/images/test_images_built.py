@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from asyncrl.operator.builders import APP_UID
+from support import ROOT
 
 pytestmark = [pytest.mark.real_node, pytest.mark.timeout(3600)]
 
-from support import ROOT
 IMAGES_SH = ROOT / "tests" / "cluster" / "images.sh"
 
 

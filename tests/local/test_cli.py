@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from support import ROOT
+
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 BROKEN = ROOT / "tests" / "data" / "broken-rljob.yaml"
 # The console script installed next to the interpreter running the tests (.venv/bin/asyncrl).

@@ -19,9 +19,10 @@ import yaml
 
 from asyncrl.local.runner import REDIS_MAX_RESTARTS, LocalJob, RunOptions, ServiceFailed
 from asyncrl.spec import load_manifest
-from support.buffer import group_fates
-
 from support import ROOT
+from support.buffer import group_fates
+from support.waiting import wait_for
+
 ASYNCRL = str(Path(sys.executable).parent / "asyncrl")
 TINY = ROOT / "examples/tiny.yaml"
 

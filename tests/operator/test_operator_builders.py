@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 from datetime import datetime, timezone
-from pathlib import Path
 
 import kopf
 import kubernetes_validate
@@ -30,8 +29,8 @@ from asyncrl.operator.status import (
 )
 from asyncrl.platform.settings import SGLANG_STARTUP_SECONDS
 from asyncrl.spec import load_manifest, parse_manifest
-
 from support import ROOT
+
 CONFIG = OperatorConfig(image="example.org/asyncrl:test", gpu_image="example.org/asyncrl:test-gpu")
 
 
@@ -783,7 +782,7 @@ def test_buffer_stats_from_a_real_buffer(redis_server, tiny):
 
 def test_buffer_stats_says_why_when_unreachable(tiny):
     from asyncrl.operator.observe import buffer_stats
-    from asyncrl.platform.redis_server import free_port
+    from support.ports import free_port
 
     stats, error = buffer_stats(tiny, address=f"127.0.0.1:{free_port()}", timeout=0.5)
     assert stats is None
@@ -827,7 +826,7 @@ def test_an_unreachable_trainer_keeps_the_figures_and_says_why():
 
 
 def test_trainer_status_from_a_real_trainer_status_server(tiny):
-    from support.operator_status import TrainerStatusThread
+    from support.trainer_status import TrainerStatusThread
 
     from asyncrl.operator.observe import trainer_status
     from asyncrl.trainer.service import Status
@@ -847,10 +846,10 @@ def test_trainer_status_from_a_real_trainer_status_server(tiny):
 
 
 def test_trainer_status_comes_from_the_leader_whichever_pod_it_is_on(tiny):
-    from support.operator_status import TrainerStatusThread
+    from support.trainer_status import TrainerStatusThread
 
     from asyncrl.operator.observe import trainer_status
-    from asyncrl.platform.redis_server import free_port
+    from support.ports import free_port
     from asyncrl.trainer.service import Status
 
     # Under torchrun every pod serves its first process's status; the rendezvous may put the
@@ -869,7 +868,7 @@ def test_trainer_status_comes_from_the_leader_whichever_pod_it_is_on(tiny):
 
 def test_trainer_status_says_why_when_unreachable(tiny):
     from asyncrl.operator.observe import trainer_status
-    from asyncrl.platform.redis_server import free_port
+    from support.ports import free_port
 
     found, error = trainer_status(tiny, [f"127.0.0.1:{free_port()}"], timeout=0.5)
     assert found is None

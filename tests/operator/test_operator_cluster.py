@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 import yaml
@@ -326,7 +325,7 @@ def test_status_and_kubectl_get_show_the_trainers_figures(kube, crd, namespace, 
     """What the operator writes from a real trainer's GetStatus survives the CRD's status
     schema and fills `kubectl get rljobs`' columns. The trainer runs on loopback here (kwok
     pods run nothing), so the handler is given its address."""
-    from support.operator_status import TrainerStatusThread
+    from support.trainer_status import TrainerStatusThread
 
     from asyncrl.operator import kube as operator_kube
     from asyncrl.operator.observe import trainer_status, write_status

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 import yaml
 
+from support import ROOT
 from support.operator_cluster import OperatorProcess, crd, kube, wait_for  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.slow
 
-from support import ROOT
 JOBS = 50
 IDLE_SECONDS = 60
 OPERATOR_AGENTS = ("asyncrl-operator/", "kopf/")

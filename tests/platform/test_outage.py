@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from asyncrl.platform.outage import Outage, OutageTooLong, connect, redis_address, redis_down, retry
-from asyncrl.platform.redis_server import free_port
+from support.ports import free_port
 
 
 class HttpAnswerer:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.platform.redis_server import free_port
-
 from support import ROOT
+from support.ports import free_port
+
 ASYNCRL = str(Path(sys.executable).parent / "asyncrl")
 
 

@@ -15,8 +15,8 @@ from asyncrl.operator.builders import OperatorConfig
 from asyncrl.local.runner import LocalJob, RunOptions
 from asyncrl.platform.settings import SERVICES, flag, is_flag, serve_command
 from asyncrl.spec import load_manifest
-
 from support import ROOT
+
 SERVE = typer.main.get_command(app).commands["serve"]
 
 

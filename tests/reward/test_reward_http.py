@@ -4,18 +4,18 @@ timeouts, failures that are the answer's own, and an endpoint that is down, whic
 responses (health NOT_SERVING) until it is up and then scores them."""
 
 import asyncio
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from asyncrl.platform.grpc_health import is_serving_at
 from asyncrl.data.prompts import PromptItem
-from asyncrl.platform.redis_server import free_port
 from asyncrl.clients.reward import PromptScorer, RewardClient
 from asyncrl.scoring.types import Failure, RowReference, ScoreTask
 from asyncrl.spec import RewardSpec
+from support.ports import free_port
 from support.reward import Judge, RewardThread
+from support.waiting import wait_for
 
 JOB = "http-reward-test"
 # Short delays between attempts keep the tests quick; what they test does not depend on them.
@@ -157,7 +157,4 @@ def test_health_recovers_without_traffic_once_the_endpoint_is_back():
 
 def wait_until(condition, timeout=60.0):
     """Polls `condition` until true; the limit only catches a hang."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "the condition did not become true"
-        time.sleep(0.05)
+    wait_for(condition, timeout, "the condition", every=0.05)

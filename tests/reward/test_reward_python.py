@@ -7,14 +7,12 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import grpc
 import pytest
 
 from asyncrl.platform.grpc_health import is_serving_at
 from asyncrl.data.prompts import PromptItem
-from asyncrl.platform.redis_server import free_port
 from asyncrl.clients.reward import PromptScorer, RewardClient, reward_reference, reward_scorer
 from asyncrl.scoring.metrics import MAX_EXTRA_FIELDS, RewardMetrics
 from asyncrl.scoring.scorer import RewardScorer
@@ -28,9 +26,11 @@ from asyncrl.scoring.types import (
 )
 from asyncrl.scoring.worker_pool import WorkerStartError
 from asyncrl.spec import RewardSpec, load_manifest
-from support.reward import LoopThread, RewardThread
-
 from support import ROOT
+from support.ports import free_port
+from support.reward import RewardThread
+from support.servers import LoopThread
+
 JOB = "python-reward-test"
 
 REWARDS = '''

@@ -12,12 +12,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from asyncrl.platform.grpc_health import LIVENESS, is_serving_at
-from asyncrl.platform.redis_server import free_port
 from asyncrl.clients.reward import RewardClient
 from asyncrl.scoring.sandbox import Isolation
 from asyncrl.scoring.types import CodeReference, Failure, IoCase, MathReference, ScoreTask
 from asyncrl.spec import RewardSpec
 from asyncrl.v1 import reward_pb2, reward_pb2_grpc
+from support.ports import free_port
 from support.reward import RewardThread
 
 JOB = "reward-test"

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from support.rollout import free_port, tiny_engine
 
 from asyncrl.platform.grpc_health import is_serving_at
 from asyncrl.engine.api import TorchInferenceEngine
 from asyncrl.rollout.grpc_control import serve_control
 from asyncrl.engine.types import SamplingParams
 from asyncrl.v1 import rollout_pb2, rollout_pb2_grpc
+from support.ports import free_port
+from support.rollout import tiny_engine
 
 
 @pytest.fixture

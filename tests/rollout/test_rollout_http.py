@@ -11,22 +11,16 @@ import httpx
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from support.rollout import (
-    MAX_SEQUENCE_LENGTH,
-    VOCAB,
-    HttpServer,
-    queued,
-    tiny_engine,
-    wait_for,
-    write_snapshot,
-)
 from safetensors.torch import load_file, save_file
 
-from asyncrl.model.policy import TinyModelConfig, build_tiny_model
 from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.rollout.http_api import create_app
 from asyncrl.rollout.metrics import RolloutMetrics
 from asyncrl.engine.types import SamplingParams
+from support.rollout import MAX_SEQUENCE_LENGTH, queued, tiny_engine
+from support.servers import HttpServer
+from support.tiny_model import VOCAB, tiny_model, write_snapshot
+from support.waiting import wait_for
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6}
 
@@ -92,7 +86,7 @@ def write_sharded_snapshot(directory, seed, *, index=True):
     .safetensors files and, with `index`, model.safetensors.index.json mapping each tensor to
     its shard. Tied embeddings appear once (lm_head.weight shares embed_tokens' storage)."""
     directory.mkdir(parents=True, exist_ok=True)
-    model = build_tiny_model(TinyModelConfig(seed=seed), vocab_size=VOCAB)
+    model = tiny_model(seed, VOCAB)
     tensors, storages = {}, set()
     for name, tensor in model.state_dict().items():
         if tensor.data_ptr() not in storages:
@@ -426,7 +420,7 @@ def eos_service():
     """A second server whose engine has an EOS token: the fourth token of the greedy
     continuation of EOS_PROMPT (found first on an engine without one)."""
     def model():
-        return build_tiny_model(TinyModelConfig(seed=0), vocab_size=VOCAB)
+        return tiny_model(0, VOCAB)
 
     probe = TorchEngine(model(), max_running_requests=2, max_sequence_length=64, seed=0).start()
     try:

@@ -15,11 +15,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_model
 
 from asyncrl.model.policy import load_model
-from asyncrl.platform.redis_server import free_port
 from asyncrl.v1 import rollout_pb2, rollout_pb2_grpc
 from asyncrl.weights.announcements import WeightVersion, weights_channel, weights_key
-
 from support import ROOT
+from support.ports import free_port
+from support.waiting import wait_for_status
 
 
 def start_rollout(redis_url: str, log: Path, env: dict | None = None):
@@ -36,20 +36,6 @@ def start_rollout(redis_url: str, log: Path, env: dict | None = None):
     base = f"http://127.0.0.1:{http_port}"
     wait_for_status(process, log, f"{base}/health", 200)
     return process, base, grpc_port
-
-
-def wait_for_status(process, log: Path, url: str, status: int, timeout: float = 120) -> None:
-    """Until `url` answers `status`, the process running all along; the limit catches a hang."""
-    deadline = time.monotonic() + timeout
-    while True:
-        assert process.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, f"{url} never answered {status}"
-        try:
-            if httpx.get(url, timeout=1).status_code == status:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
 
 
 @pytest.fixture

@@ -14,16 +14,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from asyncrl.platform.redis_server import free_port
-
 from support import ROOT
+from support.ports import free_port
+from support.waiting import wait_for_status
+
 ASYNCRL = str(Path(sys.executable).parent / "asyncrl")
 # Every test starts service processes that load a model.
 pytestmark = pytest.mark.slow
@@ -56,19 +56,6 @@ def start_worker(job_file: Path, command: str, log: Path, *extra: str):
     return process, f"http://127.0.0.1:{http_port}"
 
 
-def wait_healthy(process, base: str, log: Path, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        assert process.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, "the worker did not become healthy"
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-
-
 def children(pid: int) -> list[int]:
     found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
     return [int(p) for p in found.stdout.split()]
@@ -99,7 +86,7 @@ def test_worker_health_follows_sglang_and_its_death_stops_the_worker(tmp_path):
     log = tmp_path / "worker.log"
     process, base = start_worker(job, stand_in_command(job), log)
     try:
-        wait_healthy(process, base, log)
+        wait_for_status(process, log, f"{base}/health", 200, timeout=180)
         metrics = httpx.get(f"{base}/metrics", timeout=10).text
         assert 'asyncrl_rollout_policy_version{rljob="tiny"} 0.0' in metrics
         (server,) = children(process.pid)

@@ -5,12 +5,12 @@ import asyncio
 
 import pytest
 
-from asyncrl.model.policy import TinyModelConfig, build_tiny_model
 from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.engine.types import SamplingParams
 from asyncrl.engine.api import TorchInferenceEngine
 from asyncrl.rollout.workflow import EngineGenerator, PromptItem, RolloutWorkflow
 from support.rollout import InOrder, InProcessGate
+from support.tiny_model import tiny_model
 
 
 class CountingScorer:
@@ -31,7 +31,7 @@ def items(count):
 
 @pytest.fixture
 def engine():
-    model = build_tiny_model(TinyModelConfig(), vocab_size=64)
+    model = tiny_model(vocab_size=64)
     engine = TorchEngine(model, max_running_requests=8, max_sequence_length=64, seed=0).start()
     yield engine
     engine.stop()

@@ -10,11 +10,8 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
-from support import ROOT
-from support.rollout import HttpServer, free_port, tiny_engine, wait_for, write_snapshot
 
 from asyncrl.rollout.http_api import create_app
 from asyncrl.rollout.metrics import RolloutMetrics
@@ -39,6 +36,12 @@ from asyncrl.launch.sglang import (
 )
 from asyncrl.engine.types import SamplingParams
 from asyncrl.spec import load_manifest
+from support import ROOT
+from support.ports import free_port
+from support.rollout import tiny_engine
+from support.servers import HttpServer
+from support.tiny_model import write_snapshot
+from support.waiting import wait_for
 
 EXAMPLES = ROOT / "examples"
 

@@ -15,17 +15,17 @@ import json
 
 import pytest
 import torch
-from support.rollout import HttpServer, tiny_engine, wait_for, write_snapshot
 
-from asyncrl.model.policy import TinyModelConfig, build_tiny_model
 from asyncrl.engine.api import InferenceEngine
 from asyncrl.rollout.http_api import create_app
 from asyncrl.rollout.metrics import RolloutMetrics
 from asyncrl.rollout.sglang_client import SGLangClient
 from asyncrl.rollout.sglang_engine import SGLangEngine
 from asyncrl.engine.types import SamplingParams
-
-from support.rollout import VOCAB
+from support.rollout import tiny_engine
+from support.servers import HttpServer
+from support.tiny_model import tiny_model, write_snapshot
+from support.waiting import wait_for
 
 
 class WithoutPerTokenVersions:
@@ -95,7 +95,7 @@ def test_generate_through_sglang_api(server):
     assert len(result.output_ids) == 6 and result.finish_reason == "length"
     assert result.output_versions == [0] * 6 and result.interruptions == 0
     assert status.generated_tokens_total == 6 and status.running_requests == 0
-    models = {0: build_tiny_model(TinyModelConfig(seed=0), vocab_size=VOCAB)}
+    models = {0: tiny_model(0)}
     assert result.output_logprobs == pytest.approx(expected_logprobs(result, models), abs=1e-4)
 
 
@@ -122,7 +122,7 @@ def test_weight_updates_interrupt_and_every_token_keeps_the_version_that_made_it
             return await asyncio.gather(*requests), engine.status()
 
     results, status = run(scenario())
-    models = {v: build_tiny_model(TinyModelConfig(seed=v), vocab_size=VOCAB) for v in (0, 1, 2)}
+    models = {v: tiny_model(v) for v in (0, 1, 2)}
     spanning = 0
     for result in results:
         # Interrupted requests are resent and finish their whole budget.

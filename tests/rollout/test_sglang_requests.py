@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -26,10 +25,10 @@ from asyncrl.rollout.sglang_client import (
 from asyncrl.launch.sglang import SGLANG_VERSION, sglang_launch_command
 from asyncrl.engine.types import SamplingParams
 from asyncrl.spec import load_manifest
+from support import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-from support import ROOT
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary"
 VOCAB = 49152
 

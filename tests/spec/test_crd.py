@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import re
-from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
@@ -14,8 +13,8 @@ from kubernetes_validate.utils import latest_version
 from asyncrl import spec
 from asyncrl.spec.crd import build_crd, structural_schema
 from asyncrl.spec import read_manifest
-
 from support import ROOT
+
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 

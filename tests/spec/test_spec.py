@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from pydantic import ValidationError
 
@@ -18,8 +16,8 @@ from asyncrl.spec import (
     read_manifest,
 )
 from asyncrl.spec.errors import format_errors, issues, yaml_lines
-
 from support import ROOT
+
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 BROKEN = ROOT / "tests" / "data" / "broken-rljob.yaml"
 

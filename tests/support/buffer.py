@@ -1,13 +1,13 @@
-"""A real buffer gRPC server (grpc.aio) on a loopback port, in a background thread with its own
-event loop, over a real redis-server; builders for well-formed groups; and the fate of every
-group of a finished run, read from Redis' append-only file."""
+"""The buffer service for tests: a real buffer gRPC server (grpc.aio) on a loopback port, on
+its own event loop, over a real redis-server, or `asyncrl serve buffer` as a process; its stub
+fixture; builders for well-formed groups; and the fate of every group of a finished run, read
+from Redis' append-only file."""
 
 from __future__ import annotations
 
 import asyncio
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,22 +21,24 @@ from asyncrl.buffer.metrics import BufferMetrics
 from asyncrl.buffer.server import create_server
 from asyncrl.buffer.store import BufferStore, JobConfig
 from asyncrl.platform.redis_keys import key
-from asyncrl.platform.redis_server import RedisServer, free_port
+from asyncrl.platform.redis_server import RedisServer
 from asyncrl.v1 import buffer_pb2_grpc, common_pb2
+from support.ports import free_port
+from support.servers import LoopThread
 
 
-class BufferThread:
+class BufferThread(LoopThread):
+    """The buffer service for `jobs` over the Redis at `redis_url`, on a free loopback port."""
+
     def __init__(self, redis_url: str, jobs: list[JobConfig]):
+        super().__init__()
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self._redis_url = redis_url
         self._jobs = jobs
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
     def start(self) -> BufferThread:
-        self._thread.start()
-        self._run(self._start())
+        self.run(self._start(), timeout=30)
         return self
 
     async def _start(self) -> None:
@@ -50,12 +52,8 @@ class BufferThread:
             await self.server.stop(grace=0)
             await self.client.aclose()
 
-        self._run(stop())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-
-    def _run(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=30)
+        self.run(stop(), timeout=30)
+        super().stop()
 
 
 class BufferProcess:

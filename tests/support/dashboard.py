@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 from asyncrl.buffer.metrics import BufferMetrics
 from asyncrl.buffer.store import Stats
+from asyncrl.engine.types import EngineStatus, GenerationResult, WeightUpdate
+from asyncrl.rollout.metrics import RolloutMetrics
 from asyncrl.scoring.metrics import RewardMetrics
 from asyncrl.scoring.sandbox import RunResult
 from asyncrl.scoring.types import Failure, ScoreResult
-from asyncrl.rollout.metrics import RolloutMetrics
-from asyncrl.engine.types import EngineStatus, GenerationResult, WeightUpdate
 from asyncrl.trainer.metrics import TrainerMetrics
-
 from support import ROOT
+
 DASHBOARD = ROOT / "charts/asyncrl/dashboards/asyncrl.json"
 
 # PromQL words that are not metric names: keywords, aggregations, functions (always followed

@@ -1,23 +1,22 @@
-"""The operator against the kwok control plane: its fixtures (kube, crd, operator, namespace),
-the operator as a process, and helpers to create, read and wait for jobs."""
+"""The operator against the kwok control plane (tests/operator, tests/chart): its fixtures
+(kube, crd, operator, namespace), the operator as a process, and helpers to create, read and
+wait for jobs."""
 
 from __future__ import annotations
-import copy
-import json
+
 import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
+
 import pytest
 import yaml
+
 from asyncrl.spec.crd import build_crd
-from asyncrl.platform.settings import SGLANG_STARTUP_SECONDS
+from support import ROOT, waiting
 
-
-from support import ROOT
 ASYNCRL = str(Path(sys.executable).parent / "asyncrl")
 RESYNC_SECONDS = 2
 
@@ -118,19 +117,22 @@ def namespace(kube):
 
 
 def wait_for(predicate, timeout: float, what: str, operator: OperatorProcess | None = None):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
+    """support.waiting.wait_for four times a second, failing at once (with its log) if
+    `operator` exits; on timeout it shows what the predicate last saw, if it says, and the
+    operator's log."""
+
+    def check():
         if operator is not None:
             operator.check()
-        last = predicate()
-        if last:
-            return last
-        time.sleep(0.25)
-    seen = getattr(predicate, "seen", None)  # what a predicate last looked at, if it says
-    detail = f"\nlast seen: {seen!r}" if seen is not None else ""
-    detail += f"\noperator log:\n{operator.tail()}" if operator else ""
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r}){detail}")
+        return predicate()
+
+    def describe() -> str:
+        seen = getattr(predicate, "seen", None)  # what a predicate last looked at, if it says
+        detail = [f"last seen: {seen!r}"] if seen is not None else []
+        detail += [f"operator log:\n{operator.tail()}"] if operator else []
+        return "\n".join(detail)
+
+    return waiting.wait_for(check, timeout, what, describe, every=0.25)
 
 
 def _exists(read) -> bool:

@@ -1,19 +1,18 @@
-"""A real Prometheus for the dashboard tests: its binary, queries, and what a run must show."""
+"""A real Prometheus for the dashboard tests (tests/chart, tests/e2e): its binary, a client for
+its query API, stopping the processes a test started, and what a run must show before every
+dashboard panel has data (READY)."""
 
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+
 import httpx
 import pytest
-import yaml
-from asyncrl.platform.redis_server import free_port
-from support.dashboard import ROOT, expressions, load_dashboard, substitute
 
+from support import ROOT
 
 ASYNCRL = str(Path(sys.executable).parent / "asyncrl")
 TINY = ROOT / "examples/tiny.yaml"

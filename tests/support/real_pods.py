@@ -1,25 +1,14 @@
-"""Real pods on the one-node cluster: the images built from this checkout, base images, waiting."""
+"""Real pods on the one-node cluster (tests/e2e): the images built from this checkout, base
+images, the job's names, and waiting at a real cluster's pace."""
 
 from __future__ import annotations
-import json
-import re
-import signal
+
 import subprocess
-import time
-import uuid
-from pathlib import Path
-import httpx
+
 import pytest
-import yaml
-from kubernetes import client
-from kubernetes.client.rest import ApiException
-from asyncrl.platform.redis_server import free_port
-from support.buffer import group_fates
-from support.dashboard import expressions, load_dashboard, substitute
-from test_dashboard_prometheus import READY, Prometheus, prometheus_binary, stop, tail
 
+from support import ROOT, waiting
 
-from support import ROOT
 CLUSTER = ROOT / "tests" / "cluster"
 JOB = "e2e"
 # More steps than the suite needs to act on mid-run (a step takes 1 to 7 s here): the scale
@@ -33,17 +22,9 @@ OPERATOR_NAMESPACE = "asyncrl-system"
 
 
 def wait_for(predicate, timeout: float, what: str, describe=None):
-    """Poll `predicate` until it returns something truthy; a generous deadline that only
-    catches hangs. On timeout the failure shows `describe()` (cluster state for the reader)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            detail = f"\n{describe()}" if describe else ""
-            pytest.fail(f"timed out after {timeout}s waiting for {what}{detail}")
-        time.sleep(1)
+    """support.waiting.wait_for at a real cluster's pace, once a second (each look is API calls
+    or a kubectl); on timeout the failure shows `describe()` (cluster state for the reader)."""
+    return waiting.wait_for(predicate, timeout, what, describe, every=1)
 
 
 def images() -> dict[str, tuple[str, str]]:

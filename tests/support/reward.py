@@ -1,33 +1,19 @@
-"""An asyncio loop in a background thread, so tests can keep real worker pools, sandboxes and a
-real reward gRPC server (grpc.aio on a loopback port) alive across several test functions; and
-a scoring endpoint on loopback for http rewards."""
+"""The reward service for tests: a real reward gRPC server (grpc.aio on a loopback port) on its
+own event loop, which keeps real worker pools and sandboxes alive across several test
+functions; and a scoring endpoint on loopback for http rewards."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from asyncrl.platform.redis_server import free_port
+from asyncrl.reward.server import create_server
 from asyncrl.scoring.metrics import RewardMetrics
 from asyncrl.scoring.scorer import RewardScorer
-from asyncrl.reward.server import create_server
-
-
-class LoopThread:
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-
-    def run(self, coroutine, timeout: float = 60.0):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=timeout)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
+from support.ports import free_port
+from support.servers import LoopThread
 
 
 class RewardThread(LoopThread):

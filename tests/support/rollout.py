@@ -1,44 +1,29 @@
-"""Shared pieces for the rollout service tests: a real torch engine on a tiny random model,
-weight snapshots from differently seeded models, and a real uvicorn server on a loopback
-port."""
+"""Shared pieces for the rollout and weight tests: a real torch engine on a tiny random model
+(support.tiny_model), the log-probs a trainer would recompute for its tokens, and test doubles
+of the workflow's prompt order and staleness gate."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import socket
-import threading
-import time
-from pathlib import Path
 
 import torch
-import uvicorn
-from safetensors.torch import save_model
 
-from asyncrl.model.policy import TinyModelConfig, build_tiny_model, packed_token_logprobs
 from asyncrl.data.prompts import PromptItem, PromptSet
+from asyncrl.data.samples import Group, Slot
 from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.engine.types import EngineStatus
-from asyncrl.data.samples import Group, Slot
+from asyncrl.model.policy import packed_token_logprobs
 from support.gate_oracle import rollout_capacity
+from support.tiny_model import VOCAB, tiny_model
 
-VOCAB = 256
 MAX_SEQUENCE_LENGTH = 256
 
 
 def tiny_engine(seed: int = 0) -> TorchEngine:
-    model = build_tiny_model(TinyModelConfig(seed=seed), vocab_size=VOCAB)
-    return TorchEngine(
-        model, max_running_requests=8, max_sequence_length=MAX_SEQUENCE_LENGTH, seed=0
-    ).start()
-
-
-def write_snapshot(path: Path, seed: int) -> Path:
-    """A safetensors snapshot of a tiny model with another seed (tied embeddings are saved
-    once: save_model drops the shared duplicate, which the engine accepts)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_model(build_tiny_model(TinyModelConfig(seed=seed), vocab_size=VOCAB), str(path))
-    return path
+    """A started torch engine on tiny_model(seed) (VOCAB tokens)."""
+    return TorchEngine(tiny_model(seed, VOCAB), max_running_requests=8,
+                       max_sequence_length=MAX_SEQUENCE_LENGTH, seed=0).start()
 
 
 def recomputed_logprobs(models: dict, prompt_ids: list[int], output_ids: list[int],
@@ -53,49 +38,9 @@ def recomputed_logprobs(models: dict, prompt_ids: list[int], output_ids: list[in
     return torch.stack([per_version[v][i] for i, v in enumerate(output_versions)])
 
 
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.005)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def queued(engine) -> int:
     status: EngineStatus = engine.status()
     return status.waiting_requests + status.running_requests
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class HttpServer:
-    """Serves an ASGI app with uvicorn in a background thread on a loopback socket."""
-
-    def __init__(self, app):
-        self._socket = socket.socket()
-        self._socket.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True
-        )
-
-    def __enter__(self) -> HttpServer:
-        self._thread.start()
-        wait_for(lambda: self._server.started, what="uvicorn to start")
-        return self
-
-    def __exit__(self, *_) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
-        self._socket.close()
 
 
 class InOrder:

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.model.policy import TinyModelConfig, build_tiny_model
 from asyncrl.trainer.step import TrainSample
+from support import tiny_model as tiny
 
 VOCAB = 512
 
 
 def tiny_model() -> torch.nn.Module:
-    return build_tiny_model(TinyModelConfig(seed=7), vocab_size=VOCAB)
+    """The trainer tests' tiny model: seed 7, VOCAB tokens."""
+    return tiny.tiny_model(seed=7, vocab_size=VOCAB)
 
 
 def make_samples(count: int, seed: int = 0, behaviour_noise: float = 0.1) -> list[TrainSample]:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from asyncrl.model.policy import SMOLLM2, load_model, packed_token_logprobs
 from asyncrl.model.packed_attention import use_packed_attention
@@ -22,9 +22,10 @@ from asyncrl.trainer.megatron import compat, hf_layout
 from asyncrl.trainer.megatron.hf_layout import LlamaShape
 from asyncrl.trainer.distributed import full_optimizer_state, load_full_state
 from asyncrl.trainer.step import PolicyUpdater, TrainSample, UpdateConfig
+from support import ROOT
+from support.tiny_model import tiny_transformers_model
 from support.trainer import make_samples, tiny_model
 
-from support import ROOT
 ASYNCRL = str(Path(sys.executable).parent / "asyncrl")
 
 # fp32 on a CPU: Megatron's attention (unfused softmax over an explicit mask) and transformers'
@@ -50,11 +51,8 @@ def _policy(hf_model):
 
 def _untied_gqa_model() -> LlamaForCausalLM:
     """Untied embeddings and 3 query heads per key/value head (SmolLM2's ratio)."""
-    config = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=80,
-                         num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
-                         tie_word_embeddings=False, initializer_range=0.3)
-    torch.manual_seed(3)
-    return LlamaForCausalLM(config)
+    return tiny_transformers_model(seed=3, vocab_size=96, hidden_size=48, intermediate_size=80,
+                                   num_attention_heads=6, tie_word_embeddings=False)
 
 
 def _packed_row(vocab: int, lengths: list[int], seed: int = 0):
@@ -108,13 +106,9 @@ def test_fused_qkv_rows_are_grouped_per_key_value_head():
 
 
 def test_qwen2_query_key_value_biases_round_trip():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    state = Qwen2ForCausalLM(config).state_dict()
-    shape = LlamaShape.of(config)
+    model = tiny_transformers_model("qwen2", vocab_size=64, hidden_size=32, intermediate_size=48,
+                                    num_hidden_layers=1)
+    state, shape = model.state_dict(), LlamaShape.of(model.config)
     assert shape.qkv_bias
     mapped = hf_layout.hf_to_megatron(state, shape)
     assert mapped["decoder.layers.0.self_attention.linear_qkv.bias"].shape == (4 * 8 + 2 * 2 * 8,)
@@ -138,9 +132,9 @@ def test_transformer_engine_spec_names_fuse_each_norm_into_the_next_linear_layer
 def test_tensor_parallel_shards_put_back_together_exactly(size):
     hf = _untied_gqa_model()  # 6 heads, 2 kv heads: tensor parallel 2 divides both
     if size == 3:
-        hf = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=36, intermediate_size=60,
-                                          num_hidden_layers=1, num_attention_heads=3,
-                                          num_key_value_heads=3))
+        hf = tiny_transformers_model(vocab_size=96, hidden_size=36, intermediate_size=60,
+                                     num_hidden_layers=1, num_attention_heads=3,
+                                     num_key_value_heads=3, tie_word_embeddings=False)
     whole = hf_layout.hf_to_megatron(hf.state_dict(), LlamaShape.of(hf.config))
     for name, tensor in whole.items():
         parts = [hf_layout.shard(name, tensor, rank, size) for rank in range(size)]

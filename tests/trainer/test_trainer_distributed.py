@@ -23,7 +23,6 @@ from safetensors.torch import load_file
 from asyncrl.buffer.store import JobConfig
 from asyncrl.platform.devices import select_device
 from asyncrl.model.policy import TinyModelConfig, load_model, packed_token_logprobs, tied_aliases
-from asyncrl.platform.redis_server import free_port
 from asyncrl.local.runner import LocalJob, RunOptions
 from asyncrl.spec import load_manifest
 from asyncrl.trainer.checkpoints import (
@@ -46,10 +45,11 @@ from asyncrl.launch.torchrun import torchrun_arguments
 from asyncrl.trainer.service import forget_records_after
 from asyncrl.trainer.step import PolicyUpdater, UpdateConfig
 from asyncrl.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
+from support import ROOT
 from support.buffer import BufferThread
+from support.ports import free_port
 from support.trainer import make_groups, make_samples, tiny_model
 
-from support import ROOT
 TINY = ROOT / "examples/tiny.yaml"
 ASYNCRL = str(Path(sys.executable).parent / "asyncrl")
 # The tests' device: the job's GPUs when CUDA is here (a GPU runner), the CPU otherwise.

@@ -7,17 +7,16 @@ import time
 import pytest
 import redis.asyncio as redis
 import torch
-from safetensors.torch import save_model
 
 from asyncrl.buffer.store import BufferStore, JobConfig
-from asyncrl.model.policy import TinyModelConfig, build_tiny_model
 from asyncrl.platform.outage import Outage, OutageTooLong, connect, redis_address
 from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.engine.api import TorchInferenceEngine
 from asyncrl.engine.types import SamplingParams
 from asyncrl.rollout.weights_receiver import WeightWatcher, engine_applier
 from asyncrl.weights.announcements import WeightVersion, weights_channel, weights_key
-from support.rollout import VOCAB, recomputed_logprobs, write_snapshot
+from support.rollout import recomputed_logprobs
+from support.tiny_model import VOCAB, tiny_model, write_snapshot
 
 JOB = "sync-test"
 
@@ -50,9 +49,9 @@ def test_announced_versions_reach_the_engine(redis_server, tmp_path):
     snapshots = []
     for version in (1, 2, 3):
         path = tmp_path / f"v{version}.safetensors"
-        save_model(build_tiny_model(TinyModelConfig(seed=version), vocab_size=64), str(path))
+        write_snapshot(path, version, vocab_size=64)
         snapshots.append(path)
-    engine = TorchEngine(build_tiny_model(TinyModelConfig(), vocab_size=64),
+    engine = TorchEngine(tiny_model(vocab_size=64),
                          max_running_requests=2, max_sequence_length=32).start()
 
     async def scenario():
@@ -86,7 +85,7 @@ def test_announced_versions_reach_the_engine(redis_server, tmp_path):
 
 def test_watcher_survives_a_redis_restart(redis_server, tmp_path, caplog):
     path = tmp_path / "v1.safetensors"
-    save_model(build_tiny_model(TinyModelConfig(seed=5), vocab_size=64), str(path))
+    write_snapshot(path, 5, vocab_size=64)
     applied = []
 
     async def apply(version):
@@ -137,11 +136,11 @@ def test_versions_announced_by_the_trainer_reach_requests_in_flight(redis_server
     weights between two decode steps, without a pause. Each response keeps its whole budget,
     its per-token versions step up once per announced version, and every token's log-prob is
     that of the weights of its version (prompt and earlier tokens re-read under them)."""
-    models = {v: build_tiny_model(TinyModelConfig(seed=seed), vocab_size=VOCAB)
+    models = {v: tiny_model(seed, VOCAB)
               for v, seed in {0: 1, 1: 9, 2: 17}.items()}
     snapshots = {v: write_snapshot(tmp_path / f"v{v}" / "model.safetensors", seed)
                  for v, seed in {1: 9, 2: 17}.items()}
-    engine = TorchEngine(build_tiny_model(TinyModelConfig(seed=1), vocab_size=VOCAB),
+    engine = TorchEngine(tiny_model(1, VOCAB),
                          max_running_requests=4, max_sequence_length=700, seed=0).start()
     inference = TorchInferenceEngine(engine)
     prompts = [[3 + i, 4, 5, 6 + 2 * i] for i in range(4)]

@@ -11,9 +11,7 @@ import httpx
 import pytest
 import redis.asyncio as redis
 import torch
-from support.rollout import VOCAB, HttpServer, free_port, recomputed_logprobs, tiny_engine, wait_for
 
-from asyncrl.model.policy import TinyModelConfig, build_tiny_model
 from asyncrl.engine.api import TorchInferenceEngine
 from asyncrl.rollout.http_api import create_app
 from asyncrl.rollout.metrics import RolloutMetrics
@@ -38,14 +36,15 @@ from asyncrl.weights.distributed import (
     model_manifest,
 )
 from asyncrl.weights.announcements import WeightVersion, weights_channel, weights_key
+from support.ports import free_port
+from support.rollout import recomputed_logprobs, tiny_engine
+from support.servers import HttpServer
+from support.tiny_model import tiny_model as tiny
+from support.waiting import wait_for
 
 
 def run(scenario):
     return asyncio.run(asyncio.wait_for(scenario, timeout=300))
-
-
-def tiny(seed: int):
-    return build_tiny_model(TinyModelConfig(seed=seed), vocab_size=VOCAB)
 
 
 def test_the_manifest_is_the_snapshot_layout_sorted_tied_weights_once(tmp_path):

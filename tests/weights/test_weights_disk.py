@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from asyncrl.model.policy import TinyModelConfig, build_tiny_model, tied_aliases
+from asyncrl.model.policy import tied_aliases
 from asyncrl.weights.disk import (
     SNAPSHOT_FILE,
     SnapshotError,
@@ -17,13 +17,14 @@ from asyncrl.weights.disk import (
     read_state_dict,
     write_snapshot,
 )
+from support.tiny_model import tiny_model
 
 VOCAB = 64
 
 
 @pytest.fixture
 def model():
-    return build_tiny_model(TinyModelConfig(seed=3), vocab_size=VOCAB)
+    return tiny_model(3, VOCAB)
 
 
 def test_a_written_snapshot_is_a_hugging_face_directory_with_tied_weights_once(model, tmp_path):
