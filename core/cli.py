@@ -114,7 +114,7 @@ def run(
         "RUN_DIR/prometheus/ gets targets.json (file_sd) and a prometheus.yml that scrapes "
         "them.")] = False,
 ) -> None:
-    """Run a whole job on this machine: Redis, buffer, trainer and rollout as processes."""
+    """Run a whole job on this machine: Redis, buffer, reward, trainer and rollout as processes."""
     import time
 
     from rich.console import Console
@@ -180,9 +180,8 @@ def run(
 
 
 def _stop_on_sigterm() -> None:
-    """`kill` (SIGTERM) stops a run like Ctrl-C does: services stopped, folder resumable.
-    Also makes Ctrl-C work when the shell started the run in the background with SIGINT
-    ignored."""
+    """`kill` (SIGTERM) stops a service like Ctrl-C does (its finally blocks run). Also makes
+    Ctrl-C work when the shell started it in the background with SIGINT ignored."""
     import signal
 
     def interrupt(*_):

@@ -10,7 +10,7 @@
 #   bash tests/cluster/build.sh --print   # print the bin folder and exit
 #
 # A cold build downloads ~1 GB of modules and compiles for a long while on a small machine; see
-# docs/kubernetes.md. Go's module and build caches (~8 GB once
+# docs/testing.md. Go's module and build caches (~8 GB once
 # everything is built) live in a folder of their own, removed once the binaries are in place:
 # the binaries are the cache.
 set -euo pipefail
