@@ -128,7 +128,7 @@ def verdict() -> dict:
         "cases": [{"name": n, "kind": k, "body": b} for n, (k, b) in CASES.items()],
     }
     check = subprocess.run(
-        [python, str(ROOT / "tests" / "sglang_request_check.py")],
+        [python, str(ROOT / "tests" / "support" / "sglang_requests.py")],
         input=json.dumps(request), capture_output=True, text=True, timeout=600,
     )
     if check.returncode != 0:
