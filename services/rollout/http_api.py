@@ -59,6 +59,7 @@ from pydantic import (
 )
 
 from asyncrl.rollout.metrics import RolloutMetrics
+from asyncrl.rollout.openai_api import openai_router, submitted
 from asyncrl.engine.types import (
     GenerationResult,
     RequestError,
@@ -419,9 +420,11 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 
 def create_app(engine, *, model_path: str, metrics: RolloutMetrics,
-               ready: Callable[[], bool] = lambda: True) -> FastAPI:
+               ready: Callable[[], bool] = lambda: True, tokenizer=None) -> FastAPI:
     """The HTTP front of one engine (a started TorchEngine or anything with its interface);
-    `ready` tells whether the worker's dependencies are reachable (see health_and_metrics)."""
+    `ready` tells whether the worker's dependencies are reachable (see health_and_metrics).
+    With the model's `tokenizer`, the OpenAI-compatible API (asyncrl.rollout.openai_api) is
+    served too, as model `model_path`."""
     app = FastAPI(title="asyncrl rollout (SGLang-compatible)")
     groups: dict[str, Any] = {}  # weight transfer groups joined, by name
 
@@ -589,6 +592,10 @@ def create_app(engine, *, model_path: str, metrics: RolloutMetrics,
         return {"weight_version": str(engine.version)}
 
     app.include_router(health_and_metrics(engine, metrics, ready))
+    if tokenizer is not None:
+        app.include_router(openai_router(
+            submitted(submit, engine.abort), tokenizer, model_name=model_path,
+            max_sequence_length=engine.status().max_sequence_length))
     return app
 
 

@@ -1,0 +1,652 @@
+"""An OpenAI-compatible API on the rollout worker, so agent code written against the OpenAI
+SDK can drive the policy being trained.
+
+`openai_router` serves, beside the SGLang-compatible native API (asyncrl.rollout.http_api):
+
+- `GET /v1/models` (and `/v1/models/{model}`): the one served model;
+- `POST /v1/completions`: `prompt` as a string, a list of strings, token ids or a list of
+  token-id lists; `n`, `max_tokens` (default 16, as OpenAI's), `temperature`, `top_p`,
+  `stop`, `frequency_penalty`, `presence_penalty`, `logprobs` (0 or 1), `stream`, `seed`;
+- `POST /v1/chat/completions`: `messages` rendered by the tokenizer's chat template; the
+  same sampling fields, `max_tokens` / `max_completion_tokens` (default: up to the engine's
+  max sequence length), `logprobs` (bool) and `top_logprobs` (0), `stream`, and `tools` /
+  `tool_choice` ("auto" or "none") with calls in the Hermes layout (asyncrl.rollout.tool_calls).
+
+Every completion is one `generate(prompt_ids, SamplingParams) -> GenerationResult` call
+(`InferenceEngine.generate`'s signature), so any engine serves this API. The engine works on
+tokens and returns whole results, so what the engine cannot do is done here, on the text:
+
+- stop strings: the output is decoded, cut before the first match (finish_reason "stop"), and
+  the tokens after the one that completed the match are dropped, from `usage` and log-probs
+  too. Generation itself runs on to its token stops or `max_tokens`;
+- streaming: chunks are sent once the result is in, one per output token (its text and, if
+  asked, its log-prob), ending with `data: [DONE]`; the deltas add up to the non-streamed text;
+- log-probs: only the chosen token's, the one the engine records (the behaviour policy's);
+  alternatives (`logprobs` > 1, `top_logprobs` > 0) are refused, never made up;
+- `seed` is accepted and not used: the engine's sampler has one generator for all requests.
+
+Errors have OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for a body
+that fails validation (the message and `param` name the field) or that the engine refuses,
+404 for a model other than the served one. A request is checked whole before anything of it
+reaches the engine, so a bad one never disturbs others.
+
+Each finished completion passes through `_complete`, with its prompt ids, output ids,
+log-probs and per-token versions (`GenerationResult`): the one place to record a call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import json
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Annotated, Any, Awaitable, Callable, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from asyncrl.engine.types import GenerationResult, RequestError, SamplingParams
+from asyncrl.rollout.tool_calls import (
+    ParsedOutput,
+    hermes_system_prompt,
+    parse_tool_calls,
+    tool_call_text,
+)
+
+Generate = Callable[[list[int], SamplingParams], Awaitable[GenerationResult]]
+
+# OpenAI's limits where the engine has none of its own.
+_MAX_N = 128
+_MAX_STOPS = 4
+
+
+class OpenAIError(Exception):
+    """A request refused with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None,
+                 type: str = "invalid_request_error"):  # noqa: A002 (OpenAI's name)
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = (
+            status, message, param, code, type)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(
+            {"error": {"message": self.message, "type": self.type, "param": self.param,
+                       "code": self.code}},
+            status_code=self.status,
+        )
+
+
+# ---------------------------------------------------------------------------- request bodies
+
+
+TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
+
+
+class _Sampling(BaseModel):
+    """The fields both endpoints share. Other fields OpenAI defines are ignored (`user`,
+    `metadata`, ...), except those whose effect the engine cannot give, which are refused
+    when set to anything but their no-op value (`_unsupported`)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr
+    n: Annotated[StrictInt, Field(ge=1, le=_MAX_N)] = 1
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=_MAX_STOPS)] | None = None
+    stream: StrictBool | None = False
+    stream_options: dict[str, Any] | None = None
+    seed: StrictInt | None = None  # accepted, not used (see the module's docstring)
+    logit_bias: dict[str, float] | None = None
+
+    def stops(self) -> tuple[str, ...]:
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not s for s in stops):
+            raise OpenAIError(400, "stop: stop strings must not be empty", param="stop")
+        return stops
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and (self.stream_options or {}).get("include_usage"))
+
+    def params(self, max_tokens: int, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            stop_token_ids=stop_token_ids,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+        )
+
+    def _unsupported(self, name: str, why: str) -> None:
+        raise OpenAIError(400, f"{name}: {why}", param=name)
+
+    def check(self) -> None:
+        self.stops()
+        if self.logit_bias:
+            self._unsupported("logit_bias", "not supported by this server; omit it")
+
+
+class CompletionRequest(_Sampling):
+    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
+    logprobs: Annotated[StrictInt, Field(ge=0)] | None = None
+    echo: StrictBool | None = False
+    suffix: StrictStr | None = None
+    best_of: StrictInt | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.logprobs is not None and self.logprobs > 1:
+            self._unsupported(
+                "logprobs", f"{self.logprobs} is not supported: this server returns the "
+                "log-prob of each chosen token only (logprobs 0 or 1), not the top "
+                "alternatives")
+        if self.echo:
+            self._unsupported("echo", "echo=true is not supported; send echo=false")
+        if self.suffix:
+            self._unsupported("suffix", "not supported by this server; omit it")
+        if self.best_of is not None and self.best_of != self.n:
+            self._unsupported("best_of", "not supported by this server; omit it or send n")
+
+    def prompts(self, tokenizer) -> list[list[int]]:
+        """The prompts as token ids (a string is tokenized as the model's tokenizer does by
+        default, special tokens included)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            prompts: list = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise OpenAIError(400, "prompt: must not be empty", param="prompt")
+        ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        if any(not p for p in ids):
+            raise OpenAIError(400, "prompt: a prompt has no tokens", param="prompt")
+        return ids
+
+
+class ChatMessage(BaseModel):
+    """One message, as OpenAI's chat API takes it. `content` is a string or a list of text
+    parts; other parts (images, audio) are refused."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[dict[str, Any]] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: StrictStr | None = None
+
+    def text(self, index: int) -> str | None:
+        if not isinstance(self.content, list):
+            return self.content
+        texts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise OpenAIError(
+                    400, f"messages[{index}].content: only text parts are supported "
+                    f"(got type {part.get('type')!r})", param=f"messages[{index}].content")
+            texts.append(part["text"])
+        return "".join(texts)
+
+    def for_template(self, index: int) -> dict[str, Any]:
+        """The message as chat templates read it (plain-text content; OpenAI's "developer"
+        is a system message)."""
+        message: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text(index) or "",
+        }
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["auto", "none"] | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs:
+            self._unsupported(
+                "top_logprobs", f"{self.top_logprobs} is not supported: this server returns "
+                "the log-prob of each chosen token only (top_logprobs 0), not the top "
+                "alternatives")
+        if isinstance(self.tool_choice, dict):
+            self._unsupported("tool_choice", "only \"auto\" and \"none\" are supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            self._unsupported("response_format", "only {\"type\": \"text\"} is supported")
+        for index, tool in enumerate(self.tools or ()):
+            function = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(function, dict) \
+                    or not isinstance(function.get("name"), str):
+                raise OpenAIError(
+                    400, f"tools[{index}]: a tool is {{\"type\": \"function\", \"function\": "
+                    "{\"name\": ..., \"parameters\": {...}}}", param=f"tools[{index}]")
+
+    @property
+    def tools_offered(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+# ---------------------------------------------------------------------------- text from tokens
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """One completion as the API reports it: the result (its tokens cut after a stop string),
+    its text, and why it ended."""
+
+    result: GenerationResult
+    text: str
+    finish_reason: str
+    parsed: ParsedOutput | None = None  # chat with tools: content and calls
+
+
+class _Text:
+    """The tokenizer's side of the API: prompts in, text and token strings out."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def choice(self, result: GenerationResult, stops: tuple[str, ...]) -> _Choice:
+        """The result's text, cut before the first stop string; its tokens then end with the
+        one that completed that match (those after it were never shown)."""
+        text = self.decode(result.output_ids)
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        if cut < 0:
+            reason = {"stop": "stop", "length": "length"}.get(result.finish_reason,
+                                                               result.finish_reason)
+            return _Choice(result, text, reason)
+
+        def matched(k: int) -> bool:
+            prefix = self.decode(result.output_ids[:k])
+            return any(0 <= prefix.find(s) <= cut for s in stops)
+
+        kept = bisect.bisect_left(range(len(result.output_ids) + 1), True, key=matched)
+        result = replace(result, output_ids=result.output_ids[:kept],
+                         output_logprobs=result.output_logprobs[:kept],
+                         output_versions=result.output_versions[:kept],
+                         finish_reason="stop", matched_stop=None)
+        return _Choice(result, text[:cut], "stop")
+
+    def pieces(self, ids: list[int], text: str) -> list[str]:
+        """`text` split into one piece per token of `ids` (the text each token adds; empty
+        while a token ends inside a character), so that the pieces add up to `text`."""
+        pieces, sent = [], 0
+        for k in range(1, len(ids) + 1):
+            prefix = self.decode(ids[:k])
+            upto = sent if prefix.endswith("\ufffd") else min(len(prefix), len(text))
+            pieces.append(text[sent:max(upto, sent)])
+            sent = max(upto, sent)
+        if pieces:
+            pieces[-1] += text[sent:]
+        return pieces
+
+
+def _usage(prompt_tokens: int, choices: list[_Choice]) -> dict[str, int]:
+    completion = sum(len(c.result.output_ids) for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+# ---------------------------------------------------------------------------- the router
+
+
+class _OpenAIRoute(APIRoute):
+    """Answers every refusal of these routes with OpenAI's error body: a body that fails
+    validation, OpenAIError, and what the engine refuses (RequestError). The app's own
+    handlers (SGLang's body) keep serving the native routes."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request):
+            try:
+                return await handler(request)
+            except RequestValidationError as exc:
+                return _invalid_body(exc).response()
+            except OpenAIError as exc:
+                return exc.response()
+            except RequestError as exc:
+                return OpenAIError(400, str(exc)).response()
+
+        return route
+
+
+def _invalid_body(exc: RequestValidationError) -> OpenAIError:
+    errors = exc.errors()
+    parts, params = [], []
+    for error in errors:
+        loc = [p for p in error.get("loc", ()) if p != "body"]
+        # A union's alternatives add their type's name to the path (prompt.str, ...).
+        loc = [p for p in loc if not (isinstance(p, str) and ("[" in p or p in _TYPE_NAMES))]
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+        message = error.get("msg", "invalid").removeprefix("Value error, ")
+        parts.append(f"{path}: {message}" if path else message)
+        params.append(path or None)
+    message = "; ".join(dict.fromkeys(parts)) or "invalid request body"
+    return OpenAIError(400, message, param=params[0] if params else None)
+
+
+# The names pydantic gives a union's alternatives in an error's path.
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "function-after", "constrained-int"}
+
+
+def submitted(submit: Callable[[list[int], SamplingParams, str], Future],
+              abort: Callable[[list[str]], Any]) -> Generate:
+    """`generate` over an engine's submit path (the torch engine's `submit(prompt_ids, params,
+    rid) -> Future` and `abort(rids)`): a request whose caller is gone (the client
+    disconnected) is aborted, so it frees its slot."""
+
+    async def generate(prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        rid = uuid.uuid4().hex
+        future = submit(prompt_ids, params, rid)
+        try:
+            # shield: a cancelled handler must not cancel the engine's future.
+            return await asyncio.shield(asyncio.wrap_future(future))
+        except asyncio.CancelledError:
+            asyncio.get_running_loop().run_in_executor(None, abort, [rid])
+            raise
+
+    return generate
+
+
+def openai_router(generate: Generate, tokenizer, *, model_name: str,
+                  max_sequence_length: int) -> APIRouter:
+    """The OpenAI-compatible routes over `generate` (an InferenceEngine's, or the torch
+    engine's submit path), serving `model_name` with `tokenizer`; `max_sequence_length` bounds
+    prompt + max_tokens, as the engine does."""
+    router = APIRouter(route_class=_OpenAIRoute)
+    text = _Text(tokenizer)
+    created = int(time.time())
+    chat_end = _chat_end_ids(tokenizer)
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise OpenAIError(404, f"The model {name!r} does not exist; this server serves "
+                              f"{model_name!r}", param="model", code="model_not_found")
+
+    def max_tokens(prompt: list[int], requested: int | None) -> int:
+        room = max_sequence_length - len(prompt)
+        if requested is None:
+            if room < 1:
+                raise OpenAIError(
+                    400, f"messages: the prompt has {len(prompt)} tokens, which leaves no "
+                    f"room to answer within this server's {max_sequence_length}",
+                    param="messages")
+            return room
+        if requested > room:
+            raise OpenAIError(
+                400, f"max_tokens: the prompt ({len(prompt)} tokens) + max_tokens "
+                f"({requested}) exceeds this server's maximum context length "
+                f"{max_sequence_length}; shorten the prompt or lower max_tokens",
+                param="max_tokens")
+        return requested
+
+    async def _complete(prompt_ids: list[int], params: SamplingParams, n: int,
+                        stops: tuple[str, ...]) -> list[_Choice]:
+        """`n` completions of one prompt (every completion of this API passes here)."""
+        results = await asyncio.gather(*(generate(prompt_ids, params) for _ in range(n)))
+        return [text.choice(result, stops) for result in results]
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "asyncrl"}
+
+    @router.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [model_card()]}
+
+    @router.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str):
+        check_model(model)
+        return model_card()
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        check_model(body.model)
+        body.check()
+        stops = body.stops()
+        prompts = body.prompts(tokenizer)
+        params = [body.params(max_tokens(p, body.max_tokens)) for p in prompts]
+        for p in params:
+            _check(p)
+        per_prompt = await asyncio.gather(
+            *(_complete(prompt, p, body.n, stops) for prompt, p in zip(prompts, params)))
+        choices = [c for group in per_prompt for c in group]
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                "created": int(time.time()), "model": model_name, "system_fingerprint": None}
+        usage = _usage(sum(len(p) for p in prompts), choices)
+        if body.stream:
+            return _stream(_completion_chunks(head, choices, body.logprobs, text,
+                                              usage if body.include_usage() else None))
+        return {**head, "usage": usage, "choices": [
+            {"index": index, "text": c.text, "finish_reason": c.finish_reason,
+             "logprobs": _completion_logprobs(c, body.logprobs, text)}
+            for index, c in enumerate(choices)]}
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        check_model(body.model)
+        body.check()
+        stops = body.stops()
+        prompt = _render(tokenizer, body)
+        params = body.params(max_tokens(prompt, body.max_new_tokens()), chat_end)
+        _check(params)
+        choices = await _complete(prompt, params, body.n, stops)
+        if body.tools_offered:
+            choices = [_with_calls(c) for c in choices]
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                "created": int(time.time()), "model": model_name, "system_fingerprint": None}
+        usage = _usage(len(prompt), choices)
+        if body.stream:
+            return _stream(_chat_chunks(head, choices, bool(body.logprobs), text,
+                                        usage if body.include_usage() else None))
+        return {**head, "usage": usage, "choices": [
+            {"index": index, "message": _message(c), "finish_reason": c.finish_reason,
+             "logprobs": _chat_logprobs(c, text) if body.logprobs else None}
+            for index, c in enumerate(choices)]}
+
+    return router
+
+
+def _check(params: SamplingParams) -> None:
+    try:
+        params.check()
+    except RequestError as exc:  # the fields are checked above; this is a last guard
+        raise OpenAIError(400, str(exc)) from None
+
+
+def _chat_end_ids(tokenizer) -> tuple[int, ...]:
+    """The tokens that end an assistant turn: the tokenizer's EOS, and the chat template's
+    end-of-turn token where it is another (ChatML's <|im_end|>, as Qwen's base models have)."""
+    ids = {tokenizer.eos_token_id}
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(end, int) and end != tokenizer.unk_token_id:
+        ids.add(end)
+    return tuple(sorted(i for i in ids if i is not None))
+
+
+# ---------------------------------------------------------------------------- chat
+
+
+def _render(tokenizer, body: ChatCompletionRequest) -> list[int]:
+    """The prompt's token ids: the messages through the model's chat template, with the tools
+    offered. Where the template ignores `tools` (SmolLM2's does), they are offered in a
+    system message in the Hermes layout, and earlier calls and their results are shown as
+    Hermes' `<tool_call>` and `<tool_response>` text, so tools reach the model either way."""
+    messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+    tools = body.tools if body.tools_offered else None
+    try:
+        prompt = _apply(tokenizer, messages, tools)
+        if tools and prompt == _apply(tokenizer, messages, None):
+            prompt = _apply(tokenizer, _hermes_messages(messages, tools), None)
+    except Exception as exc:  # jinja's TemplateError, a template's raise_exception, a bad call
+        raise OpenAIError(400, f"messages: the chat template refused them: {exc}",
+                          param="messages") from None
+    return tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def _apply(tokenizer, messages: list[dict[str, Any]], tools) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                         tokenize=False)
+
+
+def _hermes_messages(messages: list[dict[str, Any]], tools) -> list[dict[str, Any]]:
+    system = messages[0]["content"] if messages[0]["role"] == "system" else None
+    rest = messages[1:] if system is not None else messages
+    out = [{"role": "system", "content": hermes_system_prompt(tools, system)}]
+    for message in rest:
+        if message["role"] == "assistant" and message.get("tool_calls"):
+            calls = [tool_call_text(call["function"]["name"], call["function"]["arguments"])
+                     for call in message["tool_calls"]]
+            content = "\n".join(([message["content"]] if message["content"] else []) + calls)
+            out.append({"role": "assistant", "content": content})
+        elif message["role"] == "tool":
+            out.append({"role": "user",
+                        "content": f"<tool_response>\n{message['content']}\n</tool_response>"})
+        else:
+            out.append({"role": message["role"], "content": message["content"]})
+    return out
+
+
+def _with_calls(choice: _Choice) -> _Choice:
+    parsed = parse_tool_calls(choice.text)
+    reason = "tool_calls" if parsed.tool_calls else choice.finish_reason
+    return replace(choice, parsed=parsed, finish_reason=reason)
+
+
+def _tool_calls(choice: _Choice) -> list[dict[str, Any]]:
+    calls = choice.parsed.tool_calls if choice.parsed else ()
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}} for call in calls]
+
+
+def _message(choice: _Choice) -> dict[str, Any]:
+    content = choice.parsed.content if choice.parsed else choice.text
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    calls = _tool_calls(choice)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _chat_logprob(token_id: int, logprob: float, text: _Text) -> dict[str, Any]:
+    token = text.token(token_id)
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode()),
+            "top_logprobs": []}
+
+
+def _chat_logprobs(choice: _Choice, text: _Text) -> dict[str, Any]:
+    r = choice.result
+    return {"content": [_chat_logprob(t, lp, text)
+                        for t, lp in zip(r.output_ids, r.output_logprobs)],
+            "refusal": None}
+
+
+def _chat_chunks(head, choices: list[_Choice], logprobs: bool, text: _Text,
+                 usage: dict[str, int] | None):
+    head = {**head, "object": "chat.completion.chunk"}
+
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None,
+              entry: dict[str, Any] | None = None) -> str:
+        return _sse({**head, "choices": [{
+            "index": index, "delta": delta, "finish_reason": finish,
+            "logprobs": {"content": [entry], "refusal": None} if entry else None}]})
+
+    for index, c in enumerate(choices):
+        yield chunk(index, {"role": "assistant", "content": ""})
+        r = c.result
+        if c.parsed and c.parsed.tool_calls:
+            # Calls are known only once the whole text is: content, then the calls, at once.
+            if c.parsed.content:
+                yield chunk(index, {"content": c.parsed.content})
+            calls = [{"index": i, **call} for i, call in enumerate(_tool_calls(c))]
+            yield chunk(index, {"tool_calls": calls})
+            if logprobs:
+                for t, lp in zip(r.output_ids, r.output_logprobs):
+                    yield chunk(index, {}, entry=_chat_logprob(t, lp, text))
+        else:
+            content = c.parsed.content if c.parsed else c.text
+            pieces = text.pieces(r.output_ids, content or "")
+            for piece, t, lp in zip(pieces, r.output_ids, r.output_logprobs):
+                yield chunk(index, {"content": piece},
+                            entry=_chat_logprob(t, lp, text) if logprobs else None)
+        yield chunk(index, {}, c.finish_reason)
+    if usage is not None:
+        yield _sse({**head, "choices": [], "usage": usage})
+    yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------- completions
+
+
+def _completion_logprobs(choice: _Choice, logprobs: int | None,
+                         text: _Text) -> dict[str, Any] | None:
+    if logprobs is None:
+        return None
+    r = choice.result
+    tokens = [text.token(t) for t in r.output_ids]
+    offsets = [0]
+    for token in tokens[:-1]:
+        offsets.append(offsets[-1] + len(token))
+    return {"tokens": tokens, "token_logprobs": list(r.output_logprobs),
+            "top_logprobs": ([{tok: lp} for tok, lp in zip(tokens, r.output_logprobs)]
+                             if logprobs >= 1 else None),
+            "text_offset": offsets[:len(tokens)]}
+
+
+def _completion_chunks(head, choices: list[_Choice], logprobs: int | None, text: _Text,
+                       usage: dict[str, int] | None):
+    for index, c in enumerate(choices):
+        r = c.result
+        per_token = _completion_logprobs(c, logprobs, text)
+        for k, piece in enumerate(text.pieces(r.output_ids, c.text)):
+            entry = None
+            if per_token is not None:
+                entry = {key: (None if value is None else value[k:k + 1])
+                         for key, value in per_token.items()}
+            yield _sse({**head, "choices": [{"index": index, "text": piece,
+                                              "logprobs": entry, "finish_reason": None}]})
+        yield _sse({**head, "choices": [{"index": index, "text": "", "logprobs": None,
+                                          "finish_reason": c.finish_reason}]})
+    if usage is not None:
+        yield _sse({**head, "choices": [], "usage": usage})
+    yield "data: [DONE]\n\n"
+
+
+def _stream(chunks) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
