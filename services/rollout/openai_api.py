@@ -299,14 +299,21 @@ class _Text:
         return _Choice(result, text[:cut], "stop")
 
     def pieces(self, ids: list[int], text: str) -> list[str]:
-        """`text` split into one piece per token of `ids` (the text each token adds; empty
-        while a token ends inside a character), so that the pieces add up to `text`."""
-        pieces, sent = [], 0
+        """`text` split into one piece per token of `ids`: the text each token adds (empty
+        while a token ends inside a character), found as vLLM's detokenize_incrementally
+        finds it, by decoding a few tokens at a time; the pieces add up to `text`."""
+        pieces: list[str] = []
+        sent = produced = 0  # characters of `text` handed out; characters the tokens gave
+        start = read = 0  # the decoded window: ids[start:read] gave their text already
         for k in range(1, len(ids) + 1):
-            prefix = self.decode(ids[:k])
-            upto = sent if prefix.endswith("\ufffd") else min(len(prefix), len(text))
-            pieces.append(text[sent:max(upto, sent)])
-            sent = max(upto, sent)
+            before = self.decode(ids[start:read])
+            now = self.decode(ids[start:k])
+            if len(now) > len(before) and not now.endswith("\ufffd"):
+                produced += len(now) - len(before)
+                start, read = read, k
+            upto = max(sent, min(produced, len(text)))
+            pieces.append(text[sent:upto])
+            sent = upto
         if pieces:
             pieces[-1] += text[sent:]
         return pieces

@@ -498,3 +498,18 @@ def test_a_template_that_renders_tools_is_used_as_it_is(scripted, tokenizer):
             model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER])
     assert out.choices[0].finish_reason == "tool_calls"
     assert own.decode(generate.prompts[0]) == "TOOLS:get_weather\nuser: Weather?\nassistant:"
+
+
+def test_streamed_multibyte_text_adds_up_one_chunk_per_token(scripted):
+    text = "Grüße, 你好 🎉🎉 done."
+    server, generate = scripted(text)
+    with server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True,
+            logprobs=True))
+    per_token = [c for c in chunks if c.choices[0].logprobs is not None]
+    assert len(per_token) == len(generate.ids)  # the EOS too, with an empty piece
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert all("\ufffd" not in (c.choices[0].delta.content or "") for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "stop"
