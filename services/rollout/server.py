@@ -101,7 +101,7 @@ def serve(settings: RolloutSettings) -> None:
     control = serve_control(engine, settings.grpc_port, host=settings.host,
                             ready=lambda: redis_outage.available)
     app = create_app(torch_engine, model_path=spec.model.source, metrics=metrics,
-                     ready=lambda: redis_outage.available)
+                     ready=lambda: redis_outage.available, tokenizer=tokenizer)
     try:
         asyncio.run(_serve_async(settings, job.metadata.name, engine, app, workflow, metrics,
                                  redis_outage=redis_outage, transfer=transfer))
