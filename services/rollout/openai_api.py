@@ -27,8 +27,9 @@ tokens and returns whole results, so what the engine cannot do is done here, on 
 
 Errors have OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for a body
 that fails validation (the message and `param` name the field) or that the engine refuses,
-404 for a model other than the served one. A request is checked whole before anything of it
-reaches the engine, so a bad one never disturbs others.
+404 for a model other than the served one. A request is checked before it reaches the engine;
+if the engine refuses part of it (a token id outside its vocabulary), the rest is aborted. A
+bad request never disturbs others.
 
 Each finished completion passes through `_complete`, with its prompt ids, output ids,
 log-probs and per-token versions (`GenerationResult`): the one place to record a call.
@@ -406,14 +407,14 @@ def openai_router(generate: Generate, tokenizer, *, model_name: str,
             raise OpenAIError(404, f"The model {name!r} does not exist; this server serves "
                               f"{model_name!r}", param="model", code="model_not_found")
 
-    def max_tokens(prompt: list[int], requested: int | None) -> int:
+    def max_tokens(prompt: list[int], requested: int | None, field: str) -> int:
         room = max_sequence_length - len(prompt)
         if requested is None:
             if room < 1:
                 raise OpenAIError(
-                    400, f"messages: the prompt has {len(prompt)} tokens, which leaves no "
-                    f"room to answer within this server's {max_sequence_length}",
-                    param="messages")
+                    400, f"{field}: the prompt has {len(prompt)} tokens, which leaves no "
+                    f"room to answer within this server's maximum context length "
+                    f"{max_sequence_length}", param=field)
             return room
         if requested > room:
             raise OpenAIError(
@@ -426,7 +427,7 @@ def openai_router(generate: Generate, tokenizer, *, model_name: str,
     async def _complete(prompt_ids: list[int], params: SamplingParams, n: int,
                         stops: tuple[str, ...]) -> list[_Choice]:
         """`n` completions of one prompt (every completion of this API passes here)."""
-        results = await asyncio.gather(*(generate(prompt_ids, params) for _ in range(n)))
+        results = await _all(generate(prompt_ids, params) for _ in range(n))
         return [text.choice(result, stops) for result in results]
 
     def model_card() -> dict[str, Any]:
@@ -447,11 +448,11 @@ def openai_router(generate: Generate, tokenizer, *, model_name: str,
         body.check()
         stops = body.stops()
         prompts = body.prompts(tokenizer)
-        params = [body.params(max_tokens(p, body.max_tokens)) for p in prompts]
+        params = [body.params(max_tokens(p, body.max_tokens, "prompt")) for p in prompts]
         for p in params:
             _check(p)
-        per_prompt = await asyncio.gather(
-            *(_complete(prompt, p, body.n, stops) for prompt, p in zip(prompts, params)))
+        per_prompt = await _all(
+            _complete(prompt, p, body.n, stops) for prompt, p in zip(prompts, params))
         choices = [c for group in per_prompt for c in group]
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": model_name, "system_fingerprint": None}
@@ -470,7 +471,7 @@ def openai_router(generate: Generate, tokenizer, *, model_name: str,
         body.check()
         stops = body.stops()
         prompt = _render(tokenizer, body)
-        params = body.params(max_tokens(prompt, body.max_new_tokens()), chat_end)
+        params = body.params(max_tokens(prompt, body.max_new_tokens(), "messages"), chat_end)
         _check(params)
         choices = await _complete(prompt, params, body.n, stops)
         if body.tools_offered:
@@ -487,6 +488,18 @@ def openai_router(generate: Generate, tokenizer, *, model_name: str,
             for index, c in enumerate(choices)]}
 
     return router
+
+
+async def _all(coroutines) -> list:
+    """The results of `coroutines`, run together; if one fails (the engine refuses a
+    prompt), the others are cancelled, which aborts their requests, and its error is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
 
 
 def _check(params: SamplingParams) -> None:

@@ -24,8 +24,10 @@ from asyncrl.model.policy import load_tokenizer
 from asyncrl.rollout.http_api import create_app
 from asyncrl.rollout.metrics import RolloutMetrics
 from asyncrl.rollout.openai_api import openai_router
+from support.rollout import queued
 from support.servers import HttpServer
 from support.tiny_model import tiny_model
+from support.waiting import wait_for
 
 MODEL = "tiny-random"
 MAX_SEQUENCE_LENGTH = 512
@@ -59,7 +61,7 @@ def service(tokenizer):
     with HttpServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as native:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
                                timeout=60)
-        yield client, native
+        yield client, native, engine
     engine.stop()
 
 
@@ -296,8 +298,7 @@ def test_streamed_chat_adds_up_to_the_answer(client):
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
 
 
-def test_stream_is_server_sent_events_ending_with_done(service):
-    _, native = service
+def test_stream_is_server_sent_events_ending_with_done(native):
     with native.stream("POST", "/v1/chat/completions", json={
             "model": MODEL, "messages": HELLO, "max_tokens": 3, "stream": True}) as response:
         assert response.status_code == 200
@@ -375,10 +376,17 @@ def test_a_body_that_is_not_json_or_misses_fields_is_a_400(native):
     assert response.status_code == 400 and set(response.json()["error"]) == {"message"}
 
 
-def test_an_engine_refusal_is_a_400_and_others_are_served(client):
+def test_an_engine_refusal_is_a_400_and_others_are_served(client, service):
+    engine = service[2]
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model=MODEL, prompt=[10**9], max_tokens=2)
     assert "outside the vocabulary" in error.value.message
+    # One bad prompt of several: the good ones' requests are aborted, nothing is left queued.
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=[[5, 6, 7], [10**9]], n=3,
+                                  max_tokens=MAX_SEQUENCE_LENGTH - 3)
+    wait_for(lambda: queued(engine) == 0, timeout=2,
+             what="the good prompts' requests to be aborted")
     out = client.completions.create(model=MODEL, prompt="still", max_tokens=2)
     assert out.usage.completion_tokens == 2
 
