@@ -355,22 +355,38 @@ class _OpenAIRoute(APIRoute):
 
 
 def _invalid_body(exc: RequestValidationError) -> OpenAIError:
-    errors = exc.errors()
-    parts, params = [], []
-    for error in errors:
+    """A body that failed validation as one 400 naming each bad field. A field of several
+    shapes fails once per shape; it is named once, with the shapes it takes (_SHAPES)."""
+    by_path: dict[str, list[str]] = {}
+    for error in exc.errors():
         loc = [p for p in error.get("loc", ()) if p != "body"]
         # A union's alternatives add their type's name to the path (prompt.str, ...).
         loc = [p for p in loc if not (isinstance(p, str) and ("[" in p or p in _TYPE_NAMES))]
         path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
         message = error.get("msg", "invalid").removeprefix("Value error, ")
-        parts.append(f"{path}: {message}" if path else message)
-        params.append(path or None)
-    message = "; ".join(dict.fromkeys(parts)) or "invalid request body"
-    return OpenAIError(400, message, param=params[0] if params else None)
+        by_path.setdefault(path, []).append(message)
+    for field, shape in _SHAPES.items():
+        paths = [p for p in by_path if p == field or p.startswith((f"{field}[", f"{field}."))]
+        if sum(len(by_path[p]) for p in paths) > 1:
+            for path in paths:
+                del by_path[path]
+            by_path[field] = [f"must be {shape}"]
+    parts = [f"{path or 'request body'}: {'; '.join(dict.fromkeys(messages))}"
+             for path, messages in by_path.items()]
+    first = next(iter(by_path), "")
+    return OpenAIError(400, "; ".join(parts) or "invalid request body", param=first or None)
 
 
 # The names pydantic gives a union's alternatives in an error's path.
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "function-after", "constrained-int"}
+
+# What the fields of several shapes take.
+_SHAPES = {
+    "prompt": "a string, a list of strings, a list of token ids (ints >= 0), "
+              "or a list of such lists",
+    "stop": f"a string or a list of up to {_MAX_STOPS} strings",
+    "tool_choice": '"auto" or "none" (a named function is not supported)',
+}
 
 
 def submitted(submit: Callable[[list[int], SamplingParams, str], Future],

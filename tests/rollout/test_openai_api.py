@@ -363,6 +363,16 @@ def test_bad_fields_are_refused_naming_the_field(client):
         assert body["message"].startswith(f"{field}:"), body
 
 
+def test_a_field_of_several_shapes_is_refused_with_the_shapes_it_takes(native):
+    response = native.post("/v1/completions", json={
+        "model": MODEL, "prompt": [[1, "a"]], "stop": 5, "temperature": -1})
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "prompt: must be a string, a list of strings, a list of token ids" in message
+    assert "stop: must be a string or a list of up to 4 strings" in message
+    assert "temperature: Input should be greater than or equal to 0" in message
+
+
 def test_a_body_that_is_not_json_or_misses_fields_is_a_400(native):
     response = native.post("/v1/chat/completions", content=b"{not json",
                            headers={"content-type": "application/json"})
