@@ -284,9 +284,7 @@ class _Text:
         text = self.decode(result.output_ids)
         cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
         if cut < 0:
-            reason = {"stop": "stop", "length": "length"}.get(result.finish_reason,
-                                                               result.finish_reason)
-            return _Choice(result, text, reason)
+            return _Choice(result, text, result.finish_reason)
 
         def matched(k: int) -> bool:
             prefix = self.decode(result.output_ids[:k])
