@@ -33,6 +33,7 @@ from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.engine.api import InferenceEngine, TorchInferenceEngine
 from asyncrl.rollout.grpc_control import serve_control
 from asyncrl.rollout.http_api import create_app, health_and_metrics
+from asyncrl.rollout.openai_api import openai_router
 from asyncrl.rollout.metrics import RolloutMetrics
 from asyncrl.rollout.sglang_client import SGLangClient
 from asyncrl.rollout.sglang_engine import SGLangEngine
@@ -74,7 +75,8 @@ def serve(settings: RolloutSettings) -> None:
         settings.outage_seconds,
     )
     if (settings.engine or spec.rollout.engine) == "sglang":
-        serve_sglang = _serve_sglang(settings, job, slots, length, metrics, workflow, redis_outage)
+        serve_sglang = _serve_sglang(settings, job, slots, length, metrics, workflow, redis_outage,
+                                     tokenizer)
         try:
             asyncio.run(serve_sglang)
         except (SGLangExited, SGLangUnavailableError, TimeoutError, RuntimeError) as exc:
@@ -128,7 +130,8 @@ def sglang_command(settings: RolloutSettings, spec) -> list[str]:
 
 
 async def _serve_sglang(settings: RolloutSettings, job, slots: int, length: int,
-                        metrics: RolloutMetrics, workflow, redis_outage: Outage) -> None:
+                        metrics: RolloutMetrics, workflow, redis_outage: Outage,
+                        tokenizer) -> None:
     server = SGLangServer(sglang_command(settings, job.spec),
                           url=f"http://127.0.0.1:{settings.sglang_port}",
                           startup_timeout=settings.sglang_startup_seconds)
@@ -141,6 +144,10 @@ async def _serve_sglang(settings: RolloutSettings, job, slots: int, length: int,
             control = serve_control(engine, settings.grpc_port, host=settings.host,
                                     ready=lambda: redis_outage.available)
             app = status_app(engine, metrics, ready=lambda: redis_outage.available)
+            # The OpenAI-compatible API over SGLang's generation, as the torch worker serves it.
+            app.include_router(openai_router(engine.generate, tokenizer,
+                                             model_name=job.spec.model.source,
+                                             max_sequence_length=length))
             transfer = transfer_member(
                 settings, job.spec, engine,
                 lambda dtype: directory_manifest(model_directory(job.spec.model), dtype))
@@ -185,7 +192,7 @@ def transfer_member(settings: RolloutSettings, spec, engine: InferenceEngine,
 def status_app(engine: InferenceEngine, metrics: RolloutMetrics,
                ready=lambda: True) -> FastAPI:
     """The worker's own HTTP front when SGLang serves generation: /health (SGLang's health
-    and the worker's), /ready and /metrics."""
+    and the worker's), /ready and /metrics (the OpenAI-compatible API is added beside them)."""
     app = FastAPI(title="asyncrl rollout (SGLang engine)")
     app.include_router(health_and_metrics(engine, metrics, ready))
     return app

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import yaml
 
@@ -89,6 +90,16 @@ def test_worker_health_follows_sglang_and_its_death_stops_the_worker(tmp_path):
         wait_for_status(process, log, f"{base}/health", 200, timeout=180)
         metrics = httpx.get(f"{base}/metrics", timeout=10).text
         assert 'asyncrl_rollout_policy_version{rljob="tiny"} 0.0' in metrics
+        # The OpenAI-compatible API is served over SGLang's generation too.
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        model = yaml.safe_load(job.read_text())["spec"]["model"]["source"]
+        assert [m.id for m in client.models.list()] == [model]
+        answer = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "What is 2 + 3?"}],
+            max_tokens=8, temperature=0)
+        assert 0 < answer.usage.completion_tokens <= 8
+        assert answer.choices[0].finish_reason in ("stop", "length")
+        assert isinstance(answer.choices[0].message.content, str)
         (server,) = children(process.pid)
         os.kill(server, signal.SIGKILL)  # the SGLang server dies
         assert process.wait(timeout=60) != 0  # ... and takes the worker (the pod) with it
