@@ -12,14 +12,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 
 import pytest
 import yaml
 
-from asyncrl.spec.crd import build_crd
 from asyncrl.platform.settings import SGLANG_STARTUP_SECONDS
 
 from support import ROOT
@@ -34,7 +32,6 @@ from support.operator_cluster import (  # noqa: F401 - fixtures among them
     wait_for,
     _exists,
     manifest,
-    provide_run_volume,
     provide_claim,
     create_job,
     read_job,
@@ -43,10 +40,8 @@ from support.operator_cluster import (  # noqa: F401 - fixtures among them
     phase_is,
     children,
     pods_of,
-    EXPECTED,
     expected,
     start_running_job,
-    namespace_state,
 )
 
 pytestmark = pytest.mark.slow
