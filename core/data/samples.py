@@ -5,7 +5,7 @@ message (asyncrl.v1.common), which is what crosses the wire."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from asyncrl.v1 import common_pb2
 
@@ -22,11 +22,25 @@ class Trajectory:
     finish_reason: str
     generate_seconds: float
     reward_seconds: float
+    # 1 where the model generated the response token, 0 where an episode's environment or
+    # tool wrote it; empty: every response token is the model's (a single-turn response).
+    response_mask: list[int] = field(default_factory=list)
+    # Part of the same episode as the sample before it in its group (an episode whose turns
+    # did not merge into one sequence); single-turn samples are each their own episode.
+    continues_episode: bool = False
 
     @property
     def loss_mask(self) -> list[int]:
-        """1 on generated tokens, 0 on the prompt, over prompt + response."""
-        return [0] * len(self.prompt_ids) + [1] * len(self.response_ids)
+        """1 on the model's tokens, 0 on the prompt and on environment tokens, over prompt
+        + response."""
+        response = ([int(bool(m)) for m in self.response_mask] if self.response_mask
+                    else [1] * len(self.response_ids))
+        return [0] * len(self.prompt_ids) + response
+
+    @property
+    def model_tokens(self) -> int:
+        """The response tokens the model generated (those in the loss)."""
+        return sum(map(bool, self.response_mask)) if self.response_mask else len(self.response_ids)
 
     def to_pb(self) -> common_pb2.Trajectory:
         return common_pb2.Trajectory(
@@ -34,6 +48,8 @@ class Trajectory:
             behaviour_logprobs=self.behaviour_logprobs, token_versions=self.token_versions,
             reward=self.reward, finish_reason=self.finish_reason,
             generate_seconds=self.generate_seconds, reward_seconds=self.reward_seconds,
+            response_mask=[bool(m) for m in self.response_mask],
+            continues_episode=self.continues_episode,
         )
 
     @classmethod
@@ -44,11 +60,16 @@ class Trajectory:
             token_versions=list(message.token_versions), reward=message.reward,
             finish_reason=message.finish_reason, generate_seconds=message.generate_seconds,
             reward_seconds=message.reward_seconds,
+            response_mask=[int(m) for m in message.response_mask],
+            continues_episode=message.continues_episode,
         )
 
 
 @dataclass(frozen=True)
 class Group:
+    """One prompt's groupSize responses, or groupSize episodes (an episode is one sample, or
+    several when its turns did not merge: `Trajectory.continues_episode`)."""
+
     group_id: str
     prompt_id: str
     samples: list[Trajectory]
