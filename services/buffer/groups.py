@@ -8,6 +8,13 @@ passes over the group's token bytes. A group whose token fields are not packed (
 protobuf, written by no common library), that holds a varint of 5 bytes or more (a negative
 id, a version past 2**28) or that fails a check is decoded in full and checked element by
 element, which also words the error for the sample at fault.
+
+A group holds algorithm.groupSize episodes: a single-turn sample is an episode of its own, and
+a multi-turn episode whose turns did not merge into one sequence gives several samples, each
+after the first marked continues_episode. A sample's response_mask (the model's tokens vs the
+episode's environment tokens) is empty or has one entry per response token; the tokens it
+masks still carry the version of the model token before them, so the oldest version is read
+over every response token alike.
 """
 
 from __future__ import annotations
@@ -35,11 +42,7 @@ def check_group(data: bytes, job: JobConfig) -> tuple[str, int]:
         raise InvalidArgument(f"group is not an encoded asyncrl.v1.Group: {exc}") from None
     if not group.group_id:
         raise InvalidArgument("group.group_id is empty")
-    if len(group.samples) != job.group_size:
-        raise InvalidArgument(
-            f"group has {len(group.samples)} samples; job {job.name!r} has algorithm.groupSize "
-            f"{job.group_size}: put whole groups"
-        )
+    _check_episodes([sample.continues_episode for sample in group.samples], job)
     try:
         return group.group_id, _oldest_version(group)
     except _Unchecked:
@@ -50,8 +53,25 @@ def check_group(data: bytes, job: JobConfig) -> tuple[str, int]:
         return group.group_id, check_decoded(decoded)
 
 
+def _check_episodes(continues: list[bool], job: JobConfig) -> None:
+    """A group is job.group_size episodes; each sample that continues an episode belongs to
+    the one before it, so the first sample may not."""
+    if continues and continues[0]:
+        raise InvalidArgument(
+            "group.samples[0].continues_episode is true: a group's first sample starts an "
+            "episode (set continues_episode only on the later samples of an episode)"
+        )
+    episodes = continues.count(False)
+    if episodes != job.group_size:
+        raise InvalidArgument(
+            f"group has {episodes} episodes ({len(continues)} samples, each sample that "
+            f"continues an episode marked continues_episode); job {job.name!r} has "
+            f"algorithm.groupSize {job.group_size}: put whole groups"
+        )
+
+
 def _oldest_version(group: buffer_pb2.EncodedGroup) -> int:
-    fields, logprob_bytes = _token_fields(group)
+    fields, logprob_bytes, masks = _token_fields(group)
     going_on = np.frombuffer(b"".join(fields), np.uint8) >= 0x80  # a varint goes on past it
     ends = list(accumulate(map(len, fields)))
     starts = [0, *ends[:-1]]
@@ -65,26 +85,32 @@ def _oldest_version(group: buffer_pb2.EncodedGroup) -> int:
         start, end = starts[field], ends[field]
         return end - start - int(np.count_nonzero(going_on[start:end]))
 
-    for sample, logprobs in enumerate(logprob_bytes):
+    for sample, (logprobs, mask) in enumerate(zip(logprob_bytes, masks)):
         prompt, responses, versions = 3 * sample, 3 * sample + 1, 3 * sample + 2
         count = varints(responses)
         # A prompt field that is not empty holds a varint at least (it ends on one).
         if ends[prompt] == starts[prompt] or varints(versions) != count or logprobs != 4 * count:
             raise _Unchecked
+        if len(mask) not in (0, count):  # packed bools, one byte each (checked below)
+            raise _Unchecked
+    mask_bytes = np.frombuffer(b"".join(masks), np.uint8)
+    if len(mask_bytes) and mask_bytes.max() >= 0x80:  # a bool as a longer varint: none writes it
+        raise _Unchecked
     return _smallest(b"".join(fields[2::3]))
 
 
-def _token_fields(group: buffer_pb2.EncodedGroup) -> tuple[list[bytes], list[int]]:
+def _token_fields(group: buffer_pb2.EncodedGroup) -> tuple[list[bytes], list[int], list[bytes]]:
     """Each sample's prompt ids, response ids and token versions (packed varints, in that
-    order), and each sample's bytes of log-probs."""
-    fields, logprob_bytes = [], []
+    order), each sample's bytes of log-probs, and each sample's response mask (packed bools)."""
+    fields, logprob_bytes, masks = [], [], []
     for sample in group.samples:
         if len(UnknownFieldSet(sample)):  # unpacked token fields, or fields newer than ours
             raise _Unchecked
         for chunks in (sample.prompt_ids, sample.response_ids, sample.token_versions):
             fields.append(chunks[0] if len(chunks) == 1 else b"".join(chunks))
         logprob_bytes.append(sum(map(len, sample.behaviour_logprobs)))
-    return fields, logprob_bytes
+        masks.append(b"".join(sample.response_mask))
+    return fields, logprob_bytes, masks
 
 
 def _four_in_a_row(going_on: np.ndarray) -> bool:
@@ -126,6 +152,12 @@ def check_decoded(group: common_pb2.Group) -> int:
                 f"{where}: response_ids, behaviour_logprobs and token_versions need one entry "
                 f"per response token (got {n}, {len(sample.behaviour_logprobs)}, "
                 f"{len(sample.token_versions)})"
+            )
+        if sample.response_mask and len(sample.response_mask) != n:
+            raise InvalidArgument(
+                f"{where}.response_mask has {len(sample.response_mask)} entries for {n} "
+                f"response tokens: give one per response token (true where the model "
+                f"generated it), or none when every token is the model's"
             )
         if min(sample.prompt_ids) < 0 or (n and min(sample.response_ids) < 0):
             raise InvalidArgument(f"{where} has a negative token id")

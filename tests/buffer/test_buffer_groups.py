@@ -33,6 +33,7 @@ def samples(draw):
         behaviour_logprobs=[-0.5] * (response + draw(st.sampled_from([0, 0, 0, 1]))),
         token_versions=draw(st.lists(versions, min_size=response,
                                      max_size=response + draw(st.sampled_from([0, 0, 0, 1])))),
+        response_mask=draw(st.lists(st.booleans(), max_size=response + 1)),
         reward=1.0, finish_reason="stop",
     )
 
@@ -53,6 +54,9 @@ def well_formed_samples(draw, ids=ordinary_ids, versions=ordinary_versions):
         response_ids=draw(st.lists(ids, min_size=response, max_size=response)),
         behaviour_logprobs=[-0.5] * response,
         token_versions=draw(st.lists(versions, min_size=response, max_size=response)),
+        # None (every token the model's), or one entry per response token.
+        response_mask=draw(st.one_of(st.just([]), st.lists(st.booleans(), min_size=response,
+                                                             max_size=response))),
         reward=1.0, finish_reason="stop",
     )
 
@@ -62,8 +66,10 @@ def flawed_samples(draw):
     """A well-formed sample with one thing wrong."""
     sample = draw(well_formed_samples())
     flaw = draw(st.sampled_from(["empty prompt", "negative id", "extra log-prob", "extra version",
-                                 "missing version", "negative version"]))
-    if flaw == "empty prompt":
+                                 "missing version", "negative version", "extra mask entry"]))
+    if flaw == "extra mask entry":
+        sample.response_mask[:] = [True] * (len(sample.response_ids) + 1)
+    elif flaw == "empty prompt":
         del sample.prompt_ids[:]
     elif flaw == "negative id":
         sample.prompt_ids.append(draw(st.sampled_from([-1, -(2**31)])))
@@ -151,3 +157,78 @@ def test_a_token_field_that_ends_inside_a_varint_is_refused():
 def test_bytes_that_are_no_group_are_refused(data):
     with pytest.raises(InvalidArgument, match="not an encoded asyncrl.v1.Group"):
         check_group(data, JOB)
+
+
+# Episodes: a group holds groupSize episodes; an episode whose turns did not merge into one
+# sequence gives several samples, the later ones marked continues_episode.
+
+EPISODES_JOB = JobConfig(name="j", max_staleness=1, batch_size=1, group_size=2)
+
+
+def turn(versions: list[int], mask: list[bool] = (), continues: bool = False):
+    """A sample of `len(versions)` response tokens."""
+    return common_pb2.Trajectory(
+        prompt_ids=[1, 2], response_ids=[3] * len(versions),
+        behaviour_logprobs=[-0.5] * len(versions), token_versions=versions,
+        response_mask=mask, continues_episode=continues, reward=1.0, finish_reason="stop")
+
+
+def encoded(*samples) -> bytes:
+    return common_pb2.Group(group_id="g", samples=samples).SerializeToString()
+
+
+def test_a_group_of_two_episodes_in_three_samples_is_accepted():
+    data = encoded(turn([4, 4, 4], [True, False, True]),
+                   turn([5, 5], [True, True], continues=True),
+                   turn([6]))
+    with mock.patch.object(groups, "common_pb2", None):  # on the bytes alone
+        assert check_group(data, EPISODES_JOB) == ("g", 4)
+
+
+@pytest.mark.parametrize("samples", [
+    [turn([4]), turn([5], continues=True)],              # one episode
+    [turn([4]), turn([5]), turn([6])],                   # three episodes
+    [turn([4]), turn([5]), turn([6]), turn([7], continues=True)],
+])
+def test_a_group_of_another_number_of_episodes_is_refused(samples):
+    with pytest.raises(InvalidArgument, match=r"episodes .* algorithm.groupSize 2: put whole"):
+        check_group(encoded(*samples), EPISODES_JOB)
+
+
+def test_a_first_sample_that_continues_an_episode_is_refused():
+    data = encoded(turn([4], continues=True), turn([5]), turn([6]))
+    with pytest.raises(InvalidArgument, match=r"samples\[0\].continues_episode is true"):
+        check_group(data, EPISODES_JOB)
+
+
+@pytest.mark.parametrize("mask", [[True], [True, False, True, True]])
+def test_a_response_mask_of_the_wrong_length_is_refused(mask):
+    data = encoded(turn([4]), turn([4, 4, 4], mask))
+    with pytest.raises(InvalidArgument, match=r"group.samples\[1\].response_mask has"):
+        check_group(data, EPISODES_JOB)
+    with pytest.raises(InvalidArgument, match=r"group.samples\[1\].response_mask has"):
+        check_decoded(common_pb2.Group.FromString(data))
+
+
+def test_a_mask_written_as_long_varints_is_read_by_the_full_decode():
+    """Bools of two bytes each (valid protobuf no library writes): the bytes per token no longer
+    count the entries, so the fast path leaves the group to the decoded check."""
+    def with_mask(entries: bytes) -> bytes:
+        sample = turn([4, 4]).SerializeToString() + b"\x4a" + _varint(len(entries)) + entries
+        other = turn([4]).SerializeToString()
+        return (b"\x0a\x01g" + b"\x1a" + _varint(len(sample)) + sample
+                + b"\x1a" + _varint(len(other)) + other)
+
+    assert check_group(with_mask(b"\x81\x00\x80\x00"), EPISODES_JOB) == ("g", 4)  # 2 entries
+    with pytest.raises(InvalidArgument, match=r"samples\[0\].response_mask has 1 entries"):
+        check_group(with_mask(b"\x81\x00"), EPISODES_JOB)
+
+
+def test_masked_tokens_carry_real_versions_and_count_for_the_oldest():
+    """An environment token takes the version of the model token before it: a real version,
+    checked like any other and counted for the group's oldest version."""
+    masked_oldest = encoded(turn([7, 3, 7], [True, False, True]), turn([8]))
+    assert check_group(masked_oldest, EPISODES_JOB) == ("g", 3)
+    unversioned = encoded(turn([7, -1, 7], [True, False, True]), turn([8]))
+    with pytest.raises(InvalidArgument, match=r"samples\[0\].token_versions has a negative"):
+        check_group(unversioned, EPISODES_JOB)
