@@ -4,6 +4,11 @@ The buffer hands the trainer whole groups: n responses sampled for the same prom
 as ``[num_groups, group_size]``; each response's advantage is its reward measured against the other
 responses to the same prompt, so no value network is needed. A group in which every response got
 the same reward carries no learning signal and gets advantage 0 (never NaN).
+
+Multi-turn episodes take the responses' place: a group is n episodes of one prompt, and an
+episode whose turns did not merge into one sequence gives several samples, each with its own
+reward. ``episode_advantages`` measures each sample's reward against its group's episode
+rewards (one per episode, that of its last sample), as the estimators measure a response's.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ __all__ = [
     "broadcast_to_tokens",
     "compute_advantages",
     "dr_grpo_advantages",
+    "episode_advantages",
     "grpo_advantages",
     "normalize_batch",
     "rloo_advantages",
@@ -82,28 +88,69 @@ def compute_advantages(rewards: Tensor, estimator: str, batch_norm: bool = False
     elif estimator == "rloo":
         advantages = rloo_advantages(rewards)
     else:
-        raise ValueError(
-            f"unknown advantage estimator {estimator!r}; valid names: {', '.join(ESTIMATORS)}"
-        )
+        raise _unknown_estimator(estimator)
     return normalize_batch(advantages) if batch_norm else advantages
 
 
-def aggregation_weights(response_lengths: Tensor, aggregation: str) -> Tensor:
-    """Factors on the responses' advantages (same shape as ``response_lengths``) that turn the
-    trainer's loss, the sum of every response token's PPO term over the batch's token count,
-    into the aggregation asked for. The PPO term is linear in a positive factor on the
-    advantage, so this is exact, clipping included.
+def episode_advantages(sample_rewards: Tensor, episode_of_sample: Tensor, episode_rewards: Tensor,
+                       estimator: str, batch_norm: bool = False, eps: float = 1e-6) -> Tensor:
+    """Advantages ``[num_samples]`` of a batch of episodes, one or more samples each.
+
+    ``episode_rewards`` ``[num_groups, group_size]`` holds each episode's reward (that of its
+    last sample), ``sample_rewards`` ``[num_samples]`` each sample's own reward and
+    ``episode_of_sample`` ``[num_samples]`` the flat index ``group * group_size + episode`` of
+    its episode. A sample's reward ``r`` is measured against its group's episode rewards:
+    ``(r - mean) / (std + eps)`` for grpo, ``r - mean`` for dr_grpo, ``r`` minus the mean of
+    the group's other episodes for rloo. Groups whose episode rewards are all equal, and
+    size-1 groups, give 0. With one sample per episode this is exactly
+    ``compute_advantages(episode_rewards, ...).flatten()``.
+    """
+    rewards = _check_rewards(episode_rewards)
+    if estimator not in ESTIMATORS:
+        raise _unknown_estimator(estimator)
+    if sample_rewards.dim() != 1 or episode_of_sample.shape != sample_rewards.shape:
+        raise ValueError(
+            f"sample_rewards and episode_of_sample must be 1-D [num_samples] of one length, got "
+            f"shapes {tuple(sample_rewards.shape)} and {tuple(episode_of_sample.shape)}"
+        )
+    episodes, group_size = rewards.numel(), rewards.shape[1]
+    if len(episode_of_sample) and not 0 <= int(episode_of_sample.min()) <= int(
+            episode_of_sample.max()) < episodes:
+        raise ValueError(f"episode_of_sample must index the {episodes} episodes of "
+                         f"episode_rewards (group * group_size + episode)")
+    if group_size < 2:
+        return torch.zeros(sample_rewards.shape, dtype=rewards.dtype)
+    group_of_sample = episode_of_sample // group_size
+    mean = rewards.mean(dim=1)
+    if estimator == "rloo":
+        baseline = ((rewards.sum(dim=1, keepdim=True) - rewards) / (group_size - 1)).flatten()
+        advantages = sample_rewards.to(rewards.dtype) - baseline[episode_of_sample]
+    else:
+        advantages = sample_rewards.to(rewards.dtype) - mean[group_of_sample]
+    if estimator == "grpo":
+        advantages = advantages / (rewards.std(dim=1) + eps)[group_of_sample]
+    flat = (rewards.amax(dim=1) == rewards.amin(dim=1))[group_of_sample]
+    advantages = torch.where(flat, torch.zeros_like(advantages), advantages)
+    return normalize_batch(advantages) if batch_norm else advantages
+
+
+def aggregation_weights(loss_tokens: Tensor, aggregation: str) -> Tensor:
+    """Factors on the samples' advantages (same shape as ``loss_tokens``, each sample's tokens
+    in the loss: its response length, or its model tokens in an episode) that turn the
+    trainer's loss, the sum of every loss token's PPO term over the batch's token count, into
+    the aggregation asked for. The PPO term is linear in a positive factor on the advantage,
+    so this is exact, clipping included. Any shape: a flat vector serves ragged groups.
 
     ``token_mean``: all 1, every token weighs the same. ``sequence_mean``: ``tokens /
-    (responses x length)``, so each response's tokens share an equal part of the loss whatever
-    its length (a response with no tokens has none to weigh).
+    (samples x its tokens)``, so each sample's tokens share an equal part of the loss whatever
+    its length (a sample with no tokens has none to weigh).
     """
     if aggregation == "token_mean":
-        return torch.ones(response_lengths.shape)
+        return torch.ones(loss_tokens.shape)
     if aggregation != "sequence_mean":
         raise ValueError(f"unknown loss aggregation {aggregation!r}; valid names: "
                          f"{', '.join(AGGREGATIONS)}")
-    lengths = response_lengths.to(torch.float32)
+    lengths = loss_tokens.to(torch.float32)
     return lengths.sum() / (lengths.numel() * lengths.clamp(min=1))
 
 
@@ -130,6 +177,12 @@ def broadcast_to_tokens(sequence_advantages: Tensor, cu_seqlens: Tensor) -> Tens
         raise ValueError("cu_seqlens must be non-decreasing")
     return torch.repeat_interleave(
         sequence_advantages, lengths, output_size=int(cu_seqlens[-1])
+    )
+
+
+def _unknown_estimator(estimator: str) -> ValueError:
+    return ValueError(
+        f"unknown advantage estimator {estimator!r}; valid names: {', '.join(ESTIMATORS)}"
     )
 
 

@@ -12,6 +12,7 @@ from asyncrl.algorithms.advantages import (
     broadcast_to_tokens,
     compute_advantages,
     dr_grpo_advantages,
+    episode_advantages,
     grpo_advantages,
     normalize_batch,
     rloo_advantages,
@@ -135,3 +136,64 @@ def test_broadcast_to_tokens_errors():
         broadcast_to_tokens(t([1.0, 2.0]), torch.tensor([0, 3, 2]))
     with pytest.raises(ValueError, match="sequence_advantages"):
         broadcast_to_tokens(t([[1.0]]), torch.tensor([0, 1]))
+
+
+# Episodes: a group's n episodes may give several samples each, each with its own reward.
+
+
+@pytest.mark.parametrize("batch_norm", [False, True])
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_one_sample_per_episode_is_exactly_compute_advantages(estimator, batch_norm, dtype):
+    generator = torch.Generator().manual_seed(0)
+    rewards = torch.rand(5, 4, generator=generator, dtype=dtype)
+    rewards[1] = 0.1  # a flat group
+    rewards[3, :2] = 1.0
+    episodes = torch.arange(rewards.numel())
+    got = episode_advantages(rewards.flatten(), episodes, rewards, estimator, batch_norm)
+    want = compute_advantages(rewards, estimator, batch_norm).flatten()
+    assert torch.equal(got, want)
+
+
+# One group of 3 episodes with rewards [1, 0, 2] (mean 1, unbiased std 1); episode 1 gives two
+# samples, the first (an intermediate turn) with its own reward 0.5.
+EPISODE_REWARDS = t([[1.0, 0.0, 2.0]])
+SAMPLE_REWARDS = t([1.0, 0.5, 0.0, 2.0])
+EPISODE_OF_SAMPLE = torch.tensor([0, 1, 1, 2])
+
+
+@pytest.mark.parametrize("estimator, expected", [
+    ("grpo", [0.0, -0.5, -1.0, 1.0]),
+    ("dr_grpo", [0.0, -0.5, -1.0, 1.0]),
+    # The mean of the other episodes: 1, 1.5, 1.5, 0.5.
+    ("rloo", [0.0, -1.0, -1.5, 1.5]),
+])
+def test_several_samples_of_an_episode_hand_computed(estimator, expected):
+    got = episode_advantages(SAMPLE_REWARDS, EPISODE_OF_SAMPLE, EPISODE_REWARDS, estimator,
+                             eps=0.0)
+    assert got.tolist() == pytest.approx(expected, abs=1e-12)
+
+
+def test_episode_advantages_batch_norm_is_over_all_samples():
+    got = episode_advantages(SAMPLE_REWARDS, EPISODE_OF_SAMPLE, EPISODE_REWARDS, "dr_grpo",
+                             batch_norm=True)
+    torch.testing.assert_close(got, normalize_batch(t([0.0, -0.5, -1.0, 1.0])))
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_episodes_of_equal_rewards_give_zeros_whatever_their_samples(estimator):
+    """A flat group carries no signal, even where an intermediate turn scored otherwise."""
+    got = episode_advantages(t([0.3, 0.9, 0.3, 0.0]), torch.tensor([0, 0, 1, 2]),
+                             t([[0.3, 0.3], [0.0, 0.0]]), estimator)
+    assert got.tolist() == [0.0, 0.0, 0.0, 0.0]
+    single = episode_advantages(t([0.3, 1.0]), torch.tensor([0, 0]), t([[1.0]]), estimator)
+    assert single.tolist() == [0.0, 0.0]
+
+
+def test_episode_advantages_errors():
+    with pytest.raises(ValueError, match="one length"):
+        episode_advantages(t([1.0, 0.0]), torch.tensor([0]), t([[1.0, 0.0]]), "grpo")
+    with pytest.raises(ValueError, match="index the 2 episodes"):
+        episode_advantages(t([1.0, 0.0]), torch.tensor([0, 2]), t([[1.0, 0.0]]), "grpo")
+    with pytest.raises(ValueError, match="valid names"):
+        episode_advantages(t([1.0, 0.0]), torch.tensor([0, 1]), t([[1.0, 0.0]]), "ppo")
