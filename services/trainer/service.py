@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.algorithms.advantages import aggregation_weights, compute_advantages
+from asyncrl.algorithms.advantages import aggregation_weights, episode_advantages
 from asyncrl.algorithms.staleness import staleness
 from asyncrl.clients.buffer import BufferClient
 from asyncrl.platform.devices import local_rank, select_device
@@ -95,32 +95,70 @@ class Status:
 
 
 def samples_from_groups(groups, algorithm) -> tuple[list[TrainSample], torch.Tensor]:
-    """Token-aligned training samples and the [groups, n] reward matrix of a batch."""
-    rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)
-    advantages = compute_advantages(
-        rewards, algorithm.advantage_estimator, algorithm.batch_norm_advantages
-    ) * aggregation_weights(
-        torch.tensor([[len(s.response_ids) for s in g.samples] for g in groups]),
-        algorithm.loss_aggregation)
+    """Token-aligned training samples and the [groups, groupSize] episode-reward matrix of a
+    batch of groups (common_pb2.Group, or asyncrl.data.samples.Group). An episode is one
+    sample, or several when its turns did not merge (continues_episode), so groups may hold
+    different numbers of samples; an episode's reward is its last sample's."""
+    flat = [sample for group in groups for sample in group.samples]
+    episode_of_sample, episode_rewards = _episodes(groups)
+    masks = [_loss_mask(sample) for sample in flat]
+    advantages = episode_advantages(
+        torch.tensor([s.reward for s in flat], dtype=torch.float32), episode_of_sample,
+        episode_rewards, algorithm.advantage_estimator, algorithm.batch_norm_advantages,
+    ) * aggregation_weights(torch.tensor([int(m.sum()) for m in masks]),
+                            algorithm.loss_aggregation)
     samples = []
-    for group, group_advantages in zip(groups, advantages):
-        for sample, advantage in zip(group.samples, group_advantages):
-            prompt, response = list(sample.prompt_ids), list(sample.response_ids)
-            ids = torch.tensor(prompt + response)
-            mask = torch.zeros(len(ids), dtype=torch.bool)
-            mask[len(prompt):] = True
-            behaviour = torch.zeros(len(ids))
-            behaviour[len(prompt):] = torch.tensor(list(sample.behaviour_logprobs))
-            versions = set(sample.token_versions)
-            token_versions = None
-            if len(sample.token_versions) == len(response):
-                token_versions = torch.full((len(ids),), -1)
-                token_versions[len(prompt):] = torch.tensor(list(sample.token_versions),
-                                                            dtype=torch.long)
-            samples.append(TrainSample(ids, mask, behaviour, float(advantage),
-                                       versions.pop() if len(versions) == 1 else None,
-                                       token_versions))
-    return samples, rewards
+    for sample, mask, advantage in zip(flat, masks, advantages):
+        prompt, response = list(sample.prompt_ids), list(sample.response_ids)
+        ids = torch.tensor(prompt + response)
+        behaviour = torch.zeros(len(ids))
+        behaviour[len(prompt):] = torch.tensor(list(sample.behaviour_logprobs))
+        versions = set(sample.token_versions)
+        token_versions = None
+        if len(sample.token_versions) == len(response):
+            token_versions = torch.full((len(ids),), -1)
+            token_versions[len(prompt):] = torch.tensor(list(sample.token_versions),
+                                                        dtype=torch.long)
+        samples.append(TrainSample(ids, mask, behaviour, float(advantage),
+                                   versions.pop() if len(versions) == 1 else None,
+                                   token_versions))
+    return samples, episode_rewards
+
+
+def _episodes(groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's episode (its flat index group * groupSize + episode) and the [groups,
+    groupSize] matrix of episode rewards, each its last sample's reward."""
+    places, rewards = [], []  # each sample's (group, episode); each group's episode rewards
+    for group in groups:
+        episodes: list[float] = []
+        for sample in group.samples:
+            if not (episodes and sample.continues_episode):
+                episodes.append(0.0)
+            episodes[-1] = sample.reward
+            places.append((len(rewards), len(episodes) - 1))
+        rewards.append(episodes)
+    if len({len(episodes) for episodes in rewards}) > 1:
+        raise ValueError(f"the batch's groups hold different numbers of episodes "
+                         f"({[len(episodes) for episodes in rewards]}): the buffer accepts "
+                         f"algorithm.groupSize episodes per group")
+    group_size = len(rewards[0]) if rewards else 0
+    return (torch.tensor([g * group_size + e for g, e in places], dtype=torch.long),
+            torch.tensor(rewards, dtype=torch.float32))
+
+
+def _loss_mask(sample) -> torch.Tensor:
+    """False on the prompt and on the response tokens an episode's environment wrote (those
+    whose response_mask entry is false; an empty response_mask: none)."""
+    prompt, response = len(sample.prompt_ids), len(sample.response_ids)
+    mask = torch.zeros(prompt + response, dtype=torch.bool)
+    if not sample.response_mask:
+        mask[prompt:] = True
+    elif len(sample.response_mask) == response:
+        mask[prompt:] = torch.tensor([bool(m) for m in sample.response_mask])
+    else:
+        raise ValueError(f"a sample's response_mask has {len(sample.response_mask)} entries for "
+                         f"{response} response tokens: it needs one per response token")
+    return mask
 
 
 class Trainer:
