@@ -420,11 +420,12 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 
 def create_app(engine, *, model_path: str, metrics: RolloutMetrics,
-               ready: Callable[[], bool] = lambda: True, tokenizer=None) -> FastAPI:
+               ready: Callable[[], bool] = lambda: True, tokenizer=None,
+               **openai_options) -> FastAPI:
     """The HTTP front of one engine (a started TorchEngine or anything with its interface);
     `ready` tells whether the worker's dependencies are reachable (see health_and_metrics).
     With the model's `tokenizer`, the OpenAI-compatible API (asyncrl.rollout.openai_api) is
-    served too, as model `model_path`."""
+    served too, as model `model_path` (`openai_options`: its episodes and their sampling)."""
     app = FastAPI(title="asyncrl rollout (SGLang-compatible)")
     groups: dict[str, Any] = {}  # weight transfer groups joined, by name
 
@@ -595,7 +596,7 @@ def create_app(engine, *, model_path: str, metrics: RolloutMetrics,
     if tokenizer is not None:
         app.include_router(openai_router(
             submitted(submit, engine.abort), tokenizer, model_name=model_path,
-            max_sequence_length=engine.status().max_sequence_length))
+            max_sequence_length=engine.status().max_sequence_length, **openai_options))
     return app
 
 

@@ -73,6 +73,13 @@ class RolloutMetrics:
             "dataset.maxPromptTokens; never truncated).",
             (*const_names, "reason"), registry=registry,
         )
+        self.episodes = Counter(
+            "asyncrl_rollout_episodes_total",
+            "Episodes run (rollout.workflow.kind: episode), by outcome: completed, cut_short "
+            "(a call refused by maxTurns or maxEpisodeTokens, kept with reward 0), error, "
+            "timeout, bad_reward or no_completions (each fails its group).",
+            (*const_names, "outcome"), registry=registry,
+        )
         self.policy_version = Gauge(
             "asyncrl_rollout_policy_version", "Policy version the engine generates with.",
             const_names, registry=registry,
@@ -122,6 +129,9 @@ class RolloutMetrics:
 
     def observe_dropped_prompt(self, reason: str) -> None:
         self._child(self.dropped_prompts, reason=reason).inc()
+
+    def observe_episode(self, outcome: str) -> None:
+        self._child(self.episodes, outcome=outcome).inc()
 
     def observe_weight_update(self, update: WeightUpdate) -> None:
         self._child(self.weight_updates, result="success").inc()

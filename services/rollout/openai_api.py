@@ -31,8 +31,11 @@ that fails validation (the message and `param` name the field) or that the engin
 if the engine refuses part of it (a token id outside its vocabulary), the rest is aborted. A
 bad request never disturbs others.
 
-Each finished completion passes through `_complete`, with its prompt ids, output ids,
-log-probs and per-token versions (`GenerationResult`): the one place to record a call.
+With an `EpisodeBook`, every route is also served under `/episodes/{episode_id}`: the base
+URL an episode's client is given (asyncrl.rollout.episodes). Those calls run under the
+episode's limits, their prompts reuse the tokens of the episode's earlier calls, and each
+finished completion is recorded in the episode (asyncrl.rollout.episode_record); a call for an
+episode that has ended gets 404.
 """
 
 from __future__ import annotations
@@ -53,6 +56,12 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from asyncrl.engine.types import GenerationResult, RequestError, SamplingParams
+from asyncrl.rollout.episode_record import (
+    Episode,
+    EpisodeBook,
+    EpisodeLimitReached,
+    EpisodeNotRunning,
+)
 from asyncrl.rollout.tool_calls import (
     ParsedOutput,
     hermes_system_prompt,
@@ -160,9 +169,8 @@ class CompletionRequest(_Sampling):
         if self.best_of is not None and self.best_of != self.n:
             self._unsupported("best_of", "not supported by this server; omit it or send n")
 
-    def prompts(self, tokenizer) -> list[list[int]]:
-        """The prompts as token ids (a string is tokenized as the model's tokenizer does by
-        default, special tokens included)."""
+    def prompts(self, encode: Callable[[str], list[int]]) -> list[list[int]]:
+        """The prompts as token ids, strings through `encode`."""
         prompt = self.prompt
         if isinstance(prompt, str):
             prompts: list = [prompt]
@@ -172,7 +180,7 @@ class CompletionRequest(_Sampling):
             prompts = list(prompt)
         if not prompts:
             raise OpenAIError(400, "prompt: must not be empty", param="prompt")
-        ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        ids = [encode(p) if isinstance(p, str) else list(p) for p in prompts]
         if any(not p for p in ids):
             raise OpenAIError(400, "prompt: a prompt has no tokens", param="prompt")
         return ids
@@ -348,6 +356,10 @@ class _OpenAIRoute(APIRoute):
                 return exc.response()
             except RequestError as exc:
                 return OpenAIError(400, str(exc)).response()
+            except EpisodeLimitReached as exc:
+                return OpenAIError(400, str(exc), code="episode_limit_reached").response()
+            except EpisodeNotRunning as exc:
+                return OpenAIError(404, str(exc), code="episode_not_found").response()
 
         return route
 
@@ -407,10 +419,13 @@ def submitted(submit: Callable[[list[int], SamplingParams, str], Future],
 
 
 def openai_router(generate: Generate, tokenizer, *, model_name: str,
-                  max_sequence_length: int) -> APIRouter:
+                  max_sequence_length: int, episodes: EpisodeBook | None = None,
+                  episode_sampling: SamplingParams | None = None) -> APIRouter:
     """The OpenAI-compatible routes over `generate` (an InferenceEngine's, or the torch
     engine's submit path), serving `model_name` with `tokenizer`; `max_sequence_length` bounds
-    prompt + max_tokens, as the engine does."""
+    prompt + max_tokens, as the engine does. With `episodes`, the same routes under
+    `/episodes/{episode_id}` record into that episode; a temperature or top_p an episode's
+    call leaves unset is `episode_sampling`'s (the job's rollout settings)."""
     router = APIRouter(route_class=_OpenAIRoute)
     text = _Text(tokenizer)
     created = int(time.time())
@@ -420,6 +435,10 @@ def openai_router(generate: Generate, tokenizer, *, model_name: str,
         if name != model_name:
             raise OpenAIError(404, f"The model {name!r} does not exist; this server serves "
                               f"{model_name!r}", param="model", code="model_not_found")
+
+    def episode_of(request: Request) -> Episode | None:
+        episode_id = request.path_params.get("episode_id")
+        return None if episodes is None or episode_id is None else episodes.get(episode_id)
 
     def max_tokens(prompt: list[int], requested: int | None, field: str) -> int:
         room = max_sequence_length - len(prompt)
@@ -438,38 +457,58 @@ def openai_router(generate: Generate, tokenizer, *, model_name: str,
                 param="max_tokens")
         return requested
 
+    def sampling(body: _Sampling, episode: Episode | None, tokens: int,
+                 stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+        params = body.params(tokens, stop_token_ids)
+        if episode is not None and episode_sampling is not None:
+            unset = {"temperature", "top_p"} - body.model_fields_set
+            params = replace(params, **{name: getattr(episode_sampling, name) for name in unset})
+        _check(params)
+        return params
+
+    def encoder(episode: Episode | None, special_tokens: bool) -> Callable[[str], list[int]]:
+        if episode is None:
+            return lambda prompt: tokenizer.encode(prompt, add_special_tokens=special_tokens)
+        return lambda prompt: episode.tokenize(prompt, tokenizer, special_tokens=special_tokens)
+
     async def _complete(prompt_ids: list[int], params: SamplingParams, n: int,
-                        stops: tuple[str, ...]) -> list[_Choice]:
+                        stops: tuple[str, ...], episode: Episode | None,
+                        response_id: str) -> list[_Choice]:
         """`n` completions of one prompt (every completion of this API passes here)."""
         results = await _all(generate(prompt_ids, params) for _ in range(n))
-        return [text.choice(result, stops) for result in results]
+        choices = [text.choice(result, stops) for result in results]
+        if episode is not None:
+            episode.record(response_id, prompt_ids, [c.result for c in choices])
+        return choices
 
     def model_card() -> dict[str, Any]:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "asyncrl"}
 
-    @router.get("/v1/models")
-    async def list_models():
+    async def list_models(request: Request):
+        episode_of(request)
         return {"object": "list", "data": [model_card()]}
 
-    @router.get("/v1/models/{model:path}")
-    async def retrieve_model(model: str):
+    async def retrieve_model(model: str, request: Request):
+        episode_of(request)
         check_model(model)
         return model_card()
 
-    @router.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         body.check()
+        episode = episode_of(request)
         stops = body.stops()
-        prompts = body.prompts(tokenizer)
-        params = [body.params(max_tokens(p, body.max_tokens, "prompt")) for p in prompts]
-        for p in params:
-            _check(p)
-        per_prompt = await _all(
-            _complete(prompt, p, body.n, stops) for prompt, p in zip(prompts, params))
-        choices = [c for group in per_prompt for c in group]
+        prompts = body.prompts(encoder(episode, special_tokens=True))
+        if episode is not None:  # one turn for the call, its budget shared by its prompts
+            body.max_tokens = episode.allow(body.max_tokens, body.n * len(prompts))
+        params = [sampling(body, episode, max_tokens(p, body.max_tokens, "prompt"))
+                  for p in prompts]
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": model_name, "system_fingerprint": None}
+        per_prompt = await _all(
+            _complete(prompt, p, body.n, stops, episode, head["id"])
+            for prompt, p in zip(prompts, params))
+        choices = [c for group in per_prompt for c in group]
         usage = _usage(sum(len(p) for p in prompts), choices)
         if body.stream:
             return _stream(_completion_chunks(head, choices, body.logprobs, text,
@@ -479,19 +518,21 @@ def openai_router(generate: Generate, tokenizer, *, model_name: str,
              "logprobs": _completion_logprobs(c, body.logprobs, text)}
             for index, c in enumerate(choices)]}
 
-    @router.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         body.check()
+        episode = episode_of(request)
         stops = body.stops()
-        prompt = _render(tokenizer, body)
-        params = body.params(max_tokens(prompt, body.max_new_tokens(), "messages"), chat_end)
-        _check(params)
-        choices = await _complete(prompt, params, body.n, stops)
-        if body.tools_offered:
-            choices = [_with_calls(c) for c in choices]
+        prompt = encoder(episode, special_tokens=False)(_render(tokenizer, body))
+        requested = body.max_new_tokens()
+        if episode is not None:
+            requested = episode.allow(requested, body.n)
+        params = sampling(body, episode, max_tokens(prompt, requested, "messages"), chat_end)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": int(time.time()), "model": model_name, "system_fingerprint": None}
+        choices = await _complete(prompt, params, body.n, stops, episode, head["id"])
+        if body.tools_offered:
+            choices = [_with_calls(c) for c in choices]
         usage = _usage(len(prompt), choices)
         if body.stream:
             return _stream(_chat_chunks(head, choices, bool(body.logprobs), text,
@@ -501,6 +542,13 @@ def openai_router(generate: Generate, tokenizer, *, model_name: str,
              "logprobs": _chat_logprobs(c, text) if body.logprobs else None}
             for index, c in enumerate(choices)]}
 
+    for prefix in ("", "/episodes/{episode_id}") if episodes is not None else ("",):
+        router.add_api_route(f"{prefix}/v1/models", list_models, methods=["GET"])
+        router.add_api_route(f"{prefix}/v1/models/{{model:path}}", retrieve_model,
+                             methods=["GET"])
+        router.add_api_route(f"{prefix}/v1/completions", completions, methods=["POST"])
+        router.add_api_route(f"{prefix}/v1/chat/completions", chat_completions,
+                             methods=["POST"])
     return router
 
 
@@ -536,8 +584,8 @@ def _chat_end_ids(tokenizer) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------- chat
 
 
-def _render(tokenizer, body: ChatCompletionRequest) -> list[int]:
-    """The prompt's token ids: the messages through the model's chat template, with the tools
+def _render(tokenizer, body: ChatCompletionRequest) -> str:
+    """The prompt's text: the messages through the model's chat template, with the tools
     offered. Where the template ignores `tools` (SmolLM2's does), they are offered in a
     system message in the Hermes layout, and earlier calls and their results are shown as
     Hermes' `<tool_call>` and `<tool_response>` text, so tools reach the model either way."""
@@ -550,7 +598,7 @@ def _render(tokenizer, body: ChatCompletionRequest) -> list[int]:
     except Exception as exc:  # jinja's TemplateError, a template's raise_exception, a bad call
         raise OpenAIError(400, f"messages: the chat template refused them: {exc}",
                           param="messages") from None
-    return tokenizer.encode(prompt, add_special_tokens=False)
+    return prompt
 
 
 def _apply(tokenizer, messages: list[dict[str, Any]], tools) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shlex
 from typing import Coroutine
 
@@ -47,7 +48,14 @@ from asyncrl.engine.types import SamplingParams
 from asyncrl.rollout.weights_receiver import TransferMember, WeightWatcher, engine_applier
 from asyncrl.weights.distributed import backend as transfer_backend
 from asyncrl.weights.distributed import directory_manifest, engine_ranks, model_manifest
-from asyncrl.rollout.workflow import EngineGenerator, RolloutWorkflow
+from asyncrl.rollout.workflow import EngineGenerator, RolloutWorkflow, SingleTurnGroups
+from asyncrl.rollout.episode_record import EpisodeBook
+from asyncrl.rollout.episodes import (
+    EpisodeFunctionError,
+    EpisodeGroups,
+    EpisodeSettings,
+    load_episode_function,
+)
 from asyncrl.platform.settings import RolloutSettings
 from asyncrl.spec import load_manifest
 
@@ -65,8 +73,11 @@ def serve(settings: RolloutSettings) -> None:
     slots = settings.max_running_requests or max_running_requests(spec)
     length = settings.max_sequence_length or max_sequence_length(spec, train)
     metrics = RolloutMetrics(job.metadata.name)
+    # Episode jobs: the function is loaded first, so one that cannot be fails the worker at
+    # start; the book is where the OpenAI API records each episode's calls.
+    episodes = _episodes(spec)
     workflow = (
-        _workflow_factory(settings, job, tokenizer, train, metrics)
+        _workflow_factory(settings, job, tokenizer, train, metrics, episodes)
         if settings.buffer_address else None
     )
     # Shared by the weight watcher (which updates it) and GET /ready (which reports it).
@@ -76,7 +87,7 @@ def serve(settings: RolloutSettings) -> None:
     )
     if (settings.engine or spec.rollout.engine) == "sglang":
         serve_sglang = _serve_sglang(settings, job, slots, length, metrics, workflow, redis_outage,
-                                     tokenizer)
+                                     tokenizer, episodes)
         try:
             asyncio.run(serve_sglang)
         except (SGLangExited, SGLangUnavailableError, TimeoutError, RuntimeError) as exc:
@@ -103,7 +114,8 @@ def serve(settings: RolloutSettings) -> None:
     control = serve_control(engine, settings.grpc_port, host=settings.host,
                             ready=lambda: redis_outage.available)
     app = create_app(torch_engine, model_path=spec.model.source, metrics=metrics,
-                     ready=lambda: redis_outage.available, tokenizer=tokenizer)
+                     ready=lambda: redis_outage.available, tokenizer=tokenizer,
+                     **_episode_api(spec, episodes))
     try:
         asyncio.run(_serve_async(settings, job.metadata.name, engine, app, workflow, metrics,
                                  redis_outage=redis_outage, transfer=transfer))
@@ -131,7 +143,7 @@ def sglang_command(settings: RolloutSettings, spec) -> list[str]:
 
 async def _serve_sglang(settings: RolloutSettings, job, slots: int, length: int,
                         metrics: RolloutMetrics, workflow, redis_outage: Outage,
-                        tokenizer) -> None:
+                        tokenizer, episodes) -> None:
     server = SGLangServer(sglang_command(settings, job.spec),
                           url=f"http://127.0.0.1:{settings.sglang_port}",
                           startup_timeout=settings.sglang_startup_seconds)
@@ -147,7 +159,8 @@ async def _serve_sglang(settings: RolloutSettings, job, slots: int, length: int,
             # The OpenAI-compatible API over SGLang's generation, as the torch worker serves it.
             app.include_router(openai_router(engine.generate, tokenizer,
                                              model_name=job.spec.model.source,
-                                             max_sequence_length=length))
+                                             max_sequence_length=length,
+                                             **_episode_api(job.spec, episodes)))
             transfer = transfer_member(
                 settings, job.spec, engine,
                 lambda dtype: directory_manifest(model_directory(job.spec.model), dtype))
@@ -198,13 +211,32 @@ def status_app(engine: InferenceEngine, metrics: RolloutMetrics,
     return app
 
 
-def _workflow_factory(settings: RolloutSettings, job, tokenizer, train, metrics):
+def _episodes(spec) -> tuple | None:
+    """(the episode function, the book of running episodes) for an episode job, else None."""
+    workflow = spec.rollout.workflow
+    if workflow.kind != "episode":
+        return None
+    path = os.path.abspath(workflow.path) if workflow.path else None
+    try:
+        return load_episode_function(workflow.function, path), EpisodeBook()
+    except EpisodeFunctionError as exc:
+        raise SystemExit(f"rollout: {exc}") from None
+
+
+def _episode_api(spec, episodes) -> dict:
+    """The OpenAI router's options for the job's episodes (none for a single-turn job)."""
+    if episodes is None:
+        return {}
+    return {"episodes": episodes[1], "episode_sampling": SamplingParams.from_spec(spec)}
+
+
+def _workflow_factory(settings: RolloutSettings, job, tokenizer, train, metrics, episodes):
     """The workflow coroutine over an engine: the prompts the buffer hands out with each slot
     (each once per epoch across every replica and restart), until every epoch's are used.
     The worker then keeps serving, idle, until it is stopped: a process that ended would be
     started again by its Deployment (or fail `asyncrl run`), only to be told the same."""
 
-    async def run(engine: InferenceEngine) -> None:
+    async def run(engine: InferenceEngine, app) -> None:
         spec = job.spec
         # N goes to the buffer with each slot asked for: the buffer keeps the first worker's,
         # and refuses a worker whose dataset counts otherwise.
@@ -213,14 +245,21 @@ def _workflow_factory(settings: RolloutSettings, job, tokenizer, train, metrics)
                               outage_seconds=settings.outage_seconds, prompts=len(train))
         prompts = PromptOrder(train, spec.dataset.seed)
         reward = reward_scorer(settings.reward_address, job.metadata.name, spec.reward)
-        scorer = PromptScorer(reward, tokenizer)
+        if episodes is not None:  # the episode scores itself; `app` serves its calls
+            function, book = episodes
+            source = EpisodeGroups(function, book, app, EpisodeSettings.from_spec(spec),
+                                   on_episode=metrics.observe_episode)
+        else:
+            source = SingleTurnGroups(
+                generator=EngineGenerator(engine, metrics),
+                scorer=PromptScorer(reward, tokenizer),
+                group_size=spec.algorithm.group_size,
+                params=SamplingParams.from_spec(spec),
+            )
         workflow = RolloutWorkflow(
             prompts,
-            generator=EngineGenerator(engine, metrics),
-            scorer=scorer,
+            source=source,
             gate=client,
-            group_size=spec.algorithm.group_size,
-            params=SamplingParams.from_spec(spec),
             skip_uniform=spec.algorithm.skip_uniform_groups,
             on_skipped=lambda _group: metrics.observe_skipped_group(),
             on_dropped=lambda _item: metrics.observe_dropped_prompt("too_long"),
@@ -267,7 +306,7 @@ async def _serve_async(settings: RolloutSettings, job: str, engine: InferenceEng
     # the trainer moves on would silently break the staleness bound.
     tasks = {serving} | ({watcher_task} if watcher_task else set())
     if workflow is not None:
-        tasks.add(asyncio.create_task(workflow(engine)))
+        tasks.add(asyncio.create_task(workflow(engine, app)))
     if watch is not None:
         tasks.add(asyncio.create_task(watch))
     try:

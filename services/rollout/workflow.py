@@ -1,5 +1,9 @@
-"""The rollout workflow: slot -> its prompt -> n responses -> scores -> a group in the buffer
-(or, with skip_uniform, dropped when every reward is equal: it carries no learning signal).
+"""The rollout workflow: slot -> its prompt -> a group of n scored samples -> the buffer (or,
+with skip_uniform, dropped when every reward is equal: it carries no learning signal).
+
+The group comes from a GroupSource: `SingleTurnGroups` (n responses to the prompt, scored) or,
+for rollout.workflow.kind: episode, n runs of the job's episode function on the row
+(asyncrl.rollout.episodes).
 
 Each group runs as its own asyncio task, so many groups (and the n responses inside each) are
 generated concurrently; the engine batches them. The staleness gate decides how many groups
@@ -35,12 +39,22 @@ log = logging.getLogger(__name__)
 SKIP_STREAK_WARNING = 50
 
 
+class RowFailed(Exception):
+    """Generation failed for a reason of the row's own (an episode function that raised on
+    it), not the engine's: its prompt is not handed out again, or it would fail forever."""
+
+
 class Generator(Protocol):
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult: ...
 
 
 class Scorer(Protocol):
     async def score(self, item: PromptItem, responses: list[list[int]]) -> list[float]: ...
+
+
+class GroupSource(Protocol):
+    async def samples(self, item: PromptItem) -> list[Trajectory]:
+        """The scored samples of one group for `item`."""
 
 
 class Prompts(Protocol):
@@ -87,6 +101,39 @@ class EngineGenerator:
         return result
 
 
+class SingleTurnGroups:
+    """n responses to the prompt, each scored: the single-turn workflow's groups."""
+
+    def __init__(self, *, generator: Generator, scorer: Scorer, group_size: int,
+                 params: SamplingParams):
+        self._generator = generator
+        self._scorer = scorer
+        self._group_size = group_size
+        self._params = params
+
+    async def samples(self, item: PromptItem) -> list[Trajectory]:
+        began = time.perf_counter()
+        results = await asyncio.gather(
+            *(self._generator.generate(item.prompt_ids, self._params)
+              for _ in range(self._group_size)))
+        generated = time.perf_counter()
+        rewards = await self._scorer.score(item, [r.output_ids for r in results])
+        scored = time.perf_counter()
+        return [
+            Trajectory(
+                prompt_ids=list(item.prompt_ids),
+                response_ids=r.output_ids,
+                behaviour_logprobs=r.output_logprobs,
+                token_versions=r.output_versions,
+                reward=float(reward),
+                finish_reason=r.finish_reason,
+                generate_seconds=generated - began,
+                reward_seconds=scored - generated,
+            )
+            for r, reward in zip(results, rewards)
+        ]
+
+
 @dataclass
 class WorkflowStats:
     groups_put: int = 0
@@ -104,22 +151,16 @@ class RolloutWorkflow:
         self,
         prompts: Prompts,
         *,
-        generator: Generator,
-        scorer: Scorer,
+        source: GroupSource,
         gate: SlotGate,
-        group_size: int,
-        params: SamplingParams,
         on_group: Callable[[Group], None] = lambda _: None,
         skip_uniform: bool = False,
         on_skipped: Callable[[Group], None] = lambda _: None,
         on_dropped: Callable[[PromptItem], None] = lambda _: None,
     ):
         self._prompts = prompts
-        self._generator = generator
-        self._scorer = scorer
+        self._source = source
         self._gate = gate
-        self._group_size = group_size
-        self._params = params
         self._on_group = on_group
         self._skip_uniform = skip_uniform
         self._on_skipped = on_skipped
@@ -174,12 +215,19 @@ class RolloutWorkflow:
             group = await self._generate_group(item, started_ms)
         except BaseException as exc:
             self.stats.groups_failed += 1
-            # Its prompt is handed out again, to this worker or another.
-            await asyncio.shield(self._gate.release(slot, "generation failed"))
+            row_failed = isinstance(exc, RowFailed)
+            # Its prompt is handed out again, to this worker or another (unless the row
+            # itself failed).
+            await asyncio.shield(self._gate.release(slot, "generation failed",
+                                                    prompt_used=row_failed))
             if not isinstance(exc, Exception):  # cancelled: the workflow is stopping
                 raise
-            log.warning("generating for prompt %s failed; its prompt is handed out again",
-                        item.prompt_id, exc_info=True)
+            if row_failed:
+                log.warning("the group for prompt %s failed, and is not retried: %s",
+                            item.prompt_id, exc, exc_info=exc.__cause__ is not None)
+            else:
+                log.warning("generating for prompt %s failed; its prompt is handed out again",
+                            item.prompt_id, exc_info=True)
             return
         if self._skip_uniform and len({s.reward for s in group.samples}) == 1:
             # Never accepted, so the staleness gate's budget is whole again for the next one.
@@ -195,7 +243,7 @@ class RolloutWorkflow:
         self.stats.groups_put += 1
         self.stats.skipped_in_a_row = 0
         self.stats.samples += len(group.samples)
-        self.stats.generated_tokens += sum(len(s.response_ids) for s in group.samples)
+        self.stats.generated_tokens += sum(s.model_tokens for s in group.samples)
         self.stats.rewards.extend(s.reward for s in group.samples)
         self._on_group(group)
 
@@ -215,25 +263,6 @@ class RolloutWorkflow:
                 "algorithm.skipUniformGroups: false", streak, group.samples[0].reward)
 
     async def _generate_group(self, item: PromptItem, started_ms: int) -> Group:
-        began = time.perf_counter()
-        results = await asyncio.gather(
-            *(self._generator.generate(item.prompt_ids, self._params) for _ in range(self._group_size))
-        )
-        generated = time.perf_counter()
-        rewards = await self._scorer.score(item, [r.output_ids for r in results])
-        scored = time.perf_counter()
-        samples = [
-            Trajectory(
-                prompt_ids=list(item.prompt_ids),
-                response_ids=r.output_ids,
-                behaviour_logprobs=r.output_logprobs,
-                token_versions=r.output_versions,
-                reward=float(reward),
-                finish_reason=r.finish_reason,
-                generate_seconds=generated - began,
-                reward_seconds=scored - generated,
-            )
-            for r, reward in zip(results, rewards)
-        ]
+        samples = await self._source.samples(item)
         return Group(f"{item.prompt_id}#{self._worker}-{next(self._ids)}", item.prompt_id,
                      samples, started_ms)

@@ -8,7 +8,12 @@ import pytest
 from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.engine.types import SamplingParams
 from asyncrl.engine.api import TorchInferenceEngine
-from asyncrl.rollout.workflow import EngineGenerator, PromptItem, RolloutWorkflow
+from asyncrl.rollout.workflow import (
+    EngineGenerator,
+    PromptItem,
+    RolloutWorkflow,
+    SingleTurnGroups,
+)
 from support.rollout import InOrder, InProcessGate
 from support.tiny_model import tiny_model
 
@@ -41,8 +46,14 @@ def test_workflow_puts_scored_groups_with_complete_records(engine):
     gate = InProcessGate(max_staleness=10, batch_size=2, prompts=5)
     scorer = CountingScorer()
     workflow = RolloutWorkflow(
-        items(5), generator=EngineGenerator(TorchInferenceEngine(engine)), scorer=scorer, gate=gate, group_size=3,
-        params=SamplingParams(max_new_tokens=6),
+        items(5),
+        source=SingleTurnGroups(
+            generator=EngineGenerator(TorchInferenceEngine(engine)),
+            scorer=scorer,
+            group_size=3,
+            params=SamplingParams(max_new_tokens=6),
+        ),
+        gate=gate,
     )
     stats = asyncio.run(workflow.run())
     assert stats.groups_put == 5 and scorer.calls == 5 and gate.running == 0
@@ -64,9 +75,14 @@ def test_workflow_requests_are_counted_in_the_rollout_metrics(engine):
 
     metrics = RolloutMetrics("job")
     workflow = RolloutWorkflow(
-        items(2), generator=EngineGenerator(TorchInferenceEngine(engine), metrics), scorer=CountingScorer(),
-        gate=InProcessGate(max_staleness=10, batch_size=2, prompts=2), group_size=3,
-        params=SamplingParams(max_new_tokens=6),
+        items(2),
+        source=SingleTurnGroups(
+            generator=EngineGenerator(TorchInferenceEngine(engine), metrics),
+            scorer=CountingScorer(),
+            group_size=3,
+            params=SamplingParams(max_new_tokens=6),
+        ),
+        gate=InProcessGate(max_staleness=10, batch_size=2, prompts=2),
     )
     asyncio.run(workflow.run())
     text = generate_latest(metrics.registry).decode()
@@ -99,8 +115,14 @@ def test_gate_holds_rollouts_until_the_trainer_advances(engine):
 
     async def scenario():
         workflow = RolloutWorkflow(
-            items(6), generator=EngineGenerator(TorchInferenceEngine(engine)), scorer=CountingScorer(), gate=gate,
-            group_size=2, params=SamplingParams(max_new_tokens=3),
+            items(6),
+            source=SingleTurnGroups(
+                generator=EngineGenerator(TorchInferenceEngine(engine)),
+                scorer=CountingScorer(),
+                group_size=2,
+                params=SamplingParams(max_new_tokens=3),
+            ),
+            gate=gate,
         )
         run = asyncio.create_task(workflow.run())
         # Both groups of the budget done, and the workflow asking for a third slot: from here
@@ -137,8 +159,14 @@ def test_failed_generation_releases_its_slot_and_its_prompt_comes_back(engine, c
             return await self.engine.generate(prompt_ids, params)
 
     workflow = RolloutWorkflow(
-        items(1), generator=FailsOnce(engine), scorer=CountingScorer(), gate=gate,
-        group_size=2, params=SamplingParams(max_new_tokens=3),
+        items(1),
+        source=SingleTurnGroups(
+            generator=FailsOnce(engine),
+            scorer=CountingScorer(),
+            group_size=2,
+            params=SamplingParams(max_new_tokens=3),
+        ),
+        gate=gate,
     )
     with caplog.at_level("WARNING", logger="asyncrl.rollout.workflow"):
         stats = asyncio.run(asyncio.wait_for(workflow.run(), 60))
@@ -154,9 +182,15 @@ def test_group_ids_are_unique_across_workers_over_the_same_prompts(engine):
     gate = InProcessGate(max_staleness=10, batch_size=2)
     for _ in range(2):
         workflow = RolloutWorkflow(
-            items(3), generator=EngineGenerator(TorchInferenceEngine(engine)),
-            scorer=CountingScorer(), gate=gate, group_size=2,
-            params=SamplingParams(max_new_tokens=2))
+            items(3),
+            source=SingleTurnGroups(
+                generator=EngineGenerator(TorchInferenceEngine(engine)),
+                scorer=CountingScorer(),
+                group_size=2,
+                params=SamplingParams(max_new_tokens=2),
+            ),
+            gate=gate,
+        )
         asyncio.run(workflow.run(max_groups=3))
     ids = [g.group_id for g in gate.groups]
     assert len(ids) == 6 and len(set(ids)) == 6, ids
@@ -185,9 +219,17 @@ def test_uniform_groups_are_skipped_and_their_budget_given_back(engine, skip):
     prompts = InOrder([PromptItem(f"p{i}", [1 + i, 2 + i], reference=7)
                        for i in (0, 2, 1, 4, 6, 8, 3)])
     workflow = RolloutWorkflow(
-        prompts, generator=EngineGenerator(TorchInferenceEngine(engine)), scorer=MixedWhereOdd(),
-        gate=gate, group_size=3, params=SamplingParams(max_new_tokens=2), skip_uniform=skip,
-        on_skipped=lambda _group: metrics.observe_skipped_group())
+        prompts,
+        source=SingleTurnGroups(
+            generator=EngineGenerator(TorchInferenceEngine(engine)),
+            scorer=MixedWhereOdd(),
+            group_size=3,
+            params=SamplingParams(max_new_tokens=2),
+        ),
+        gate=gate,
+        skip_uniform=skip,
+        on_skipped=lambda _group: metrics.observe_skipped_group(),
+    )
 
     async def scenario():
         return await asyncio.wait_for(workflow.run(max_groups=None if skip else 2), 60)
@@ -215,8 +257,16 @@ def test_a_run_of_skipped_groups_warns_that_no_step_may_come(engine, monkeypatch
     prompts = InOrder([PromptItem(f"p{i}", [1 + i, 2 + i], reference=7)
                        for i in (0, 2, 4, 6, 8, 1)])
     workflow = RolloutWorkflow(
-        prompts, generator=EngineGenerator(TorchInferenceEngine(engine)), scorer=MixedWhereOdd(),
-        gate=gate, group_size=3, params=SamplingParams(max_new_tokens=2), skip_uniform=True)
+        prompts,
+        source=SingleTurnGroups(
+            generator=EngineGenerator(TorchInferenceEngine(engine)),
+            scorer=MixedWhereOdd(),
+            group_size=3,
+            params=SamplingParams(max_new_tokens=2),
+        ),
+        gate=gate,
+        skip_uniform=True,
+    )
 
     async def scenario():
         return await asyncio.wait_for(workflow.run(max_groups=5), 60)  # the five uniform ones
@@ -247,9 +297,16 @@ def test_prompts_too_long_are_dropped_counted_and_never_truncated(engine, caplog
                        for name, n in lengths.items()], max_prompt_tokens=4)
     gate = InProcessGate(max_staleness=10, batch_size=2, prompts=4)
     workflow = RolloutWorkflow(
-        prompts, generator=EngineGenerator(TorchInferenceEngine(engine)),
-        scorer=CountingScorer(), gate=gate, group_size=2, params=SamplingParams(max_new_tokens=2),
-        on_dropped=lambda _item: metrics.observe_dropped_prompt("too_long"))
+        prompts,
+        source=SingleTurnGroups(
+            generator=EngineGenerator(TorchInferenceEngine(engine)),
+            scorer=CountingScorer(),
+            group_size=2,
+            params=SamplingParams(max_new_tokens=2),
+        ),
+        gate=gate,
+        on_dropped=lambda _item: metrics.observe_dropped_prompt("too_long"),
+    )
     with caplog.at_level("WARNING", logger="asyncrl.rollout.workflow"):
         stats = asyncio.run(asyncio.wait_for(workflow.run(), 60))
     assert sorted(g.prompt_id for g in gate.groups) == ["p0", "p2"]
