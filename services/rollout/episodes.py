@@ -6,9 +6,8 @@ function on one dataset row.
 `client` is the official OpenAI client, pointed at this worker's OpenAI-compatible API under
 the episode's own base URL (`/episodes/{id}/v1`, served in-process through the app, not over
 the network), so any agent built on the OpenAI client drives the policy unchanged, and every
-call is recorded (asyncrl.rollout.episode_record). `row` is the dataset row (with its
-`prompt`, the text before the chat template, and `reference`, what the dataset checks answers
-against, where the row has none of its own). The function returns the episode's reward, or
+call is recorded (asyncrl.rollout.episode_record). `row` is the dataset row as a python reward
+gets it (`episode_row`). The function returns the episode's reward, or
 rewards by response id; asyncrl.rollout.trajectories turns the recorded calls into samples.
 
 An episode that raises, runs past rollout.workflow.timeoutSeconds, records no call or returns
@@ -35,6 +34,7 @@ from typing import Any, Awaitable, Callable
 import httpx
 import openai
 
+from asyncrl.clients.reward import reward_row
 from asyncrl.data.prompts import PromptItem
 from asyncrl.data.samples import Trajectory
 from asyncrl.rollout.episode_record import Episode, EpisodeBook, EpisodeLimits
@@ -109,12 +109,11 @@ class EpisodeSettings:
 
 
 def episode_row(item: PromptItem) -> dict[str, Any]:
-    """The row an episode gets: the dataset's own fields, with `prompt` and `reference`
-    where the row has none of its own (generated datasets have no fields at all)."""
-    row = dict(item.row)
+    """The row an episode gets: the one a python reward reads (a file's row, or a generated
+    prompt's prompt_id, prompt and answer), with `prompt`, the prompt's text before the chat
+    template, where the row has no field of that name."""
+    row = reward_row(item)
     row.setdefault("prompt", item.text)
-    if item.reference is not None:
-        row.setdefault("reference", item.reference)
     return row
 
 

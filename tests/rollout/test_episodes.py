@@ -74,8 +74,8 @@ def groups(function, worker, *, group_size=1, **limits):
                          on_episode=outcomes.append), outcomes
 
 
-def item(text="What is 2 + 2?", reference="4"):
-    return PromptItem("p0", [1, 2, 3], reference=reference, text=text)
+def item(text="What is 2 + 2?", answer="4"):
+    return PromptItem("p0", [1, 2, 3], reference=answer, text=text)
 
 
 async def ask(client, messages, max_tokens=8, **options):
@@ -99,7 +99,7 @@ def test_a_two_turn_episode_is_one_sample_with_the_environment_masked_and_each_t
                               {"role": "user", "content": RETRY}]
         second = await ask(client, history)
         answers.append(second.choices[0].message.content)
-        return 1.0 if row["reference"] in answers[-1] else 0.25
+        return 1.0 if row["answer"] in answers[-1] else 0.25
 
     source, outcomes = groups(two_turns, worker)
     [sample] = asyncio.run(source.samples(item()))
