@@ -3,10 +3,11 @@ and the rules that join them."""
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import PurePosixPath
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from asyncrl.spec.base import BUILTIN_MODELS, SpecModel, rule_error
@@ -454,6 +455,140 @@ _GREEDY = ("the responses to a prompt come out identical, so each group's reward
            "and every advantage is 0; the job can never learn")
 
 
+#: "package.module:name" of a user's function (reward.python.function, workflow.function).
+_FUNCTION_PATTERN = r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$"
+
+
+def _check_cidr(block: str) -> str:
+    """A CIDR as a NetworkPolicy's ipBlock takes it: an address, a prefix length, no bits
+    set after the prefix, written the canonical way (lower case, zeros compressed)."""
+    try:
+        network = ipaddress.ip_network(block, strict=False)
+    except ValueError:
+        network = None
+    if network is None or "/" not in block:
+        raise rule_error("is not a CIDR (an address and a prefix length)",
+                         fix=f"write {network} for this one address" if network else
+                         "give a network address and prefix, e.g. 10.20.0.0/16")
+    if network.network_address != ipaddress.ip_address(block.partition("/")[0]):
+        raise rule_error("has bits set after the prefix length",
+                         fix=f"write the network, {network}")
+    if str(network) != block:  # one spelling per network, the one Kubernetes writes itself
+        raise rule_error("is not written the canonical way", fix=f"write {network}")
+    return block
+
+
+class WorkflowSpec(SpecModel):
+    """What one rollout of a prompt is: a single completion (single_turn), or an episode of a
+    function of yours that talks to the model over several turns (episode)."""
+
+    # The CRD half of _fields_match_kind (CEL rules), so the API server refuses the same.
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": "self.kind != 'episode' || has(self.function)",
+        "message": "kind episode runs a function of yours: set function "
+                   "('package.module:name' of async def episode(client, row))",
+        "fieldPath": ".function",
+        "reason": "FieldValueRequired",
+    }, {
+        "rule": "self.kind == 'episode' || !(has(self.function) || has(self.path) || "
+                "has(self.volume) || (has(self.egress) && size(self.egress) > 0))",
+        "message": "function, path, volume and egress are read only with kind episode",
+        "fieldPath": ".kind",
+        "reason": "FieldValueInvalid",
+    }]})
+
+    kind: Literal["single_turn", "episode"] = Field(
+        default="single_turn",
+        description="single_turn: each response is one completion of the prompt, scored by "
+        "the reward service; episode: each response is an episode of your function, which "
+        "calls the model through an OpenAI client as often as it needs (tools, feedback, "
+        "several turns); the episode's completions are the training samples.",
+    )
+    function: str | None = Field(
+        default=None,
+        min_length=1,
+        pattern=_FUNCTION_PATTERN,
+        description="kind episode: 'package.module:name' of an async function called as "
+        "episode(client, row) with an OpenAI-compatible client of the rollout worker's model "
+        "and the dataset row (a dict of all its fields).",
+    )
+    path: str | None = Field(
+        default=None,
+        min_length=1,
+        description="kind episode: a folder added to the import path (in a cluster: in the "
+        "image, or on workflow.volume).",
+    )
+    volume: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="kind episode, in a cluster: an existing PersistentVolumeClaim holding "
+        "path, mounted read-only at path's first folder in the rollout pods.",
+    )
+    max_turns: int = Field(
+        default=8,
+        ge=1,
+        description="kind episode: most model calls one episode may make.",
+    )
+    max_episode_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="kind episode: most tokens the model generates in one episode, over all "
+        "its calls. Unset: only each call's own max_tokens and the context bound them.",
+    )
+    timeout_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        description="kind episode: wall-clock limit of one episode, model calls and tools "
+        "included.",
+    )
+    turn_discount: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="kind episode: an earlier turn's reward is the next turn's times this, so "
+        "the turns nearer the end get more of the credit; 1 gives every turn the episode's "
+        "reward.",
+    )
+    egress: list[Annotated[str, AfterValidator(_check_cidr)]] = Field(
+        default=[],
+        description="kind episode, in a cluster with the operator's network policies: CIDRs "
+        "(e.g. 10.20.0.0/16, 203.0.113.7/32) the rollout pods may reach besides DNS and the "
+        "job's own Redis, buffer, reward and trainer: the addresses your episode's tools "
+        "call. Empty: no other.",
+    )
+
+    @model_validator(mode="after")
+    def _fields_match_kind(self) -> WorkflowSpec:
+        if self.kind != "episode":
+            # Compared with the defaults, not by what was written: a manifest dumped with
+            # its defaults (to_manifest) must read back.
+            defaults = type(self).model_fields
+            given = [name for name in defaults
+                     if name != "kind" and getattr(self, name) != defaults[name].default]
+            if given:
+                name = to_camel(given[0])
+                raise rule_error(f"{name} is read only with kind: episode, and kind is "
+                                 f"{self.kind}", field=name,
+                                 fix=f"remove {name}, or set kind: episode")
+            return self
+        if self.function is None:
+            raise rule_error("kind episode runs a function of yours, and none is given",
+                             field="function",
+                             fix="set function to 'package.module:name' of your async def "
+                             "episode(client, row)")
+        if self.volume is not None:
+            if self.path is None:
+                raise rule_error(
+                    "the volume is mounted at path's first folder, and no path is given",
+                    field="path",
+                    fix="set path to the folder of your module on the volume, e.g. "
+                    "/episodes/mine")
+            _check_mount_root(self.path, "path", "/episodes/mine")
+        return self
+
+
 class RolloutSpec(SpecModel):
     """The rollout workers: inference engine, sampling and where they run."""
 
@@ -483,6 +618,10 @@ class RolloutSpec(SpecModel):
         description="Sample from the k most likely tokens; -1 is off (0 is not allowed, and 1 "
         "is greedy).",
         json_schema_extra={"not": {"enum": [0, 1]}},
+    )
+    workflow: WorkflowSpec = Field(
+        default_factory=WorkflowSpec,
+        description="What one rollout is: a single completion, or an episode of your code.",
     )
     resources: Resources = Field(default_factory=Resources, description="Per-pod resources.")
     placement: Placement = Field(default_factory=Placement, description="Per-pod placement.")
@@ -567,7 +706,7 @@ class PythonReward(SpecModel):
 
     function: str = Field(
         min_length=1,
-        pattern=r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$",
+        pattern=_FUNCTION_PATTERN,
         description="'package.module:name' of a function (sync or async) called with the "
         "response text and the dataset row (a dict of all its fields) as response= and row=, "
         "returning a float, or a dict with a 'score' and extra numbers logged as metrics.",
@@ -942,6 +1081,7 @@ class RLJobSpec(SpecModel):
             )
         if self.trainer.backend == "megatron":
             _check_megatron(self.model, self.trainer, self.trainer_compute_dtype)
+        _check_rollout_mounts(self.dataset, self.rollout.workflow)
         if self.trainer.micro_batch_max_tokens < self.rollout.max_new_tokens:
             raise rule_error(
                 f"a micro-batch of {self.trainer.micro_batch_max_tokens} tokens cannot hold one "
@@ -951,6 +1091,21 @@ class RLJobSpec(SpecModel):
                 "(prompt plus response)",
             )
         return self
+
+
+def _check_rollout_mounts(dataset: DatasetSpec, workflow: WorkflowSpec) -> None:
+    """The rollout pods mount dataset.volume and workflow.volume each at its path's first
+    folder: one folder can hold one claim (the same claim there is mounted once)."""
+    if dataset.volume is None or workflow.volume is None or dataset.volume == workflow.volume:
+        return
+    dataset_root = PurePosixPath(dataset.path).parts[1]
+    if PurePosixPath(workflow.path).parts[1] == dataset_root:
+        raise rule_error(
+            f"dataset.volume and rollout.workflow.volume are different claims, and both "
+            f"would be mounted at /{dataset_root} in the rollout pods",
+            field="rollout.workflow.path",
+            fix="put the episode code under another first folder (e.g. /episodes/mine), or "
+            "on the dataset's claim")
 
 
 def _check_megatron(model: ModelSpec, trainer: TrainerSpec, compute_dtype: str) -> None:

@@ -112,7 +112,8 @@ def test_cel_rules_read_and_name_fields_of_their_own_object(schema):
     """Each x-kubernetes-validations rule (the CRD half of a model rule that spans fields)
     sits on the object whose fields it reads, and names one of them in its error."""
     rules = {path: node for path, node in _walk(schema) if "x-kubernetes-validations" in node}
-    assert {"<root>.spec.dataset", "<root>.spec.buffer.redis"} <= set(rules)
+    assert {"<root>.spec.dataset", "<root>.spec.buffer.redis",
+            "<root>.spec.rollout.workflow"} <= set(rules)
     for path, node in rules.items():
         for rule in node["x-kubernetes-validations"]:
             assert set(re.findall(r"self\.(\w+)", rule["rule"])) <= set(node["properties"]), path
@@ -124,6 +125,10 @@ def test_cel_rules_read_and_name_fields_of_their_own_object(schema):
         "x-kubernetes-validations"]
     assert file_needs_path["fieldPath"] == ".path"
     assert file_fields_need_kind["fieldPath"] == ".kind"
+    episode_needs_function, episode_fields_need_kind = rules["<root>.spec.rollout.workflow"][
+        "x-kubernetes-validations"]
+    assert episode_needs_function["fieldPath"] == ".function"
+    assert episode_fields_need_kind["fieldPath"] == ".kind"
 
 
 def test_every_field_is_described(schema):
@@ -217,6 +222,14 @@ def test_dumped_manifest_with_status_validates(validator):
         {"reward": {"kind": "python", "python": {"function": "module_without_a_function"}}},
         {"reward": {"kind": "python", "python": {"function": "m:f", "volume": "Bad_Claim"}}},
         {"reward": {"kind": "http", "http": {"url": "ftp://judge"}}},
+        {"rollout": {"workflow": {"kind": "multi_turn"}}},
+        {"rollout": {"workflow": {"kind": "episode", "function": "no_function_named"}}},
+        {"rollout": {"workflow": {"kind": "episode", "function": "m:f", "maxTurns": 0}}},
+        {"rollout": {"workflow": {"kind": "episode", "function": "m:f", "turnDiscount": 1.5}}},
+        {"rollout": {"workflow": {"kind": "episode", "function": "m:f", "timeoutSeconds": 0}}},
+        {"rollout": {"workflow": {"kind": "episode", "function": "m:f", "path": "/e/m",
+                                  "volume": "Bad_Claim"}}},
+        {"rollout": {"workflow": {"kind": "episode", "function": "m:f", "egress": "10.0.0.0/8"}}},
     ],
 )
 def test_the_crd_and_the_model_reject_the_same_field_values(validator, change):

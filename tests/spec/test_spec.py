@@ -195,6 +195,33 @@ def test_operator_may_parse_whole_objects_from_the_api_server():
          "spec.reward.python.path", "set path to the folder of your module"),
         ({"algorithm": {"proximal": "loglinear", "decoupled": False}}, "spec.algorithm.proximal",
          "remove proximal, or set decoupled: true"),
+        ({"rollout": {"workflow": {"kind": "episode"}}}, "spec.rollout.workflow.function",
+         "set function to 'package.module:name' of your async def episode(client, row)"),
+        ({"rollout": {"workflow": {"function": "mine.episode:run"}}},
+         "spec.rollout.workflow.function", "remove function, or set kind: episode"),
+        ({"rollout": {"workflow": {"maxTurns": 4}}}, "spec.rollout.workflow.maxTurns",
+         "remove maxTurns, or set kind: episode"),
+        ({"rollout": {"workflow": {"egress": ["10.0.0.0/8"]}}}, "spec.rollout.workflow.egress",
+         "remove egress, or set kind: episode"),
+        ({"rollout": {"workflow": {"kind": "episode", "function": "mine:run", "volume": "code"}}},
+         "spec.rollout.workflow.path", "set path to the folder of your module on the volume"),
+        ({"rollout": {"workflow": {"kind": "episode", "function": "mine:run", "volume": "code",
+                                   "path": "/usr/lib/mine"}}},
+         "spec.rollout.workflow.path", "put the files under a folder of their own"),
+        ({"rollout": {"workflow": {"kind": "episode", "function": "mine:run",
+                                   "egress": ["10.0.0.1/8"]}}},
+         "spec.rollout.workflow.egress[0]", "write the network, 10.0.0.0/8"),
+        ({"rollout": {"workflow": {"kind": "episode", "function": "mine:run",
+                                   "egress": ["203.0.113.7"]}}},
+         "spec.rollout.workflow.egress[0]", "write 203.0.113.7/32"),
+        ({"rollout": {"workflow": {"kind": "episode", "function": "mine:run",
+                                   "egress": ["FD00::/8"]}}},
+         "spec.rollout.workflow.egress[0]", "write fd00::/8"),
+        ({"dataset": {"kind": "file", "path": "/data/train.jsonl", "volume": "prompts",
+                      "fields": {"answer": "answer"}},
+          "rollout": {"workflow": {"kind": "episode", "function": "mine:run",
+                                   "path": "/data/episodes", "volume": "episode-code"}}},
+         "spec.rollout.workflow.path", "put the episode code under another first folder"),
     ],
 )
 def test_cross_field_rules(spec_fields, path, fix):
@@ -349,6 +376,53 @@ def test_rules_that_hold():
         algorithm={"clipEps": 0.2, "clipEpsHigh": 0.1},  # clipEpsHigh < clipEps is allowed
     ))
     assert job.spec.algorithm.effective_clip_eps_high == 0.1
+
+
+def test_a_rollout_is_one_completion_unless_the_workflow_is_an_episode():
+    workflow = parse_manifest(manifest()).spec.rollout.workflow
+    assert (workflow.kind, workflow.function, workflow.path, workflow.volume) == (
+        "single_turn", None, None, None)
+    assert (workflow.max_turns, workflow.max_episode_tokens, workflow.timeout_seconds,
+            workflow.turn_discount, workflow.egress) == (8, None, 300.0, 1.0, [])
+    job = parse_manifest(manifest(rollout={"workflow": {
+        "kind": "episode", "function": "tools.search:episode", "path": "/episodes/tools",
+        "volume": "episode-code", "maxTurns": 4, "maxEpisodeTokens": 2048,
+        "timeoutSeconds": 60, "turnDiscount": 0.9,
+        "egress": ["10.20.0.0/16", "203.0.113.7/32", "fd00::/8"]}}))
+    workflow = job.spec.rollout.workflow
+    assert (workflow.kind, workflow.function, workflow.path, workflow.volume) == (
+        "episode", "tools.search:episode", "/episodes/tools", "episode-code")
+    assert (workflow.max_turns, workflow.max_episode_tokens, workflow.timeout_seconds,
+            workflow.turn_discount) == (4, 2048, 60.0, 0.9)
+    assert workflow.egress == ["10.20.0.0/16", "203.0.113.7/32", "fd00::/8"]
+    # Dumped with every default, both kinds read back unchanged.
+    for dumped in (job, parse_manifest(manifest())):
+        assert parse_manifest(dumped.to_manifest()).spec == dumped.spec
+
+
+@pytest.mark.parametrize(("workflow", "field"), [
+    ({"kind": "multi_turn"}, "kind"),
+    ({"kind": "episode", "function": "no_function_named"}, "function"),
+    ({"kind": "episode", "function": "m:f", "maxTurns": 0}, "maxTurns"),
+    ({"kind": "episode", "function": "m:f", "maxEpisodeTokens": 0}, "maxEpisodeTokens"),
+    ({"kind": "episode", "function": "m:f", "timeoutSeconds": 0}, "timeoutSeconds"),
+    ({"kind": "episode", "function": "m:f", "turnDiscount": 0}, "turnDiscount"),
+    ({"kind": "episode", "function": "m:f", "turnDiscount": 1.5}, "turnDiscount"),
+    ({"kind": "episode", "function": "m:f", "path": "/e/m", "volume": "Bad_Claim"}, "volume"),
+    ({"kind": "episode", "function": "m:f", "egress": ["example.org/32"]}, "egress[0]"),
+])
+def test_workflow_field_bounds(workflow, field):
+    line = only_error(manifest(rollout={"workflow": workflow}))
+    assert line.startswith(f"spec.rollout.workflow.{field}: "), line
+
+
+def test_the_dataset_and_the_episode_code_may_share_one_claim():
+    job = parse_manifest(manifest(
+        dataset={"kind": "file", "path": "/data/train.jsonl", "volume": "shared",
+                 "fields": {"answer": "answer"}},
+        rollout={"workflow": {"kind": "episode", "function": "mine:run",
+                              "path": "/data/episodes", "volume": "shared"}}))
+    assert job.spec.rollout.workflow.volume == job.spec.dataset.volume == "shared"
 
 
 def test_section_errors_do_not_hide_each_other():
