@@ -26,13 +26,15 @@ What runs where, and which module builds it:
                                      transfer group's store (29500) (trainer)
     <job>-run       PVC              checkpoints and weight snapshots: trainer writes, rollout reads
     (the user's)    PVC              spec.dataset.volume, read-only in the rollout and trainer
-                                     pods; spec.reward.python.volume, read-only in the reward pods
+                                     pods; spec.reward.python.volume, read-only in the reward pods;
+                                     spec.rollout.workflow.volume, read-only in the rollout pods
                                      (volumes)
     <job>-redis, <job>-buffer, <job>-trainer, <job>-reward   NetworkPolicy   only the job's own
                     pods (and the operator, for buffer statistics and trainer status) reach
                     Redis, the buffer and the trainer; reward pods, which may run untrusted
                     programs, make no outgoing connection at all (but to a reward kind
-                    http's endpoint) (network)
+                    http's endpoint); <job>-rollout, episode jobs only: their rollout pods
+                    reach DNS, the job's own services and rollout.workflow.egress (network)
 
 `common` holds the operator's settings, names, labels, ports and replica counts; `pods` the
 pieces every workload is made of (containers, probes, pod specs, Services, Deployments);
@@ -72,6 +74,7 @@ from asyncrl.operator.builders.network import (
     buffer_network_policy,
     redis_network_policy,
     reward_network_policy,
+    rollout_network_policy,
     trainer_network_policy,
 )
 from asyncrl.operator.builders.pods import (
@@ -115,10 +118,12 @@ from asyncrl.operator.builders.trainer import (
 from asyncrl.operator.builders.volumes import (
     DATASET_VOLUME,
     REWARD_VOLUME,
+    WORKFLOW_VOLUME,
     dataset_volumes,
     mount_folder,
     reward_volumes,
     run_volume_claim,
+    workflow_volumes,
 )
 
 __all__ = [
@@ -127,14 +132,15 @@ __all__ = [
     "OperatorConfig", "PASSWORD_ENV", "PROBE_PERIOD", "REDIS_PORT", "REDIS_UID",
     "RENDEZVOUS_PORT", "REWARD_METRICS", "REWARD_PORT", "REWARD_VOLUME", "ROLLOUT_GRPC",
     "ROLLOUT_HTTP", "RUN_DIR", "SANDBOX_CAPABILITIES", "STARTUP_SECONDS", "TRAINER_METRICS",
-    "TRAINER_PORT", "WAIT_FOR_RENDEZVOUS", "WEIGHTS_PORT", "WORKLOADS", "buffer_deployment",
-    "buffer_network_policy", "buffer_service", "build_children", "child_name", "config_hash",
-    "config_map", "dataset_volumes", "desired_replicas", "distributed_weights", "image_for",
-    "labels", "manages_redis", "mount_folder", "password_ref", "redis_network_policy",
-    "redis_secret", "redis_service", "redis_statefulset", "redis_url", "redis_url_with_password",
-    "rendezvous_wait_container", "reward_deployment", "reward_network_policy", "reward_service",
-    "reward_volumes", "rollout_deployment", "rollout_service", "rollout_startup_seconds",
-    "run_volume_claim", "seccomp_profile", "selector_labels", "trainer_headless_service",
-    "trainer_network_policy", "trainer_ports", "trainer_rendezvous_host", "trainer_statefulset",
-    "workloads",
+    "TRAINER_PORT", "WAIT_FOR_RENDEZVOUS", "WEIGHTS_PORT", "WORKFLOW_VOLUME", "WORKLOADS",
+    "buffer_deployment", "buffer_network_policy", "buffer_service", "build_children",
+    "child_name", "config_hash", "config_map", "dataset_volumes", "desired_replicas",
+    "distributed_weights", "image_for", "labels", "manages_redis", "mount_folder",
+    "password_ref", "redis_network_policy", "redis_secret", "redis_service",
+    "redis_statefulset", "redis_url", "redis_url_with_password", "rendezvous_wait_container",
+    "reward_deployment", "reward_network_policy", "reward_service", "reward_volumes",
+    "rollout_deployment", "rollout_network_policy", "rollout_service",
+    "rollout_startup_seconds", "run_volume_claim", "seccomp_profile", "selector_labels",
+    "trainer_headless_service", "trainer_network_policy", "trainer_ports",
+    "trainer_rendezvous_host", "trainer_statefulset", "workflow_volumes", "workloads",
 ]

@@ -10,6 +10,7 @@ from asyncrl.operator.builders.network import (
     buffer_network_policy,
     redis_network_policy,
     reward_network_policy,
+    rollout_network_policy,
     trainer_network_policy,
 )
 from asyncrl.operator.builders.redis import (
@@ -33,6 +34,7 @@ def build_children(job: RLJob, config: OperatorConfig, *, redis_password: str) -
         buffer_network_policy(job, config),
         trainer_network_policy(job, config),
         reward_network_policy(job, config),
+        rollout_network_policy(job, config),
         redis_secret(job, redis_password),
         redis_service(job),
         redis_statefulset(job, config),

@@ -1,11 +1,15 @@
 """The job's NetworkPolicies (where `OperatorConfig.network_policies` is on): only the job's
 own pods (and the operator, for buffer statistics and trainer status) reach Redis, the buffer
 and the trainer; reward pods, which may run untrusted programs, make no outgoing connection
-at all (but to a reward kind http's endpoint). Metrics ports stay open to Prometheus."""
+at all (but to a reward kind http's endpoint); the rollout pods of an episode job, which run
+the user's episode code and its tools, reach only DNS, the job's own services and the CIDRs
+of rollout.workflow.egress. Metrics ports stay open to Prometheus."""
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
+from urllib.parse import urlsplit
 
 from asyncrl.operator.builders.common import (
     BUFFER_METRICS,
@@ -21,6 +25,7 @@ from asyncrl.operator.builders.common import (
     selector_labels,
 )
 from asyncrl.operator.builders.redis import manages_redis
+from asyncrl.operator.builders.trainer import distributed_weights
 from asyncrl.spec import RLJob
 
 #: Carried by the operator's own pods (the chart sets it): they may read every job's buffer.
@@ -93,3 +98,56 @@ def reward_network_policy(job: RLJob, config: OperatorConfig) -> dict[str, Any] 
         return None
     return _network_policy(job, "reward", deny_egress=job.spec.reward.kind != "http", ingress=[
         _from_own_pods(job, [REWARD_PORT]), _from_anywhere([REWARD_METRICS])])
+
+
+def rollout_network_policy(job: RLJob, config: OperatorConfig) -> dict[str, Any] | None:
+    """Episode jobs only: their rollout pods run the user's episode code, whose tools may run
+    anything, so their egress is DNS, the job's own Redis, buffer and reward pods (and, with
+    distributed weights, the trainer and the other rollout pods, which form one
+    torch.distributed group with them), and the CIDRs of rollout.workflow.egress. The
+    episode's OpenAI client reaches its own worker inside the pod, which no policy governs.
+    Single-turn rollout pods run only asyncrl's code: no policy."""
+    workflow = job.spec.rollout.workflow
+    if not config.network_policies or workflow.kind != "episode":
+        return None
+    egress = [_to_dns(), _to_redis(job), _to_own_pods(job, "buffer", [BUFFER_PORT]),
+              _to_own_pods(job, "reward", [REWARD_PORT])]
+    if distributed_weights(job):
+        # The transfer group's store, then the process group's ports, which torch.distributed
+        # picks at run time; every member connects to every other.
+        egress += [_to_own_pods(job, "trainer", None), _to_own_pods(job, "rollout", None)]
+    if workflow.egress:
+        egress.append({"to": [{"ipBlock": {"cidr": cidr}} for cidr in workflow.egress]})
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": object_meta(job, "rollout"),
+            "spec": {"podSelector": {"matchLabels": selector_labels(job, "rollout")},
+                     "policyTypes": ["Egress"], "egress": egress}}
+
+
+def _to_dns() -> dict[str, Any]:
+    """Names of the job's Services (and of the hosts in workflow.egress), wherever the
+    cluster's resolver runs."""
+    return {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+
+
+def _to_own_pods(job: RLJob, component: str, ports: list[int] | None) -> dict[str, Any]:
+    """To the job's pods of one component, on `ports` (None: every port)."""
+    rule: dict[str, Any] = {
+        "to": [{"podSelector": {"matchLabels": selector_labels(job, component)}}]}
+    if ports is not None:
+        rule["ports"] = [{"protocol": "TCP", "port": port} for port in ports]
+    return rule
+
+
+def _to_redis(job: RLJob) -> dict[str, Any]:
+    """The managed Redis's pods; an external Redis on its URL's port, at its address where
+    the URL gives one, else anywhere (a host name's addresses are unknown to a policy)."""
+    if manages_redis(job):
+        return _to_own_pods(job, "redis", [REDIS_PORT])
+    url = urlsplit(job.spec.buffer.redis.url)
+    ports = [{"protocol": "TCP", "port": url.port or REDIS_PORT}]
+    try:
+        address = ipaddress.ip_address(url.hostname or "")
+    except ValueError:
+        return {"ports": ports}
+    return {"to": [{"ipBlock": {"cidr": f"{address}/{address.max_prefixlen}"}}], "ports": ports}

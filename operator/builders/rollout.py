@@ -28,7 +28,12 @@ from asyncrl.operator.builders.pods import (
 )
 from asyncrl.operator.builders.redis import password_env, password_ref, redis_url_with_password
 from asyncrl.operator.builders.trainer import distributed_weights, trainer_rendezvous_host
-from asyncrl.operator.builders.volumes import dataset_volumes, run_mount, run_volume
+from asyncrl.operator.builders.volumes import (
+    dataset_volumes,
+    run_mount,
+    run_volume,
+    workflow_volumes,
+)
 from asyncrl.platform.settings import SGLANG_STARTUP_SECONDS, serve_command
 from asyncrl.spec import RLJob
 
@@ -47,6 +52,7 @@ def rollout_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
     # Not ready while Redis is down (no weight updates can reach it), yet not restarted.
     ready = {"httpGet": {"path": "/ready", "port": "http"}}
     data_volumes, data_mounts = dataset_volumes(job)  # the training prompts
+    episode_volumes, episode_mounts = workflow_volumes(job)  # an episode job's module
     container = service_container(job, config, "rollout", args, env=env,
                                   gpus=rollout.placement.gpus,
                                   ports=[("http", ROLLOUT_HTTP), ("grpc", ROLLOUT_GRPC)],
@@ -54,10 +60,11 @@ def rollout_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
                                                                   gpus=rollout.placement.gpus),
                                   probe=health, readiness=ready,
                                   startup_seconds=rollout_startup_seconds(job),
-                                  mounts=[run_mount(read_only=True), *data_mounts])
+                                  mounts=[run_mount(read_only=True), *data_mounts,
+                                          *episode_mounts])
     deployment = build_deployment(job, config, "rollout", desired_replicas(job, "rollout"),
                                   [container], placement=rollout.placement,
-                                  volumes=[run_volume(job), *data_volumes])
+                                  volumes=[run_volume(job), *data_volumes, *episode_volumes])
     pod = deployment["spec"]["template"]["spec"]
     if rollout.placement.gpus:
         add_shared_memory(pod, container)

@@ -1,5 +1,6 @@
 """The job's run volume (a PersistentVolumeClaim it owns) and the pod volumes and mounts of
-it and of the user's own claims (spec.dataset.volume, spec.reward.python.volume)."""
+it and of the user's own claims (spec.dataset.volume, spec.reward.python.volume,
+spec.rollout.workflow.volume)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from asyncrl.spec import RLJob
 #: data) so that a claim can never take one of their places.
 DATASET_VOLUME = "dataset"
 REWARD_VOLUME = "reward-python"
+WORKFLOW_VOLUME = "workflow"
 
 
 def run_volume_claim(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
@@ -48,9 +50,30 @@ def reward_volumes(job: RLJob) -> tuple[list[dict], list[dict]]:
     """The pod volume and container mount of spec.reward.python.volume (none without one): at
     the first folder of reward.python.path, the folder the reward's module is imported from."""
     python = job.spec.reward.python
-    if python is None or python.volume is None:
+    if python is None:
         return [], []
-    return read_only_claim(REWARD_VOLUME, python.volume, mount_folder(python.path))
+    return code_volumes(REWARD_VOLUME, python.volume, python.path)
+
+
+def workflow_volumes(job: RLJob) -> tuple[list[dict], list[dict]]:
+    """The pod volume and container mount of spec.rollout.workflow.volume (none without one,
+    or when it is the dataset's claim at the same folder, which dataset_volumes mounts
+    already): at the first folder of workflow.path, where the episode's module is imported
+    from."""
+    workflow, dataset = job.spec.rollout.workflow, job.spec.dataset
+    if (workflow.volume is not None and workflow.volume == dataset.volume
+            and mount_folder(workflow.path) == mount_folder(dataset.path)):
+        return [], []
+    return code_volumes(WORKFLOW_VOLUME, workflow.volume, workflow.path)
+
+
+def code_volumes(name: str, claim: str | None, path: str | None) -> tuple[list[dict],
+                                                                           list[dict]]:
+    """A user's module on their own claim (none without one), mounted read-only at the first
+    folder of the path it is imported from (the spec makes that path absolute)."""
+    if claim is None or path is None:
+        return [], []
+    return read_only_claim(name, claim, mount_folder(path))
 
 
 def mount_folder(path: str) -> str:

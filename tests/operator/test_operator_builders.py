@@ -157,6 +157,75 @@ def test_network_policies_follow_the_operator_setting_and_external_redis(tiny):
     assert names == {"tiny-buffer", "tiny-trainer", "tiny-reward"}  # no Redis of ours to guard
 
 
+#: An episode job whose episode code is on a claim of the user's.
+EPISODE = {"kind": "episode", "function": "tools.search:episode", "path": "/episodes/tools",
+           "volume": "episode-code"}
+
+
+def rollout_policy(job, config=CONFIG):
+    policies = [c for c in build_children(job, config, redis_password="pw")
+                if c["kind"] == "NetworkPolicy" and c["metadata"]["name"] == "tiny-rollout"]
+    return policies[0] if policies else None
+
+
+def test_an_episode_jobs_rollout_pods_reach_only_dns_and_the_jobs_own_services():
+    policy = rollout_policy(job_from(rollout__workflow=EPISODE))
+    kubernetes_validate.validate(policy, latest_version(), strict=True)
+    assert policy["metadata"]["namespace"] == "ml"
+    spec = policy["spec"]
+    assert spec["podSelector"] == {"matchLabels": {
+        "asyncrl.io/job": "tiny", "app.kubernetes.io/component": "rollout"}}
+    assert spec["policyTypes"] == ["Egress"]  # who may reach the workers is unchanged
+
+    def pods(component):
+        return [{"podSelector": {"matchLabels": {
+            "asyncrl.io/job": "tiny", "app.kubernetes.io/component": component}}}]
+
+    assert spec["egress"] == [
+        {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]},
+        {"to": pods("redis"), "ports": [{"protocol": "TCP", "port": builders.REDIS_PORT}]},
+        {"to": pods("buffer"), "ports": [{"protocol": "TCP", "port": builders.BUFFER_PORT}]},
+        {"to": pods("reward"), "ports": [{"protocol": "TCP", "port": builders.REWARD_PORT}]},
+    ]
+
+    # Distributed weights: the trainer and the other workers form one torch.distributed
+    # group with each worker, on ports it picks at run time.
+    distributed = rollout_policy(job_from(rollout__workflow=EPISODE,
+                                          trainer__weightTransfer="distributed"))
+    assert distributed["spec"]["egress"][4:] == [{"to": pods("trainer")},
+                                                 {"to": pods("rollout")}]
+
+
+def test_an_episode_jobs_egress_cidrs_are_added_to_its_rollout_policy():
+    policy = rollout_policy(job_from(rollout__workflow={
+        **EPISODE, "egress": ["10.20.0.0/16", "2001:db8::/32"]}))
+    assert policy["spec"]["egress"][-1] == {"to": [{"ipBlock": {"cidr": "10.20.0.0/16"}},
+                                                   {"ipBlock": {"cidr": "2001:db8::/32"}}]}
+    assert len(policy["spec"]["egress"]) == 5
+    kubernetes_validate.validate(policy, latest_version(), strict=True)
+
+
+@pytest.mark.parametrize(("url", "rule"), [
+    ("redis://10.1.2.3:6380/0", {"to": [{"ipBlock": {"cidr": "10.1.2.3/32"}}],
+                                 "ports": [{"protocol": "TCP", "port": 6380}]}),
+    ("redis://[fd00::7]/0", {"to": [{"ipBlock": {"cidr": "fd00::7/128"}}],
+                             "ports": [{"protocol": "TCP", "port": 6379}]}),
+    # A host name's addresses are not known to a policy: its port, anywhere.
+    ("rediss://redis.example:6380/0", {"ports": [{"protocol": "TCP", "port": 6380}]}),
+])
+def test_an_episode_jobs_rollout_pods_reach_an_external_redis_on_its_port(url, rule):
+    job = job_from(rollout__workflow=EPISODE, buffer__redis={"url": url, "tls": url.startswith(
+        "rediss")})
+    assert rollout_policy(job)["spec"]["egress"][1] == rule
+
+
+def test_single_turn_jobs_and_policies_off_get_no_rollout_policy(tiny):
+    assert rollout_policy(tiny) is None
+    assert rollout_policy(job_from(rollout__workflow={"kind": "single_turn"})) is None
+    off = OperatorConfig(image="example.org/asyncrl:test", network_policies=False)
+    assert rollout_policy(job_from(rollout__workflow=EPISODE), off) is None
+
+
 def test_gpu_pods_without_tolerations_get_the_operators_gpu_tolerations():
     job = job_from("examples/gpu-cluster.yaml", rollout__placement__tolerations=[])
     custom = ({"key": "gpu-pool", "operator": "Equal", "value": "a100", "effect": "NoSchedule"},)
@@ -517,12 +586,43 @@ def test_the_users_claims_are_mounted_read_only_where_their_files_are_read():
             assert len(set(names)) == len(names) and len(set(folders)) == len(folders), names
 
 
+def test_the_episode_code_claim_is_mounted_read_only_in_the_rollout_pods_alone():
+    job = job_from(rollout__workflow=EPISODE)
+    children = by_kind_name(build_children(job, CONFIG, redis_password="pw"))
+    pod, container = pod_of(children[("Deployment", "tiny-rollout")])
+    assert {"name": "workflow", "persistentVolumeClaim": {
+        "claimName": "episode-code", "readOnly": True}} in pod["volumes"]
+    assert {"name": "workflow", "mountPath": "/episodes", "readOnly": True} in \
+        container["volumeMounts"]
+    for key, child in children.items():
+        kubernetes_validate.validate(child, latest_version(), strict=True)
+        if child["kind"] in ("Deployment", "StatefulSet") and key[1] != "tiny-rollout":
+            pod, _ = pod_of(child)
+            assert not [v for v in pod.get("volumes", []) if v["name"] == "workflow"], key
+
+
+def test_the_dataset_and_the_episode_code_on_one_claim_are_mounted_once():
+    dataset = {**ON_VOLUMES["dataset"], "volume": "shared"}
+    shared = job_from(dataset=dataset, rollout__workflow={
+        **EPISODE, "path": "/data/episodes", "volume": "shared"})
+    pod, container = pod_of(builders.rollout_deployment(shared, CONFIG))
+    assert [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
+            if "persistentVolumeClaim" in v] == ["tiny-run", "shared"]
+    assert [m["mountPath"] for m in container["volumeMounts"]].count("/data") == 1
+    # The same claim under two folders: mounted at both.
+    apart = job_from(dataset=dataset, rollout__workflow={**EPISODE, "volume": "shared"})
+    pod, container = pod_of(builders.rollout_deployment(apart, CONFIG))
+    assert {(m["name"], m["mountPath"]) for m in container["volumeMounts"]} >= {
+        ("dataset", "/data"), ("workflow", "/episodes")}
+
+
 @pytest.mark.parametrize("overrides", [
     {},
     {"dataset": {**ON_VOLUMES["dataset"], "volume": None}},
     {"reward": {"kind": "python", "python": {"function": "mine.score:reward",
                                              "path": "/rewards/mine"}}},
-], ids=["arith", "file-in-the-image", "python-in-the-image"])
+    {"rollout": {"workflow": {**EPISODE, "volume": None}}},
+], ids=["arith", "file-in-the-image", "python-in-the-image", "episode-in-the-image"])
 def test_nothing_of_the_users_is_mounted_without_a_volume(overrides):
     job = job_from(**overrides)
     for child in build_children(job, CONFIG, redis_password="pw"):
@@ -531,7 +631,7 @@ def test_nothing_of_the_users_is_mounted_without_a_volume(overrides):
             claims = [v["persistentVolumeClaim"]["claimName"] for v in pod.get("volumes", [])
                       if "persistentVolumeClaim" in v]
             assert claims in ([], ["tiny-run"]), child["metadata"]["name"]
-            assert not {"dataset", "reward-python"} & {
+            assert not {"dataset", "reward-python", "workflow"} & {
                 m["name"] for m in container["volumeMounts"]}, child["metadata"]["name"]
 
 

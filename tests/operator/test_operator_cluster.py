@@ -18,7 +18,9 @@ import uuid
 import pytest
 import yaml
 
+from asyncrl.operator.builders import OperatorConfig, rollout_network_policy
 from asyncrl.platform.settings import SGLANG_STARTUP_SECONDS
+from asyncrl.spec import parse_manifest
 
 from support import ROOT
 from support.operator_cluster import (  # noqa: F401 - fixtures among them
@@ -80,6 +82,12 @@ def test_crd_is_served_with_scale_and_status(kube, crd):
     # ... and file settings on a generated dataset, which would be ignored.
     ({"dataset": {"kind": "arith", "path": "/data/p.jsonl"}}, "spec.dataset.kind",
      "read only with kind file"),
+    # The workflow's CEL rules: an episode job without its function, and episode settings on
+    # a single-turn job.
+    ({"rollout__workflow": {"kind": "episode"}}, "spec.rollout.workflow.function",
+     "kind episode runs a function of yours"),
+    ({"rollout__workflow": {"egress": ["10.0.0.0/8"]}}, "spec.rollout.workflow.kind",
+     "read only with kind episode"),
 ])
 def test_the_api_server_rejects_invalid_specs_naming_the_field(kube, crd, namespace, change,
                                                                 field, words):
@@ -210,6 +218,26 @@ def test_the_users_claims_reach_the_pods_that_read_them_read_only(kube, operator
     assert mounts("reward") == {"reward-code": ("/rewards", True, True)}
     for component in ("redis", "buffer"):
         assert not {"prompts", "reward-code"} & set(mounts(component)), component
+
+
+def test_an_episode_job_mounts_its_code_and_limits_its_rollout_pods_egress(kube, operator,
+                                                                          namespace):
+    provide_claim(kube, namespace, "episode-code")
+    start_running_job(kube, operator, namespace, rollout__workflow={
+        "kind": "episode", "function": "tools.search:episode", "path": "/episodes/tools",
+        "volume": "episode-code", "egress": ["10.20.0.0/16", "2001:db8::/32"]})
+    (pod,) = pods_of(kube, namespace, "tiny", "rollout")
+    (volume,) = [v for v in pod.spec.volumes if v.name == "workflow"]
+    (mount,) = [m for m in pod.spec.containers[0].volume_mounts if m.name == "workflow"]
+    assert (volume.persistent_volume_claim.claim_name, volume.persistent_volume_claim.read_only,
+            mount.mount_path, mount.read_only) == ("episode-code", True, "/episodes", True)
+    # The API server keeps the policy as built (so applying it again changes nothing).
+    policy = kube.api.sanitize_for_serialization(
+        kube.networking.read_namespaced_network_policy("tiny-rollout", namespace))
+    job = parse_manifest(manifest("tiny", namespace, rollout__workflow={
+        "kind": "episode", "function": "tools.search:episode", "path": "/episodes/tools",
+        "volume": "episode-code", "egress": ["10.20.0.0/16", "2001:db8::/32"]}))
+    assert policy["spec"] == rollout_network_policy(job, OperatorConfig())["spec"]
 
 
 def _read(kube, kind, namespace, name):
