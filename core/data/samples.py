@@ -75,6 +75,13 @@ class Group:
     samples: list[Trajectory]
     started_unix_ms: int
 
+    @property
+    def episode_rewards(self) -> list[float]:
+        """Each episode's reward: that of its last sample."""
+        samples = self.samples
+        return [s.reward for s, after in zip(samples, samples[1:] + [None])
+                if after is None or not after.continues_episode]
+
     def to_pb(self) -> common_pb2.Group:
         return common_pb2.Group(
             group_id=self.group_id, prompt_id=self.prompt_id,

@@ -217,6 +217,8 @@ def _episodes(spec) -> tuple | None:
     if workflow.kind != "episode":
         return None
     path = os.path.abspath(workflow.path) if workflow.path else None
+    # Every call of every episode is an in-process HTTP request: not a log line each.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         return load_episode_function(workflow.function, path), EpisodeBook()
     except EpisodeFunctionError as exc:

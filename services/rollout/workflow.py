@@ -38,6 +38,11 @@ log = logging.getLogger(__name__)
 #: solves a real share of its prompts: it means the task is out of its reach, or fully in it.
 SKIP_STREAK_WARNING = 50
 
+#: Groups in a row whose row itself failed (RowFailed: an episode function that raised or
+#: returned no reward) after which the workflow stops with the last error: a function that
+#: fails on every row is broken, and running on would only use up the dataset.
+ROW_FAILURES_TO_STOP = 20
+
 
 class RowFailed(Exception):
     """Generation failed for a reason of the row's own (an episode function that raised on
@@ -140,6 +145,7 @@ class WorkflowStats:
     groups_failed: int = 0
     groups_skipped: int = 0  # every reward equal, with skip_uniform
     skipped_in_a_row: int = 0
+    rows_failed_in_a_row: int = 0
     prompts_dropped: int = 0  # longer than dataset.maxPromptTokens
     samples: int = 0
     generated_tokens: int = 0
@@ -169,6 +175,7 @@ class RolloutWorkflow:
         # from 0 over the same prompts.
         self._worker = uuid.uuid4().hex[:8]
         self._ids = itertools.count()
+        self._last_row_failure: Exception | None = None
         self.stats = WorkflowStats()
 
     async def run(self, max_groups: int | None = None) -> WorkflowStats:
@@ -180,6 +187,7 @@ class RolloutWorkflow:
         try:
             while max_groups is None or started < max_groups:
                 slot = await self._gate.acquire()
+                self._stop_if_broken()
                 if slot is None:
                     break
                 item = self._prompts.item(slot.prompt_cursor)
@@ -192,12 +200,21 @@ class RolloutWorkflow:
                 task.add_done_callback(tasks.discard)
             if tasks:
                 await asyncio.gather(*tasks)
+            self._stop_if_broken()
         finally:
             for task in tasks:
                 task.cancel()
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
         return self.stats
+
+    def _stop_if_broken(self) -> None:
+        streak = self.stats.rows_failed_in_a_row
+        if streak >= ROW_FAILURES_TO_STOP:
+            raise RuntimeError(
+                f"the last {streak} groups all failed, the last one with: "
+                f"{self._last_row_failure}; fix the episode function (its traceback is "
+                f"logged above) and start the job again") from self._last_row_failure
 
     async def _drop(self, slot: Slot, item: PromptItem) -> None:
         """A prompt too long for the job: never truncated (a cut prompt asks another question),
@@ -223,13 +240,15 @@ class RolloutWorkflow:
             if not isinstance(exc, Exception):  # cancelled: the workflow is stopping
                 raise
             if row_failed:
+                self.stats.rows_failed_in_a_row += 1
+                self._last_row_failure = exc
                 log.warning("the group for prompt %s failed, and is not retried: %s",
                             item.prompt_id, exc, exc_info=exc.__cause__ is not None)
             else:
                 log.warning("generating for prompt %s failed; its prompt is handed out again",
                             item.prompt_id, exc_info=True)
             return
-        if self._skip_uniform and len({s.reward for s in group.samples}) == 1:
+        if self._skip_uniform and len(set(group.episode_rewards)) == 1:
             # Never accepted, so the staleness gate's budget is whole again for the next one.
             await self._gate.skip(slot)
             self._count_skipped(group)
@@ -241,16 +260,17 @@ class RolloutWorkflow:
             log.warning("group %s was not accepted by the buffer", group.group_id, exc_info=True)
             return
         self.stats.groups_put += 1
-        self.stats.skipped_in_a_row = 0
+        self.stats.skipped_in_a_row = self.stats.rows_failed_in_a_row = 0
         self.stats.samples += len(group.samples)
         self.stats.generated_tokens += sum(s.model_tokens for s in group.samples)
-        self.stats.rewards.extend(s.reward for s in group.samples)
+        self.stats.rewards.extend(group.episode_rewards)
         self._on_group(group)
 
     def _count_skipped(self, group: Group) -> None:
         stats = self.stats
         stats.groups_skipped += 1
         stats.skipped_in_a_row += 1
+        stats.rows_failed_in_a_row = 0
         self._on_skipped(group)
         streak = stats.skipped_in_a_row
         multiple, rest = divmod(streak, SKIP_STREAK_WARNING)

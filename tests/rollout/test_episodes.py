@@ -28,7 +28,7 @@ from asyncrl.rollout.episodes import (
 )
 from asyncrl.rollout.http_api import create_app
 from asyncrl.rollout.metrics import RolloutMetrics
-from asyncrl.rollout.workflow import RolloutWorkflow
+from asyncrl.rollout.workflow import ROW_FAILURES_TO_STOP, RolloutWorkflow
 from support.rollout import InOrder, InProcessGate, queued, recomputed_logprobs
 from support.tiny_model import tiny_model
 
@@ -247,7 +247,9 @@ def test_a_failing_episode_fails_its_group_alone_and_the_worker_goes_on(
         await ask(client, [{"role": "user", "content": row["prompt"]}], max_tokens=4)
         return 1.0
 
-    source, outcomes = groups(every_other, worker, group_size=2, timeout_seconds=1.0)
+    # Long enough for the other rows' short episodes on a loaded machine.
+    timeout = 5.0 if outcome == "timeout" else 60.0
+    source, outcomes = groups(every_other, worker, group_size=2, timeout_seconds=timeout)
     with pytest.raises(EpisodeFailed, match=message) as failed:
         asyncio.run(source.samples(item("row 1")))
     assert failed.value.outcome == outcome and outcome in outcomes
@@ -261,6 +263,21 @@ def test_a_failing_episode_fails_its_group_alone_and_the_worker_goes_on(
     assert gate.released == ["generation failed"] and gate.used_up()
     assert all(len(g.samples) == 2 and g.prompt_id == "p0" for g in gate.groups)
     assert calls["n"] == 4 and len(book) == 0 and queued(engine) == 0
+
+
+def test_a_function_that_fails_on_every_row_stops_the_workflow_with_its_error(worker):
+    async def broken(client, row):
+        return row["no such field"]
+
+    source, outcomes = groups(broken, worker)
+    workflow = RolloutWorkflow(InOrder([item()]), source=source,
+                               gate=InProcessGate(max_staleness=10, batch_size=1))
+    with pytest.raises(RuntimeError, match="last [0-9]+ groups all failed.*KeyError: 'no such "
+                       "field'.*fix the episode function"):
+        asyncio.run(workflow.run())
+    # Groups in flight when the limit is reached fail too (their row was already running).
+    assert workflow.stats.rows_failed_in_a_row >= ROW_FAILURES_TO_STOP
+    assert outcomes[:ROW_FAILURES_TO_STOP] == ["error"] * ROW_FAILURES_TO_STOP
 
 
 def test_an_episode_function_that_cannot_be_used_is_refused_naming_the_fix(tmp_path):
