@@ -104,6 +104,15 @@ def max_sequence_length(spec, prompts: PromptSet) -> int:
     return longest + spec.rollout.max_new_tokens
 
 
+def rollout_sequence_length(spec, prompts: PromptSet) -> int:
+    """Longest sequence a rollout engine must hold: a prompt and its response, or for an
+    episode job a whole conversation (rollout.workflow.maxContextTokens), whichever is more."""
+    single_turn = max_sequence_length(spec, prompts)
+    workflow = spec.rollout.workflow
+    return max(single_turn, workflow.max_context_tokens) if workflow.kind == "episode" \
+        else single_turn
+
+
 def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of `messages` in the model's chat template, ready for the assistant's turn."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

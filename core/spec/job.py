@@ -531,6 +531,14 @@ class WorkflowSpec(SpecModel):
         ge=1,
         description="kind episode: most model calls one episode may make.",
     )
+    max_context_tokens: int = Field(
+        default=2048,
+        ge=16,
+        description="kind episode: the longest one conversation may grow (its prompt, every "
+        "answer and what the environment adds between them): the rollout engine's context, "
+        "which each call's prompt and max_tokens must fit, and the longest sample the trainer "
+        "gets (trainer.microBatchMaxTokens must hold it).",
+    )
     max_episode_tokens: int | None = Field(
         default=None,
         ge=1,
@@ -1082,6 +1090,16 @@ class RLJobSpec(SpecModel):
         if self.trainer.backend == "megatron":
             _check_megatron(self.model, self.trainer, self.trainer_compute_dtype)
         _check_rollout_mounts(self.dataset, self.rollout.workflow)
+        workflow = self.rollout.workflow
+        if (workflow.kind == "episode"
+                and self.trainer.micro_batch_max_tokens < workflow.max_context_tokens):
+            raise rule_error(
+                f"a micro-batch of {self.trainer.micro_batch_max_tokens} tokens cannot hold one "
+                f"episode's conversation of up to {workflow.max_context_tokens} tokens "
+                "(rollout.workflow.maxContextTokens)",
+                field="trainer.microBatchMaxTokens",
+                fix=f"raise trainer.microBatchMaxTokens to {workflow.max_context_tokens} or "
+                "more, or lower rollout.workflow.maxContextTokens")
         if self.trainer.micro_batch_max_tokens < self.rollout.max_new_tokens:
             raise rule_error(
                 f"a micro-batch of {self.trainer.micro_batch_max_tokens} tokens cannot hold one "

@@ -22,7 +22,7 @@ import operator
 
 from answers import is_right
 
-TURNS = 3
+TURNS = 2
 TOOL_BONUS = 0.2
 CALCULATOR = {
     "type": "function",

@@ -1,5 +1,5 @@
 """A multi-turn episode where the environment answers: the model may try again after "That is
-not right." Rewarded on its final answer, less for each extra try (1, 0.5, 0.25).
+not right." Rewarded on its final answer, half as much on the second try.
 
 Use it with (see retry.yaml beside this file):
 
@@ -17,7 +17,7 @@ the generated arith dataset {"prompt_id", "prompt", "answer"}.
 
 from answers import is_right
 
-TRIES = 3
+TRIES = 2
 RETRY = "That is not right. Try again, and give the final answer as \\boxed{N}."
 
 

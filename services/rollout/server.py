@@ -28,7 +28,7 @@ from asyncrl.platform.heap import reuse_large_blocks
 from asyncrl.model.policy import load_policy, load_tokenizer, model_directory
 from asyncrl.platform.outage import Outage, OutageTooLong, connect, redis_address
 from asyncrl.data.prompt_order import PromptOrder
-from asyncrl.data.prompts import build_prompts, max_sequence_length
+from asyncrl.data.prompts import build_prompts, rollout_sequence_length
 from asyncrl.clients.reward import PromptScorer, reward_scorer
 from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.engine.api import InferenceEngine, TorchInferenceEngine
@@ -71,7 +71,7 @@ def serve(settings: RolloutSettings) -> None:
     train, _ = build_prompts(spec, tokenizer)
     # Engine capacity: what the job can ask of this replica.
     slots = settings.max_running_requests or max_running_requests(spec)
-    length = settings.max_sequence_length or max_sequence_length(spec, train)
+    length = settings.max_sequence_length or rollout_sequence_length(spec, train)
     metrics = RolloutMetrics(job.metadata.name)
     # Episode jobs: the function is loaded first, so one that cannot be fails the worker at
     # start; the book is where the OpenAI API records each episode's calls.
