@@ -162,6 +162,12 @@ EPISODE = {"kind": "episode", "function": "tools.search:episode", "path": "/epis
            "volume": "episode-code"}
 
 
+def episode_job(workflow=None, **spec_overrides):
+    """examples/tiny.yaml as an episode job (its micro-batches hold a whole conversation)."""
+    return job_from(rollout__workflow=workflow or EPISODE, trainer__microBatchMaxTokens=2048,
+                    **spec_overrides)
+
+
 def rollout_policy(job, config=CONFIG):
     policies = [c for c in build_children(job, config, redis_password="pw")
                 if c["kind"] == "NetworkPolicy" and c["metadata"]["name"] == "tiny-rollout"]
@@ -169,7 +175,7 @@ def rollout_policy(job, config=CONFIG):
 
 
 def test_an_episode_jobs_rollout_pods_reach_only_dns_and_the_jobs_own_services():
-    policy = rollout_policy(job_from(rollout__workflow=EPISODE))
+    policy = rollout_policy(episode_job())
     kubernetes_validate.validate(policy, latest_version(), strict=True)
     assert policy["metadata"]["namespace"] == "ml"
     spec = policy["spec"]
@@ -190,15 +196,14 @@ def test_an_episode_jobs_rollout_pods_reach_only_dns_and_the_jobs_own_services()
 
     # Distributed weights: the trainer and the other workers form one torch.distributed
     # group with each worker, on ports it picks at run time.
-    distributed = rollout_policy(job_from(rollout__workflow=EPISODE,
-                                          trainer__weightTransfer="distributed"))
+    distributed = rollout_policy(episode_job(trainer__weightTransfer="distributed"))
     assert distributed["spec"]["egress"][4:] == [{"to": pods("trainer")},
                                                  {"to": pods("rollout")}]
 
 
 def test_an_episode_jobs_egress_cidrs_are_added_to_its_rollout_policy():
-    policy = rollout_policy(job_from(rollout__workflow={
-        **EPISODE, "egress": ["10.20.0.0/16", "2001:db8::/32"]}))
+    policy = rollout_policy(episode_job({**EPISODE, "egress": ["10.20.0.0/16",
+                                                              "2001:db8::/32"]}))
     assert policy["spec"]["egress"][-1] == {"to": [{"ipBlock": {"cidr": "10.20.0.0/16"}},
                                                    {"ipBlock": {"cidr": "2001:db8::/32"}}]}
     assert len(policy["spec"]["egress"]) == 5
@@ -214,8 +219,7 @@ def test_an_episode_jobs_egress_cidrs_are_added_to_its_rollout_policy():
     ("rediss://redis.example:6380/0", {"ports": [{"protocol": "TCP", "port": 6380}]}),
 ])
 def test_an_episode_jobs_rollout_pods_reach_an_external_redis_on_its_port(url, rule):
-    job = job_from(rollout__workflow=EPISODE, buffer__redis={"url": url, "tls": url.startswith(
-        "rediss")})
+    job = episode_job(buffer__redis={"url": url, "tls": url.startswith("rediss")})
     assert rollout_policy(job)["spec"]["egress"][1] == rule
 
 
@@ -223,7 +227,7 @@ def test_single_turn_jobs_and_policies_off_get_no_rollout_policy(tiny):
     assert rollout_policy(tiny) is None
     assert rollout_policy(job_from(rollout__workflow={"kind": "single_turn"})) is None
     off = OperatorConfig(image="example.org/asyncrl:test", network_policies=False)
-    assert rollout_policy(job_from(rollout__workflow=EPISODE), off) is None
+    assert rollout_policy(episode_job(), off) is None
 
 
 def test_gpu_pods_without_tolerations_get_the_operators_gpu_tolerations():
@@ -587,7 +591,7 @@ def test_the_users_claims_are_mounted_read_only_where_their_files_are_read():
 
 
 def test_the_episode_code_claim_is_mounted_read_only_in_the_rollout_pods_alone():
-    job = job_from(rollout__workflow=EPISODE)
+    job = episode_job()
     children = by_kind_name(build_children(job, CONFIG, redis_password="pw"))
     pod, container = pod_of(children[("Deployment", "tiny-rollout")])
     assert {"name": "workflow", "persistentVolumeClaim": {
@@ -603,14 +607,14 @@ def test_the_episode_code_claim_is_mounted_read_only_in_the_rollout_pods_alone()
 
 def test_the_dataset_and_the_episode_code_on_one_claim_are_mounted_once():
     dataset = {**ON_VOLUMES["dataset"], "volume": "shared"}
-    shared = job_from(dataset=dataset, rollout__workflow={
-        **EPISODE, "path": "/data/episodes", "volume": "shared"})
+    shared = episode_job({**EPISODE, "path": "/data/episodes", "volume": "shared"},
+                         dataset=dataset)
     pod, container = pod_of(builders.rollout_deployment(shared, CONFIG))
     assert [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
             if "persistentVolumeClaim" in v] == ["tiny-run", "shared"]
     assert [m["mountPath"] for m in container["volumeMounts"]].count("/data") == 1
     # The same claim under two folders: mounted at both.
-    apart = job_from(dataset=dataset, rollout__workflow={**EPISODE, "volume": "shared"})
+    apart = episode_job({**EPISODE, "volume": "shared"}, dataset=dataset)
     pod, container = pod_of(builders.rollout_deployment(apart, CONFIG))
     assert {(m["name"], m["mountPath"]) for m in container["volumeMounts"]} >= {
         ("dataset", "/data"), ("workflow", "/episodes")}
@@ -621,7 +625,8 @@ def test_the_dataset_and_the_episode_code_on_one_claim_are_mounted_once():
     {"dataset": {**ON_VOLUMES["dataset"], "volume": None}},
     {"reward": {"kind": "python", "python": {"function": "mine.score:reward",
                                              "path": "/rewards/mine"}}},
-    {"rollout": {"workflow": {**EPISODE, "volume": None}}},
+    {"rollout": {"workflow": {**EPISODE, "volume": None}},
+     "trainer": {"microBatchMaxTokens": 2048}},
 ], ids=["arith", "file-in-the-image", "python-in-the-image", "episode-in-the-image"])
 def test_nothing_of_the_users_is_mounted_without_a_volume(overrides):
     job = job_from(**overrides)

@@ -223,9 +223,11 @@ def test_the_users_claims_reach_the_pods_that_read_them_read_only(kube, operator
 def test_an_episode_job_mounts_its_code_and_limits_its_rollout_pods_egress(kube, operator,
                                                                           namespace):
     provide_claim(kube, namespace, "episode-code")
-    start_running_job(kube, operator, namespace, rollout__workflow={
+    episode = {"rollout__workflow": {
         "kind": "episode", "function": "tools.search:episode", "path": "/episodes/tools",
-        "volume": "episode-code", "egress": ["10.20.0.0/16", "2001:db8::/32"]})
+        "volume": "episode-code", "egress": ["10.20.0.0/16", "2001:db8::/32"]},
+        "trainer__microBatchMaxTokens": 2048}  # a micro-batch holds a whole conversation
+    start_running_job(kube, operator, namespace, **episode)
     (pod,) = pods_of(kube, namespace, "tiny", "rollout")
     (volume,) = [v for v in pod.spec.volumes if v.name == "workflow"]
     (mount,) = [m for m in pod.spec.containers[0].volume_mounts if m.name == "workflow"]
@@ -234,9 +236,7 @@ def test_an_episode_job_mounts_its_code_and_limits_its_rollout_pods_egress(kube,
     # The API server keeps the policy as built (so applying it again changes nothing).
     policy = kube.api.sanitize_for_serialization(
         kube.networking.read_namespaced_network_policy("tiny-rollout", namespace))
-    job = parse_manifest(manifest("tiny", namespace, rollout__workflow={
-        "kind": "episode", "function": "tools.search:episode", "path": "/episodes/tools",
-        "volume": "episode-code", "egress": ["10.20.0.0/16", "2001:db8::/32"]}))
+    job = parse_manifest(manifest("tiny", namespace, **episode))
     assert policy["spec"] == rollout_network_policy(job, OperatorConfig())["spec"]
 
 
