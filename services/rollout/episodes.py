@@ -65,7 +65,7 @@ def load_episode_function(function: str, path: str | None = None) -> EpisodeFunc
     """Imports rollout.workflow.function ("package.module:name"), with `path` first on the
     import path; EpisodeFunctionError names what is wrong."""
     module_name, _, name = function.partition(":")
-    if path:
+    if path and path not in sys.path:
         sys.path.insert(0, path)
     try:
         module = importlib.import_module(module_name)

@@ -19,12 +19,12 @@ import pytest
 from fastapi import FastAPI
 
 from asyncrl.engine.torch_engine import TorchEngine
-from asyncrl.engine.types import GenerationResult, SamplingParams
 from asyncrl.model.policy import load_tokenizer
 from asyncrl.rollout.http_api import create_app
 from asyncrl.rollout.metrics import RolloutMetrics
 from asyncrl.rollout.openai_api import openai_router
 from support.rollout import queued
+from support.scripted import Scripted
 from support.servers import HttpServer
 from support.tiny_model import tiny_model
 from support.waiting import wait_for
@@ -402,25 +402,6 @@ def test_an_engine_refusal_is_a_400_and_others_are_served(client, service):
 
 
 # ---------------------------------------------------------------------------- tool calls
-
-
-class Scripted:
-    """A generate function that answers every request with the tokens of `text` then EOS
-    (a real tokenizer round trip), recording the prompts it was given."""
-
-    def __init__(self, tokenizer, text: str):
-        self.tokenizer = tokenizer
-        self.ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-        self.prompts: list[list[int]] = []
-        self.params: list[SamplingParams] = []
-
-    async def __call__(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
-        self.prompts.append(prompt_ids)
-        self.params.append(params)
-        ids = self.ids[:params.max_new_tokens]
-        return GenerationResult("scripted", prompt_ids, ids, [-0.5] * len(ids), [3] * len(ids),
-                                "stop" if ids[-1] == self.tokenizer.eos_token_id else "length",
-                                ids[-1])
 
 
 CALL = ('I will look it up.\n<tool_call>\n{"name": "get_weather", "arguments": '
