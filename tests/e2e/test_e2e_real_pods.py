@@ -6,8 +6,9 @@ trainer pod and the Redis pod deleted mid-run, `kubectl scale`, suspend and resu
 reads what the job wrote (metrics.jsonl, Redis' append-only file) after the fact.
 
 The tests run in file order on one job: each starts where the previous one left it. The last
-runs a second, short job: Megatron-Core training on prompts from the user's own JSONL files, on
-a claim of theirs that the pods mount read-only."""
+two run short jobs of their own: Megatron-Core training on prompts from the user's own JSONL
+files, on a claim of theirs that the pods mount read-only, and an episode job whose episode
+function comes from such a claim."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from kubernetes.client.rest import ApiException
 
 from support import ROOT
 from support.buffer import group_fates
+from support.episodes import TWO_TURNS
 from support.dashboard import expressions, load_dashboard, substitute
 from support.ports import free_port
 from support.prometheus import READY, Prometheus, prometheus_binary, stop, tail
@@ -500,4 +502,39 @@ def test_a_megatron_core_job_trains_in_pods_on_the_users_files_to_the_end(instal
         assert [p.name for p in data.iterdir()] == ["arith"]
     finally:
         installed.kubectl("delete", "namespace", megatron_job.namespace, "--wait=false",
+                          check=False)
+
+
+def test_an_episode_job_runs_the_users_code_from_their_claim_to_succeeded(installed,
+                                                                          tmp_path_factory):
+    # rollout.workflow.kind: episode, the episode function on a claim of the user's
+    # (workflow.volume), mounted read-only in the rollout pod; its calls go to the worker's
+    # own OpenAI-compatible API inside the pod.
+    volumes = tmp_path_factory.mktemp("episodes")
+    code = volumes / "code"
+    code.mkdir()
+    (code / "agents.py").write_text(TWO_TURNS)
+
+    def episodes(manifest: dict) -> None:
+        spec = manifest["spec"]
+        spec["algorithm"]["maxSteps"] = 2
+        spec["algorithm"]["skipUniformGroups"] = False
+        spec["rollout"]["workflow"] = {
+            "kind": "episode", "function": "agents:episode", "path": "/episodes",
+            "volume": "episodes", "maxTurns": 2, "maxContextTokens": 512}
+
+    episode_job = start_job(installed, volumes, episodes, users_claims={"episodes": code})
+    episode_job.max_steps = 2
+    try:
+        wait_for(lambda: episode_job.status().get("phase") == "Succeeded", 600, "Succeeded",
+                 episode_job.describe)
+        assert episode_job.steps_recorded() == [1, 2]
+        # Each episode's two answers came back as one sample (groupSize 2, batchSize 2).
+        assert {r["trained_samples"] for r in episode_job.train_records()} == {4}
+        # The user's tools run in the rollout pod: its egress is held to the job's services.
+        policy = client.NetworkingV1Api(installed.api_client()).read_namespaced_network_policy(
+            f"{JOB}-rollout", episode_job.namespace)
+        assert policy.spec.policy_types == ["Egress"]
+    finally:
+        installed.kubectl("delete", "namespace", episode_job.namespace, "--wait=false",
                           check=False)

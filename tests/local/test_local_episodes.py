@@ -6,31 +6,15 @@ be imported stops the job at start, naming it."""
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
 
 from support import ROOT
+from support.episodes import TWO_TURNS
 
 ASYNCRL = str(Path(sys.executable).parent / "asyncrl")
-
-# Two turns whatever the random model says; rewarded on the second answer's length, so the
-# episodes of a group differ and every group carries a signal.
-TWO_TURNS = textwrap.dedent("""
-    async def episode(client, row):
-        model = (await client.models.list()).data[0].id
-        messages = [{"role": "user", "content": row["prompt"]}]
-        first = await client.chat.completions.create(model=model, messages=messages,
-                                                     max_tokens=8)
-        messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                     {"role": "user", "content": "Once more, please."}]
-        second = await client.chat.completions.create(model=model, messages=messages,
-                                                      max_tokens=8)
-        return float(len(second.choices[0].message.content) % 2)
-""")
-
 
 def episode_job(tmp_path: Path, function: str = "agents:episode") -> Path:
     (tmp_path / "code").mkdir(exist_ok=True)
