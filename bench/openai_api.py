@@ -3,8 +3,10 @@
 One server (the rollout worker's HTTP app, `asyncrl.rollout.http_api.create_app`, on loopback)
 over one torch engine with SmolLM2-135M-Instruct; the same `--requests` chat prompts, sent
 all at once, greedy, at most `--max-tokens` each: as token ids through `POST /generate` and
-`POST /v1/completions`, and as messages through `POST /v1/chat/completions` (the chat template
-and the tokenizer in the request's path). Greedy decoding makes the first two generate the same
+`POST /v1/completions`, as messages through `POST /v1/chat/completions` (the chat template
+and the tokenizer in the request's path), and the same chat through an episode's base URL
+(`/episodes/{id}/v1`: checked against the episode's limits, tokenized against its earlier
+calls, and recorded, as rollout.workflow.kind: episode runs it; one episode per request). Greedy decoding makes the first two generate the same
 tokens; chat also ends a turn at its end token, so it may generate fewer. The figure is
 generated tokens per second of each, run in turns `--repeats` times (the machine is shared;
 each keeps its best), and the ratios to the native API.
@@ -27,6 +29,7 @@ from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.model.policy import SMOLLM2, load_model, load_tokenizer
 from asyncrl.platform.redis_server import free_port
 from asyncrl.rollout.http_api import create_app
+from asyncrl.rollout.episode_record import EpisodeBook, EpisodeLimits
 from asyncrl.rollout.metrics import RolloutMetrics
 
 
@@ -52,11 +55,26 @@ async def openai(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) 
     return reply.json()["usage"]["completion_tokens"]
 
 
-async def chat(client: httpx.AsyncClient, messages: list[dict], max_tokens: int) -> int:
-    reply = await client.post("/v1/chat/completions", json={
+async def chat(client: httpx.AsyncClient, messages: list[dict], max_tokens: int,
+               path: str = "/v1/chat/completions") -> int:
+    reply = await client.post(path, json={
         "model": SMOLLM2, "messages": messages, "max_tokens": max_tokens, "temperature": 0})
     reply.raise_for_status()
     return reply.json()["usage"]["completion_tokens"]
+
+
+def recorded(book: EpisodeBook):
+    """`chat` in an episode of its own, recorded."""
+
+    async def call(client: httpx.AsyncClient, messages: list[dict], max_tokens: int) -> int:
+        episode = book.open(EpisodeLimits())
+        try:
+            return await chat(client, messages, max_tokens,
+                              path=f"/episodes/{episode.episode_id}/v1/chat/completions")
+        finally:
+            book.close(episode)
+
+    return call
 
 
 async def run(call, base: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
@@ -81,8 +99,9 @@ def main() -> None:
                          add_special_tokens=False)["input_ids"] for messages in conversations]
     engine = TorchEngine(load_model(SMOLLM2).eval(), max_running_requests=args.requests,
                          max_sequence_length=512, seed=0).start()
+    book = EpisodeBook()
     app = create_app(engine, model_path=SMOLLM2, metrics=RolloutMetrics("bench"),
-                     tokenizer=tokenizer)
+                     tokenizer=tokenizer, episodes=book)
     port = free_port()
     server = serve(app, port)
     base = f"http://127.0.0.1:{port}"
@@ -92,7 +111,9 @@ def main() -> None:
         for _ in range(args.repeats):
             for name, call, inputs in (("native /generate", native, prompts),
                                        ("/v1/completions", openai, prompts),
-                                       ("/v1/chat/completions", chat, conversations)):
+                                       ("/v1/chat/completions", chat, conversations),
+                                       ("recorded episode chat", recorded(book),
+                                        conversations)):
                 seconds, tokens = asyncio.run(run(call, base, inputs, args.max_tokens))
                 if name not in best or seconds < best[name][0]:
                     best[name] = (seconds, tokens)
@@ -104,8 +125,10 @@ def main() -> None:
     rates = {name: tokens / seconds for name, (seconds, tokens) in best.items()}
     for name, (seconds, tokens) in best.items():
         print(f"{name:22} {tokens:6d} tokens in {seconds:6.2f} s: {rates[name]:7.1f} tokens/s")
-    for name in ("/v1/completions", "/v1/chat/completions"):
+    for name in ("/v1/completions", "/v1/chat/completions", "recorded episode chat"):
         print(f"{name} / native: {rates[name] / rates['native /generate']:.3f}")
+    print(f"recorded episode chat / chat: "
+          f"{rates['recorded episode chat'] / rates['/v1/chat/completions']:.3f}")
 
 
 if __name__ == "__main__":
