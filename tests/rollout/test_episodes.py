@@ -295,3 +295,20 @@ def test_an_episode_function_that_cannot_be_used_is_refused_naming_the_fix(tmp_p
         load_episode_function("agents:missing", str(tmp_path))
     with pytest.raises(EpisodeFunctionError, match="async def not_async"):
         load_episode_function("agents:not_async", str(tmp_path))
+
+
+def test_episode_outcomes_are_counted_in_the_rollout_metrics(worker):
+    from prometheus_client import generate_latest
+
+    metrics = RolloutMetrics("job")
+
+    async def fine(client, row):
+        await ask(client, [{"role": "user", "content": row["prompt"]}], max_tokens=2)
+        return 1.0
+
+    source = EpisodeGroups(fine, worker[1], worker[2],
+                           EpisodeSettings(group_size=2, limits=EpisodeLimits()),
+                           on_episode=metrics.observe_episode)
+    asyncio.run(source.samples(item()))
+    text = generate_latest(metrics.registry).decode()
+    assert 'asyncrl_rollout_episodes_total{outcome="completed",rljob="job"} 2.0' in text
