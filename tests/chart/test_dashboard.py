@@ -24,7 +24,7 @@ from support.dashboard import (
 
 # The counted thing, plural, before `_total` (as in http_requests_total).
 COUNTED = {"steps", "tokens", "samples", "requests", "updates", "responses", "failures",
-           "timeouts", "groups", "batches", "slots", "prompts"}
+           "timeouts", "groups", "batches", "slots", "prompts", "episodes"}
 UNITS = {
     "histogram": ("_seconds", "_versions", "_ratio"),
     "gauge": ("_seconds", "_tokens", "_groups", "_slots", "_requests", "_version", "_ratio"),
