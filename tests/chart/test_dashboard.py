@@ -36,7 +36,8 @@ UNITLESS = {
     "asyncrl_reward_extra": "a python reward's own numbers, in the reward's own units",
 }
 # `field`: a python reward's extra numbers by name, at most reward.metrics.MAX_EXTRA_FIELDS.
-LABELS = {"rljob", "kind", "reason", "finish_reason", "result", "le", "transfer", "field"}
+LABELS = {"rljob", "kind", "reason", "finish_reason", "result", "le", "transfer", "field",
+          "outcome"}
 
 
 @pytest.fixture(scope="module")

@@ -89,6 +89,7 @@ def exercised_registries() -> dict[str, object]:
                            0.2)
     rollout.observe_weight_update(WeightUpdate(version=1, interrupted_requests=1, seconds=0.05))
     rollout.observe_weight_update_failure()
+    rollout.observe_episode("completed")
     rollout.refresh(EngineStatus(version=1, paused=False, running_requests=1, waiting_requests=0,
                                  generated_tokens_total=5, interrupted_requests_total=1,
                                  max_running_requests=4, max_sequence_length=64))
