@@ -463,6 +463,13 @@ def openai_router(generate: Generate, tokenizer, *, model_name: str,
         if episode is not None and episode_sampling is not None:
             unset = {"temperature", "top_p"} - body.model_fields_set
             params = replace(params, **{name: getattr(episode_sampling, name) for name in unset})
+            if params.temperature != episode_sampling.temperature:
+                # The trainer computes every token's log-prob at the job's temperature.
+                raise OpenAIError(
+                    400, f"temperature: an episode's calls sample at the job's "
+                    f"rollout.temperature ({episode_sampling.temperature:g}), the temperature "
+                    f"the trainer computes log-probs at, not {params.temperature:g}; leave "
+                    "temperature unset, or change rollout.temperature", param="temperature")
         _check(params)
         return params
 

@@ -312,3 +312,16 @@ def test_episode_outcomes_are_counted_in_the_rollout_metrics(worker):
     asyncio.run(source.samples(item()))
     text = generate_latest(metrics.registry).decode()
     assert 'asyncrl_rollout_episodes_total{outcome="completed",rljob="job"} 2.0' in text
+
+
+def test_an_episode_call_samples_at_the_jobs_temperature_or_is_refused(worker):
+    async def picky(client, row):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        await ask(client, messages, max_tokens=2, temperature=1.0)  # the job's: accepted
+        with pytest.raises(openai.BadRequestError, match="rollout.temperature"):
+            await ask(client, messages, max_tokens=2, temperature=0.3)
+        return 1.0
+
+    source, outcomes = groups(picky, worker)
+    asyncio.run(source.samples(item()))
+    assert outcomes == ["completed"]
