@@ -513,14 +513,14 @@ def test_an_episode_job_runs_the_users_code_from_their_claim_to_succeeded(instal
     volumes = tmp_path_factory.mktemp("episodes")
     code = volumes / "code"
     code.mkdir()
-    (code / "agents.py").write_text(TWO_TURNS)
+    (code / "my_episodes.py").write_text(TWO_TURNS)
 
     def episodes(manifest: dict) -> None:
         spec = manifest["spec"]
         spec["algorithm"]["maxSteps"] = 2
         spec["algorithm"]["skipUniformGroups"] = False
         spec["rollout"]["workflow"] = {
-            "kind": "episode", "function": "agents:episode", "path": "/episodes",
+            "kind": "episode", "function": "my_episodes:episode", "path": "/episodes",
             "volume": "episodes", "maxTurns": 2, "maxContextTokens": 512}
 
     episode_job = start_job(installed, volumes, episodes, users_claims={"episodes": code})

@@ -16,9 +16,9 @@ from support.episodes import TWO_TURNS
 
 ASYNCRL = str(Path(sys.executable).parent / "asyncrl")
 
-def episode_job(tmp_path: Path, function: str = "agents:episode") -> Path:
+def episode_job(tmp_path: Path, function: str = "my_episodes:episode") -> Path:
     (tmp_path / "code").mkdir(exist_ok=True)
-    (tmp_path / "code" / "agents.py").write_text(TWO_TURNS)
+    (tmp_path / "code" / "my_episodes.py").write_text(TWO_TURNS)
     data = yaml.safe_load((ROOT / "examples/tiny.yaml").read_text())
     data["spec"]["algorithm"]["skipUniformGroups"] = False
     data["spec"]["rollout"]["workflow"] = {
@@ -47,10 +47,10 @@ def test_an_episode_job_trains_on_the_recorded_conversations(tmp_path):
 
 
 def test_an_episode_function_that_cannot_be_imported_stops_the_job_at_start(tmp_path):
-    done = subprocess.run([ASYNCRL, "run", str(episode_job(tmp_path, "agents:missing")),
+    done = subprocess.run([ASYNCRL, "run", str(episode_job(tmp_path, "my_episodes:missing")),
                            "--run-dir", str(tmp_path / "run"), "--steps", "1"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     output = " ".join((done.stdout + done.stderr).split())  # as the terminal wrapped it
     assert ("rollout exited with code 1" in output and "rollout.workflow.function "
-            "'agents:missing': module 'agents' has no 'missing'" in output), output
+            "'my_episodes:missing': module 'my_episodes' has no 'missing'" in output), output

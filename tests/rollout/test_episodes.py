@@ -281,20 +281,20 @@ def test_a_function_that_fails_on_every_row_stops_the_workflow_with_its_error(wo
 
 
 def test_an_episode_function_that_cannot_be_used_is_refused_naming_the_fix(tmp_path):
-    (tmp_path / "agents.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_episodes.py").write_text(textwrap.dedent("""
         def not_async(client, row):
             return 1.0
 
         async def episode(client, row):
             return 1.0
     """))
-    assert load_episode_function("agents:episode", str(tmp_path)).__name__ == "episode"
+    assert load_episode_function("my_episodes:episode", str(tmp_path)).__name__ == "episode"
     with pytest.raises(EpisodeFunctionError, match="importing 'nowhere'.*rollout.workflow.path"):
         load_episode_function("nowhere:episode", str(tmp_path))
     with pytest.raises(EpisodeFunctionError, match="has no 'missing'"):
-        load_episode_function("agents:missing", str(tmp_path))
+        load_episode_function("my_episodes:missing", str(tmp_path))
     with pytest.raises(EpisodeFunctionError, match="async def not_async"):
-        load_episode_function("agents:not_async", str(tmp_path))
+        load_episode_function("my_episodes:not_async", str(tmp_path))
 
 
 def test_episode_outcomes_are_counted_in_the_rollout_metrics(worker):
