@@ -59,7 +59,7 @@ from pydantic import (
 )
 
 from asyncrl.rollout.metrics import RolloutMetrics
-from asyncrl.rollout.openai_api import openai_router, submitted
+from asyncrl.rollout.openai_api import engine_results, openai_router, submitted
 from asyncrl.engine.types import (
     GenerationResult,
     RequestError,
@@ -470,15 +470,7 @@ def create_app(engine, *, model_path: str, metrics: RolloutMetrics,
             if futures:
                 await asyncio.to_thread(engine.abort, rids[: len(futures)])
             raise
-        try:
-            # shield: a cancelled handler must not cancel the engine's futures.
-            results = await asyncio.gather(
-                *(asyncio.shield(asyncio.wrap_future(f)) for f in futures)
-            )
-        except asyncio.CancelledError:
-            # The client is gone: free the slots (in a worker thread, without waiting).
-            asyncio.get_running_loop().run_in_executor(None, engine.abort, rids)
-            raise
+        results = await engine_results(futures, rids, engine.abort)
         seconds = time.perf_counter() - started
         version = engine.version
         outputs = [

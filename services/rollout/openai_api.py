@@ -399,21 +399,27 @@ _SHAPES = {
 }
 
 
+async def engine_results(futures: list[Future], rids: list[str],
+                         abort: Callable[[list[str]], Any]) -> list[GenerationResult]:
+    """The results of requests submitted to the torch engine (`rids` their ids). If the
+    awaiting handler is cancelled (its client went away), the requests are aborted, without
+    waiting, so they free their slots; the engine's futures themselves are never cancelled."""
+    try:
+        return await asyncio.gather(*(asyncio.shield(asyncio.wrap_future(f)) for f in futures))
+    except asyncio.CancelledError:
+        asyncio.get_running_loop().run_in_executor(None, abort, rids)
+        raise
+
+
 def submitted(submit: Callable[[list[int], SamplingParams, str], Future],
               abort: Callable[[list[str]], Any]) -> Generate:
     """`generate` over an engine's submit path (the torch engine's `submit(prompt_ids, params,
-    rid) -> Future` and `abort(rids)`): a request whose caller is gone (the client
-    disconnected) is aborted, so it frees its slot."""
+    rid) -> Future` and `abort(rids)`), aborting a request whose caller is gone."""
 
     async def generate(prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         rid = uuid.uuid4().hex
-        future = submit(prompt_ids, params, rid)
-        try:
-            # shield: a cancelled handler must not cancel the engine's future.
-            return await asyncio.shield(asyncio.wrap_future(future))
-        except asyncio.CancelledError:
-            asyncio.get_running_loop().run_in_executor(None, abort, [rid])
-            raise
+        (result,) = await engine_results([submit(prompt_ids, params, rid)], [rid], abort)
+        return result
 
     return generate
 
