@@ -511,23 +511,24 @@ def test_an_episode_job_runs_the_users_code_from_their_claim_to_succeeded(instal
     # (workflow.volume), mounted read-only in the rollout pod; its calls go to the worker's
     # own OpenAI-compatible API inside the pod.
     volumes = tmp_path_factory.mktemp("episodes")
-    code = volumes / "code"
-    code.mkdir()
-    (code / "my_episodes.py").write_text(TWO_TURNS)
+    claim = volumes / "claim"  # mounted at /episodes, the first folder of workflow.path
+    (claim / "mine").mkdir(parents=True)
+    (claim / "mine" / "my_episodes.py").write_text(TWO_TURNS)
 
     def episodes(manifest: dict) -> None:
         spec = manifest["spec"]
         spec["algorithm"]["maxSteps"] = 2
         spec["algorithm"]["skipUniformGroups"] = False
         spec["rollout"]["workflow"] = {
-            "kind": "episode", "function": "my_episodes:episode", "path": "/episodes",
+            "kind": "episode", "function": "my_episodes:episode", "path": "/episodes/mine",
             "volume": "episodes", "maxTurns": 2, "maxContextTokens": 512}
 
-    episode_job = start_job(installed, volumes, episodes, users_claims={"episodes": code})
+    episode_job = start_job(installed, volumes, episodes, users_claims={"episodes": claim})
     episode_job.max_steps = 2
     try:
-        wait_for(lambda: episode_job.status().get("phase") == "Succeeded", 600, "Succeeded",
-                 episode_job.describe)
+        wait_for(lambda: episode_job.status().get("phase") in ("Succeeded", "Failed"), 600,
+                 "Succeeded", episode_job.describe)
+        assert episode_job.status()["phase"] == "Succeeded", episode_job.describe()
         assert episode_job.steps_recorded() == [1, 2]
         # Each episode's two answers came back as one sample (groupSize 2, batchSize 2).
         assert {r["trained_samples"] for r in episode_job.train_records()} == {4}
