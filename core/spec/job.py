@@ -16,6 +16,10 @@ from asyncrl.spec.resources import Placement, Resources, _check_gpu_placement, _
 # --------------------------------------------------------------------------- sections
 
 
+#: A Kubernetes object name (a DNS subdomain): what names a PersistentVolumeClaim or a Secret.
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+
+
 class TinyModel(SpecModel):
     """Sizes of the tiny randomly initialised Llama model (model.source: tiny-random)."""
 
@@ -205,7 +209,7 @@ class DatasetSpec(SpecModel):
         default=None,
         min_length=1,
         max_length=253,
-        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        pattern=_DNS_SUBDOMAIN,
         description="In a cluster: an existing PersistentVolumeClaim holding the files, "
         "mounted read-only at the first folder of path (which must then be absolute, e.g. "
         "/data/gsm8k/train.jsonl mounts it at /data) in the pods that read prompts.",
@@ -522,7 +526,7 @@ class WorkflowSpec(SpecModel):
         default=None,
         min_length=1,
         max_length=253,
-        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        pattern=_DNS_SUBDOMAIN,
         description="kind episode, in a cluster: an existing PersistentVolumeClaim holding "
         "path, mounted read-only at path's first folder in the rollout pods.",
     )
@@ -729,7 +733,7 @@ class PythonReward(SpecModel):
         default=None,
         min_length=1,
         max_length=253,
-        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        pattern=_DNS_SUBDOMAIN,
         description="In a cluster: an existing PersistentVolumeClaim holding path, mounted "
         "read-only at path's first folder in the reward pods.",
     )
@@ -811,7 +815,7 @@ class SecretKeyRef(SpecModel):
     name: str = Field(
         min_length=1,
         max_length=253,
-        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        pattern=_DNS_SUBDOMAIN,
         description="Secret name.",
     )
     key: str = Field(
