@@ -142,7 +142,9 @@ def run(
         console.print(f"metrics: Prometheus targets in {local.prometheus_dir / 'targets.json'}; "
                       f"scrape them with: prometheus --config.file="
                       f"{local.prometheus_dir / 'prometheus.yml'}", soft_wrap=True)
-    progress = RunProgress(job.metadata.name, max_steps, job.spec.algorithm.group_size)
+    episodes = job.spec.rollout.workflow.kind == "episode"
+    progress = RunProgress(job.metadata.name, max_steps, job.spec.algorithm.group_size,
+                           unit="episodes" if episodes else "samples")
     stop_on_signals()
     code = 0
     try:

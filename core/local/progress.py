@@ -11,10 +11,13 @@ from rich.table import Table
 
 
 class RunProgress:
-    def __init__(self, name: str, max_steps: int, group_size: int):
+    def __init__(self, name: str, max_steps: int, group_size: int, unit: str = "samples"):
+        """`unit`: what a group holds `group_size` of (samples, or an episode job's
+        episodes, which may each give several samples)."""
         self.name = name
         self.max_steps = max_steps
         self.group_size = group_size
+        self.unit = unit
         self._accepted = deque(maxlen=30)  # (time, accepted groups) for a moving rate
         self._steps = deque(maxlen=30)
 
@@ -46,8 +49,8 @@ class RunProgress:
         if stats is not None:
             self._accepted.append((now, stats.accepted_total))
         self._steps.append((now, step))
-        samples_per_s = _rate(self._accepted) * self.group_size
-        table.add_row("samples/s (rollout)", f"{samples_per_s:.2f}")
+        per_second = _rate(self._accepted) * self.group_size
+        table.add_row(f"{self.unit}/s (rollout)", f"{per_second:.2f}")
         if status:
             table.add_row("trained tokens/s", f"{status.trained_tokens_per_second:.1f}")
             table.add_row("reward mean (last batch)", f"{status.reward_mean:.3f}")

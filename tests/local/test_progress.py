@@ -63,3 +63,9 @@ def test_a_finished_run_shows_no_eta_even_short_of_max_steps(monkeypatch):
     assert _row(_rendered(progress.table(status, _stats())), "ETA").strip(" │") == "5m23s"
     status.phase, status.step = "done", 4
     assert _row(_rendered(progress.table(status, _stats())), "ETA").strip(" │") == "-"
+
+
+def test_an_episode_job_counts_episodes_per_second():
+    view = _rendered(RunProgress("job", max_steps=10, group_size=8, unit="episodes")
+                     .table(None, _stats()))
+    assert "episodes/s (rollout)" in view and "samples/s" not in view
