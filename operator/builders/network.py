@@ -32,16 +32,27 @@ from asyncrl.spec import RLJob
 OPERATOR_LABEL = "asyncrl.io/operator"
 
 
-def _network_policy(job: RLJob, component: str, *, ingress: list[dict],
-                    deny_egress: bool = False) -> dict[str, Any]:
+def _network_policy(job: RLJob, component: str, *, ingress: list[dict] | None = None,
+                    egress: list[dict] | None = None) -> dict[str, Any]:
+    """The policy of the job's `component` pods: `ingress` and `egress` rules, each direction
+    left open where None, and `egress=[]` denying all outgoing connections."""
     spec: dict[str, Any] = {"podSelector": {"matchLabels": selector_labels(job, component)},
-                            "policyTypes": ["Ingress"], "ingress": ingress}
-    if deny_egress:
+                            "policyTypes": []}
+    if ingress is not None:
+        spec["policyTypes"].append("Ingress")
+        spec["ingress"] = ingress
+    if egress is not None:
         # Egress listed with no egress rules denies it all. (An explicit `egress: []` is
         # dropped by the API server, so every apply would change the object again.)
         spec["policyTypes"].append("Egress")
+        if egress:
+            spec["egress"] = egress
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
             "metadata": object_meta(job, component), "spec": spec}
+
+
+def _tcp(ports: list[int]) -> list[dict[str, Any]]:
+    return [{"protocol": "TCP", "port": port} for port in ports]
 
 
 def _from_own_pods(job: RLJob, ports: list[int] | None) -> dict[str, Any]:
@@ -49,7 +60,7 @@ def _from_own_pods(job: RLJob, ports: list[int] | None) -> dict[str, Any]:
     rule: dict[str, Any] = {
         "from": [{"podSelector": {"matchLabels": {JOB_LABEL: job.metadata.name}}}]}
     if ports is not None:
-        rule["ports"] = [{"protocol": "TCP", "port": port} for port in ports]
+        rule["ports"] = _tcp(ports)
     return rule
 
 
@@ -58,12 +69,12 @@ def _from_operator(port: int) -> dict[str, Any]:
     status (buffer statistics, trainer status)."""
     return {"from": [{"namespaceSelector": {},
                       "podSelector": {"matchLabels": {OPERATOR_LABEL: "true"}}}],
-            "ports": [{"protocol": "TCP", "port": port}]}
+            "ports": _tcp([port])}
 
 
 def _from_anywhere(ports: list[int]) -> dict[str, Any]:
     """Metrics: Prometheus runs wherever the platform team put it."""
-    return {"ports": [{"protocol": "TCP", "port": port} for port in ports]}
+    return {"ports": _tcp(ports)}
 
 
 def redis_network_policy(job: RLJob, config: OperatorConfig) -> dict[str, Any] | None:
@@ -96,8 +107,9 @@ def reward_network_policy(job: RLJob, config: OperatorConfig) -> dict[str, Any] 
     wherever it is served: its egress stays open."""
     if not config.network_policies:
         return None
-    return _network_policy(job, "reward", deny_egress=job.spec.reward.kind != "http", ingress=[
-        _from_own_pods(job, [REWARD_PORT]), _from_anywhere([REWARD_METRICS])])
+    return _network_policy(job, "reward", egress=[] if job.spec.reward.kind != "http" else None,
+                           ingress=[_from_own_pods(job, [REWARD_PORT]),
+                                    _from_anywhere([REWARD_METRICS])])
 
 
 def rollout_network_policy(job: RLJob, config: OperatorConfig) -> dict[str, Any] | None:
@@ -118,10 +130,7 @@ def rollout_network_policy(job: RLJob, config: OperatorConfig) -> dict[str, Any]
         egress += [_to_own_pods(job, "trainer", None), _to_own_pods(job, "rollout", None)]
     if workflow.egress:
         egress.append({"to": [{"ipBlock": {"cidr": cidr}} for cidr in workflow.egress]})
-    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-            "metadata": object_meta(job, "rollout"),
-            "spec": {"podSelector": {"matchLabels": selector_labels(job, "rollout")},
-                     "policyTypes": ["Egress"], "egress": egress}}
+    return _network_policy(job, "rollout", egress=egress)
 
 
 def _to_dns() -> dict[str, Any]:
@@ -135,7 +144,7 @@ def _to_own_pods(job: RLJob, component: str, ports: list[int] | None) -> dict[st
     rule: dict[str, Any] = {
         "to": [{"podSelector": {"matchLabels": selector_labels(job, component)}}]}
     if ports is not None:
-        rule["ports"] = [{"protocol": "TCP", "port": port} for port in ports]
+        rule["ports"] = _tcp(ports)
     return rule
 
 
@@ -145,7 +154,7 @@ def _to_redis(job: RLJob) -> dict[str, Any]:
     if manages_redis(job):
         return _to_own_pods(job, "redis", [REDIS_PORT])
     url = urlsplit(job.spec.buffer.redis.url)
-    ports = [{"protocol": "TCP", "port": url.port or REDIS_PORT}]
+    ports = _tcp([url.port or REDIS_PORT])
     try:
         address = ipaddress.ip_address(url.hostname or "")
     except ValueError:
