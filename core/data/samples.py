@@ -31,11 +31,7 @@ class Trajectory:
 
     @property
     def loss_mask(self) -> list[int]:
-        """1 on the model's tokens, 0 on the prompt and on environment tokens, over prompt
-        + response."""
-        response = ([int(bool(m)) for m in self.response_mask] if self.response_mask
-                    else [1] * len(self.response_ids))
-        return [0] * len(self.prompt_ids) + response
+        return loss_mask(self)
 
     @property
     def model_tokens(self) -> int:
@@ -77,10 +73,7 @@ class Group:
 
     @property
     def episode_rewards(self) -> list[float]:
-        """Each episode's reward: that of its last sample."""
-        samples = self.samples
-        return [s.reward for s, after in zip(samples, samples[1:] + [None])
-                if after is None or not after.continues_episode]
+        return episode_rewards(self.samples)
 
     def to_pb(self) -> common_pb2.Group:
         return common_pb2.Group(
@@ -99,3 +92,38 @@ class Slot:
     slot_id: str
     # The prompt to generate for, as the buffer's prompt cursor (asyncrl.data.prompt_order).
     prompt_cursor: int = 0
+
+
+# The rules below read a Trajectory or its protobuf message alike.
+
+
+def loss_mask(sample) -> list[int]:
+    """1 on the model's tokens, 0 on the prompt and on an episode's environment tokens, over
+    prompt + response."""
+    response = len(sample.response_ids)
+    if not sample.response_mask:
+        return [0] * len(sample.prompt_ids) + [1] * response
+    if len(sample.response_mask) != response:
+        raise ValueError(f"a sample's response_mask has {len(sample.response_mask)} entries for "
+                         f"{response} response tokens: it needs one per response token")
+    return [0] * len(sample.prompt_ids) + [int(bool(m)) for m in sample.response_mask]
+
+
+def episode_of_each(samples) -> list[int]:
+    """Each sample's episode within its group (0, 1, ...): a sample marked continues_episode
+    belongs to the episode of the sample before it."""
+    episodes: list[int] = []
+    for sample in samples:
+        if not episodes:
+            episodes.append(0)
+        else:
+            episodes.append(episodes[-1] + (0 if sample.continues_episode else 1))
+    return episodes
+
+
+def episode_rewards(samples) -> list[float]:
+    """Each episode's reward: that of its last sample."""
+    last: dict[int, float] = {}
+    for episode, sample in zip(episode_of_each(samples), samples):
+        last[episode] = sample.reward
+    return list(last.values())

@@ -40,6 +40,7 @@ from asyncrl.platform.heap import trim_heap
 from asyncrl.platform.openmp import release_idle_thread_pools
 from asyncrl.platform.outage import OutageTooLong
 from asyncrl.data.prompts import PromptSet, build_prompts, max_sequence_length
+from asyncrl.data.samples import episode_of_each, episode_rewards, loss_mask
 from asyncrl.clients.reward import PromptScorer, reward_scorer
 from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.engine.types import SamplingParams
@@ -101,7 +102,7 @@ def samples_from_groups(groups, algorithm) -> tuple[list[TrainSample], torch.Ten
     different numbers of samples; an episode's reward is its last sample's."""
     flat = [sample for group in groups for sample in group.samples]
     episode_of_sample, episode_rewards = _episodes(groups)
-    masks = [_loss_mask(sample) for sample in flat]
+    masks = [torch.tensor(loss_mask(sample), dtype=torch.bool) for sample in flat]
     advantages = episode_advantages(
         torch.tensor([s.reward for s in flat], dtype=torch.float32), episode_of_sample,
         episode_rewards, algorithm.advantage_estimator, algorithm.batch_norm_advantages,
@@ -128,37 +129,15 @@ def samples_from_groups(groups, algorithm) -> tuple[list[TrainSample], torch.Ten
 def _episodes(groups) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sample's episode (its flat index group * groupSize + episode) and the [groups,
     groupSize] matrix of episode rewards, each its last sample's reward."""
-    places, rewards = [], []  # each sample's (group, episode); each group's episode rewards
-    for group in groups:
-        episodes: list[float] = []
-        for sample in group.samples:
-            if not (episodes and sample.continues_episode):
-                episodes.append(0.0)
-            episodes[-1] = sample.reward
-            places.append((len(rewards), len(episodes) - 1))
-        rewards.append(episodes)
+    rewards = [episode_rewards(group.samples) for group in groups]
     if len({len(episodes) for episodes in rewards}) > 1:
         raise ValueError(f"the batch's groups hold different numbers of episodes "
                          f"({[len(episodes) for episodes in rewards]}): the buffer accepts "
                          f"algorithm.groupSize episodes per group")
     group_size = len(rewards[0]) if rewards else 0
-    return (torch.tensor([g * group_size + e for g, e in places], dtype=torch.long),
-            torch.tensor(rewards, dtype=torch.float32))
-
-
-def _loss_mask(sample) -> torch.Tensor:
-    """False on the prompt and on the response tokens an episode's environment wrote (those
-    whose response_mask entry is false; an empty response_mask: none)."""
-    prompt, response = len(sample.prompt_ids), len(sample.response_ids)
-    mask = torch.zeros(prompt + response, dtype=torch.bool)
-    if not sample.response_mask:
-        mask[prompt:] = True
-    elif len(sample.response_mask) == response:
-        mask[prompt:] = torch.tensor([bool(m) for m in sample.response_mask])
-    else:
-        raise ValueError(f"a sample's response_mask has {len(sample.response_mask)} entries for "
-                         f"{response} response tokens: it needs one per response token")
-    return mask
+    places = [index * group_size + episode for index, group in enumerate(groups)
+              for episode in episode_of_each(group.samples)]
+    return torch.tensor(places, dtype=torch.long), torch.tensor(rewards, dtype=torch.float32)
 
 
 class Trainer:
