@@ -512,10 +512,10 @@ def openai_router(generate: Generate, tokenizer, *, model_name: str,
         episode = episode_of(request)
         stops = body.stops()
         prompts = body.prompts(encoder(episode, special_tokens=True))
+        requested = body.max_tokens
         if episode is not None:  # one turn for the call, its budget shared by its prompts
-            body.max_tokens = episode.allow(body.max_tokens, body.n * len(prompts))
-        params = [sampling(body, episode, max_tokens(p, body.max_tokens, "prompt"))
-                  for p in prompts]
+            requested = episode.allow(requested, body.n * len(prompts))
+        params = [sampling(body, episode, max_tokens(p, requested, "prompt")) for p in prompts]
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": model_name, "system_fingerprint": None}
         per_prompt = await _all(
