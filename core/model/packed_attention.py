@@ -39,7 +39,9 @@ def packed_sdpa_attention(
     if bounds is None or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
-    edges = bounds.tolist()
+    # The boundaries as numbers, given once per forward (asyncrl.model.policy), not read from
+    # the device by every layer.
+    edges = kwargs.get("sequence_edges") or bounds.tolist()
     continues = kwargs.get("continues") or [-1] * (len(edges) - 1)
     groups = query.shape[1] // key.shape[1]
     masks: dict[tuple[int, int], torch.Tensor] = {}

@@ -276,7 +276,8 @@ def packed_token_logprobs(
 
     `recompute_logits` (a model whose logits are its head's output, RECOMPUTED_HEADS): the
     logits are made a block of positions at a time and recomputed in backward
-    (asyncrl.model.recompute.head_logprobs), so they are never all kept. The same values.
+    (asyncrl.model.recompute.head_logprobs), so no [tokens x vocabulary] tensor outlives one
+    block. The same values; what the trainer does for such models.
     """
     if input_ids.dim() != 1 or input_ids.shape != position_ids.shape:
         raise ValueError("input_ids and position_ids must be 1-D tensors of the same length")
@@ -291,10 +292,13 @@ def packed_token_logprobs(
     # The boundaries let a model with packed SDPA (asyncrl.model.packed_attention) attend within each
     # sequence alone; others ignore them. logits_to_keep: the lm_head sees only the positions
     # that predict a wanted token.
-    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    # Read once here, not by each layer's attention (on a GPU every read is a sync).
+    edges = cu_seqlens.tolist()
+    longest = max(end - start for start, end in zip(edges[:-1], edges[1:]))
     bounds = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
     packing = dict(position_ids=position_ids[None], use_cache=False, cu_seq_lens_q=bounds,
-                   cu_seq_lens_k=bounds, max_length_q=longest, max_length_k=longest)
+                   cu_seq_lens_k=bounds, max_length_q=longest, max_length_k=longest,
+                   sequence_edges=edges)
     if continues is not None:
         packing["continues"] = continues.tolist()
     if recompute_logits:

@@ -1,18 +1,24 @@
-"""Activation checkpointing: a training step keeps less and recomputes the rest in backward.
+"""Keeping less for backward and recomputing the rest: the log-probs' vocabulary projection
+(always, for models whose logits are their head's output) and the decoder layers (with
+activation checkpointing).
 
-Without it, backward needs every activation of every decoder layer of a micro-batch (for
-SmolLM2-135M about 2.5 MB a token in float32) and the [tokens x vocabulary] logits with their
-log-softmax (49k floats a token). With it (`trainer.activationCheckpointing`):
+**Log-probs a block of positions at a time** (`head_logprobs`). The trainer needs one number per
+token, log softmax(logits)[token], but the logits are [tokens x vocabulary]: for Qwen2.5's
+151,936-word vocabulary 0.6 MB of float32 a token, 21 GB for a 35k-token step, more than the
+model, its gradients and AdamW together. `head_logprobs` projects LOGIT_BLOCK_BYTES' worth of
+positions at a time, keeps only each position's log-sum-exp, and recomputes each block's logits
+in backward, where the gradient of a picked log-prob is g * (onehot - softmax) / temperature.
+No [tokens x vocabulary] tensor outlives one block. The cost is one more head matmul per token
+(of the head's three in a plain forward and backward). Under autocast the head's matmuls run in
+the autocast dtype and the softmax in float32, as a plain forward under autocast does.
 
-- each decoder layer keeps only its input, and its forward runs again in backward
-  (torch.utils.checkpoint, non-reentrant, which also replays the step's autocast);
-- the log-probs are taken from the vocabulary projection LOGIT_ROWS positions at a time, each
-  block's logits recomputed in backward, so at most one block's logits exist at once
-  (asyncrl.model.policy.packed_token_logprobs; not under FSDP, see asyncrl.trainer.step).
-
-The cost is about one more forward pass per step. transformers' own `gradient_checkpointing`
-is not used: it checkpoints only modules in training mode, and the trainer keeps its model in
-eval mode (no dropout: see asyncrl.trainer.step).
+**Activation checkpointing** (`trainer.activationCheckpointing`, `checkpoint_decoder_layers`):
+each decoder layer keeps only its input, and its forward runs again in backward
+(torch.utils.checkpoint, non-reentrant, which also replays the step's autocast). Without it,
+backward needs every activation of every decoder layer of a micro-batch (for SmolLM2-135M about
+2.5 MB a token in float32). The cost is about one more forward pass per step. transformers' own
+`gradient_checkpointing` is not used: it checkpoints only modules in training mode, and the
+trainer keeps its model in eval mode (no dropout: see asyncrl.trainer.step).
 """
 
 from __future__ import annotations
@@ -20,12 +26,17 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-#: Positions whose logits are computed at once when they are recomputed: 512 x 49k float32
-#: logits are 100 MB for SmolLM2's vocabulary.
-LOGIT_ROWS = 512
+#: The float32 logits one block of positions may hold: 441 positions of Qwen2.5's vocabulary,
+#: 1,365 of SmolLM2's. Large enough that each block's matmuls keep a GPU busy, small beside
+#: the model's own memory.
+LOGIT_BLOCK_BYTES = 256 * 2**20
+#: Positions per block when set (tests set a few, so blocks split sequences); None: as many
+#: as LOGIT_BLOCK_BYTES holds.
+LOGIT_ROWS: int | None = None
 
 
 def checkpoint_decoder_layers(model: torch.nn.Module) -> int:
@@ -42,21 +53,93 @@ def checkpoint_decoder_layers(model: torch.nn.Module) -> int:
     return len(layers)
 
 
-def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor,
-                  temperature: float = 1.0, rows: int = LOGIT_ROWS) -> torch.Tensor:
+def block_rows(vocab_size: int) -> int:
+    """Positions per block of logits: LOGIT_ROWS if set, else LOGIT_BLOCK_BYTES of float32
+    logits (a multiple of 8 where it can be, for the matmul's tiles)."""
+    if LOGIT_ROWS is not None:
+        return LOGIT_ROWS
+    rows = max(1, LOGIT_BLOCK_BYTES // (4 * vocab_size))
+    return rows - rows % 8 if rows >= 8 else rows
+
+
+def head_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor,
+                  temperature: float = 1.0, rows: int | None = None) -> torch.Tensor:
     """log softmax(head(hidden[i]) / temperature)[targets[i]] for each row i of `hidden`
-    ([positions, hidden size]), computed `rows` positions at a time; backward recomputes each
-    block's logits instead of keeping them."""
-    return torch.cat([
-        checkpoint(_picked_logprobs, hidden[start:start + rows], head, targets[start:start + rows],
-                   temperature, use_reentrant=False)
-        for start in range(0, hidden.shape[0], rows)
-    ]) if hidden.shape[0] else hidden.new_zeros(0, dtype=torch.float32)
+    ([positions, hidden size]), float32, computed `rows` positions at a time (None:
+    block_rows); backward recomputes each block's logits instead of keeping them."""
+    if hidden.shape[0] == 0:
+        return hidden.new_zeros(0, dtype=torch.float32)
+    device = hidden.device.type
+    compute_dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                     else torch.promote_types(hidden.dtype, head.weight.dtype))
+    return _HeadLogprobs.apply(hidden, head.weight, head.bias, targets, float(temperature),
+                               rows or block_rows(head.weight.shape[0]), compute_dtype)
 
 
-def _picked_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor,
-                     temperature: float) -> torch.Tensor:
-    logits = head(hidden).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+class _HeadLogprobs(torch.autograd.Function):
+    """head_logprobs' forward and backward, a block of positions at a time. Saves the hidden
+    states, the targets and each position's log-sum-exp: no logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, rows, compute_dtype):
+        head = _Head(weight, bias, temperature, compute_dtype)
+        picked = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        logsumexp = torch.empty_like(picked)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for block in _blocks(hidden.shape[0], rows):
+                logits = head.logits(hidden[block])
+                logsumexp[block] = torch.logsumexp(logits, dim=-1)
+                picked[block] = logits.gather(-1, targets[block, None]).squeeze(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, logsumexp)
+        ctx.settings = temperature, rows, compute_dtype
+        return picked - logsumexp
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        hidden, weight, bias, targets, logsumexp = ctx.saved_tensors
+        temperature, rows, compute_dtype = ctx.settings
+        head = _Head(weight, bias, temperature, compute_dtype)
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+        # Summed over blocks in float32 whatever the compute dtype.
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if needs_bias else None
+        grad_output = grad_output.float()
+        with torch.autocast(hidden.device.type, enabled=False):
+            for block in _blocks(hidden.shape[0], rows):
+                # d(picked - logsumexp)/d logits = onehot(target) - softmax, times g / T.
+                grad_logits = head.logits(hidden[block])
+                grad_logits.sub_(logsumexp[block, None]).exp_()
+                grad_logits.mul_(-grad_output[block, None])
+                grad_logits.scatter_add_(-1, targets[block, None], grad_output[block, None])
+                if temperature != 1.0:
+                    grad_logits.div_(temperature)
+                grad_logits = grad_logits.to(compute_dtype)
+                if needs_hidden:
+                    grad_hidden[block] = grad_logits @ head.weight
+                if needs_weight:
+                    grad_weight += grad_logits.T @ hidden[block].to(compute_dtype)
+                if needs_bias:
+                    grad_bias += grad_logits.sum(0)
+        return (grad_hidden,
+                None if grad_weight is None else grad_weight.to(weight.dtype),
+                None if grad_bias is None else grad_bias.to(bias.dtype),
+                None, None, None, None)
+
+
+class _Head:
+    """The vocabulary projection in the compute dtype, with float32 logits out."""
+
+    def __init__(self, weight, bias, temperature, compute_dtype):
+        self.weight = weight.to(compute_dtype)
+        self.bias = None if bias is None else bias.to(compute_dtype)
+        self.temperature = temperature
+        self.compute_dtype = compute_dtype
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden.to(self.compute_dtype), self.weight, self.bias).float()
+        return logits.div_(self.temperature) if self.temperature != 1.0 else logits
+
+
+def _blocks(positions: int, rows: int):
+    return (slice(start, start + rows) for start in range(0, positions, rows))

@@ -81,7 +81,11 @@ class UpdateConfig:
     temperature: float = 1.0
     micro_batch_max_tokens: int = 4096
     compute_dtype: str = "float32"  # bfloat16: forward passes under bf16 autocast; auto
-    activation_checkpointing: bool = False  # recompute activations and logits in backward
+    activation_checkpointing: bool = False  # recompute the decoder layers in backward
+    # The log-probs' logits a block of positions at a time, recomputed in backward, where the
+    # model allows it (see PolicyUpdater); False: each micro-batch's logits whole, kept for
+    # backward (the same update; for comparing the two, as bench/trainer_step.py does).
+    logits_in_blocks: bool = True
 
     @classmethod
     def from_spec(cls, spec) -> "UpdateConfig":
@@ -152,16 +156,18 @@ class PolicyUpdater:
                 raise ValueError("activation checkpointing is implemented for transformers "
                                  "models (the pytorch backend) only")
             checkpoint_decoder_layers(model)  # the reference model runs without gradients
-        # Logits in recomputed blocks where the model's logits are its head's output, and the
-        # head is called outside the model's forward: not under FSDP, whose root unshards the
-        # head's weights only within that forward.
-        self._recompute_logits = (config.activation_checkpointing
+        # Logits in blocks, recomputed in backward (never the whole [tokens x vocabulary]),
+        # where the model's logits are its head's output and the head can be called outside
+        # the model's forward: not under FSDP, whose root unshards the head's weights only
+        # within that forward.
+        self._recompute_logits = (config.logits_in_blocks
+                                  and not hasattr(model, "packed_token_logprobs")
                                   and model.config.model_type in RECOMPUTED_HEADS
                                   and not isinstance(model, FSDPModule))
-        if config.activation_checkpointing and not self._recompute_logits:
-            log.info("activation checkpointing: the decoder layers only; the logits are kept "
-                     "for backward (recomputed for unsharded %s models)",
-                     ", ".join(RECOMPUTED_HEADS))
+        if (config.logits_in_blocks and not self._recompute_logits
+                and not hasattr(model, "packed_token_logprobs")):
+            log.info("the logits of each micro-batch are kept whole for backward (made a "
+                     "block at a time for unsharded %s models)", ", ".join(RECOMPUTED_HEADS))
         self.model = model
         self.device = next(model.parameters()).device
         if config.compute_dtype == "auto":
@@ -191,7 +197,8 @@ class PolicyUpdater:
         """The job's optimizer (AdamW over `model`, already sharded if it is to be) and
         update rule; what the trainer service and train-demo both train with."""
         optimizer = torch.optim.AdamW(model.parameters(), lr=spec.algorithm.learning_rate,
-                                      weight_decay=spec.algorithm.weight_decay)
+                                      weight_decay=spec.algorithm.weight_decay,
+                                      **fused_adamw(model))
         return cls(model, optimizer, UpdateConfig.from_spec(spec), reference_model)
 
     def step(self, samples: Sequence[TrainSample], version: int | None = None) -> dict[str, float]:
@@ -232,8 +239,10 @@ class PolicyUpdater:
         self.optimizer.zero_grad(set_to_none=True)
         # Token-weighted sums of the per-micro-batch stats, normalised once at the end.
         # The same keys on every rank (one with no samples too): they are all-reduced together.
-        kl_names = ("kl",) if reference is not None else ()
-        sums = dict.fromkeys(("loss", *_TOKEN_MEAN_STATS, *kl_names), 0.0)
+        # Summed on the device in float64: reading them each micro-batch would make the host
+        # wait for the GPU's backward before queueing the next forward.
+        names = sorted(("loss", *_TOKEN_MEAN_STATS, *(("kl",) if reference is not None else ())))
+        sums = torch.zeros(len(names), dtype=torch.float64, device=self.device)
         for index, mb in enumerate(micro_batches):
             with self._autocast():
                 logprobs = self._logprobs(self.model, mb)
@@ -262,15 +271,16 @@ class PolicyUpdater:
                 decoupled=self.config.decoupled,
                 num_global_tokens=global_tokens,
             )
+            values = {name: stats[name].double() * stats["num_tokens"].double()
+                      for name in _TOKEN_MEAN_STATS}
             if reference is not None:
                 kl = (kl_penalty(logprobs, reference[index], self.config.kl_estimator) * mask).sum()
                 loss = loss + self.config.kl_coef * kl / global_tokens
-                sums["kl"] += float(kl.detach())
+                values["kl"] = kl.detach()
             # FSDP averages the gradients across ranks: scaled, the average is the sum.
             (loss * self._gradient_scale).backward()
-            sums["loss"] += float(loss.detach())  # already divided by the global token count
-            for name in _TOKEN_MEAN_STATS:
-                sums[name] += float(stats[name]) * float(stats["num_tokens"])
+            values["loss"] = loss.detach()  # already divided by the global token count
+            sums += torch.stack([values[name].double() for name in names])
 
         if not self.sharded:  # FSDP reduced them (summed, see distributed.shard_model)
             _all_reduce_gradients(self.model, self.data_group)
@@ -283,13 +293,10 @@ class PolicyUpdater:
         self.optimizer.step()
 
         # Sum across ranks so every rank reports the figures of the global batch.
-        names = sorted(sums)
-        summed = _all_reduce_sum(
-            torch.tensor([sums[n] for n in names], dtype=torch.float64, device=self.device),
-            self.data_group)
+        summed = _all_reduce_sum(sums, self.data_group).tolist()
         tokens = float(global_tokens)
         result = {
-            name: float(value) if name == "loss" else float(value) / max(tokens, 1.0)
+            name: value if name == "loss" else value / max(tokens, 1.0)
             for name, value in zip(names, summed)
         }
         result.update(
@@ -310,12 +317,23 @@ class PolicyUpdater:
         """Per-token log-probs of a micro-batch: a transformers model's through
         asyncrl.model.policy, another backend's model (the Megatron-Core one) through its own
         `packed_token_logprobs`, which computes the same thing."""
+        # In blocks without gradients too (the reference model's pass): a micro-batch's
+        # whole logits would be the largest tensor of the step even when not kept.
         compute = getattr(model, "packed_token_logprobs", None) or functools.partial(
-            packed_token_logprobs, model,
-            recompute_logits=self._recompute_logits and torch.is_grad_enabled())
+            packed_token_logprobs, model, recompute_logits=self._recompute_logits)
         shared = {} if mb.continues is None else {"continues": mb.continues}
         return compute(mb.input_ids, mb.position_ids, mb.cu_seqlens, self.config.temperature,
                        needed=mb.fields["loss_mask"], **shared)
+
+
+def fused_adamw(model: torch.nn.Module) -> dict[str, bool]:
+    """AdamW's keyword for its fused CUDA kernel (one launch for every parameter's update,
+    instead of several per parameter) where every parameter is a plain CUDA tensor; {} (the
+    default implementation) elsewhere: on the CPU, and for sharded (DTensor) parameters."""
+    parameters = list(model.parameters())
+    plain_cuda = bool(parameters) and all(
+        p.device.type == "cuda" and not isinstance(p, DTensor) for p in parameters)
+    return {"fused": True} if plain_cuda else {}
 
 
 def _prompt_length(sample: TrainSample) -> int:

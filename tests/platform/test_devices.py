@@ -54,3 +54,21 @@ def test_backend_and_local_rank(monkeypatch):
     assert local_rank() == 0
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert local_rank() == 3
+
+
+@pytest.fixture
+def cudnn_sdp():
+    """cuDNN attention's global switch, restored after the test."""
+    enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(enabled)
+
+
+def test_a_cuda_process_attends_without_cudnn_and_a_cpu_one_is_left_alone(fake_cuda, cudnn_sdp):
+    """cuDNN's SDPA plans per shape (milliseconds of host time a call): every CUDA process,
+    trainer or engine, gets the planless backends from select_device."""
+    select_device(0)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    select_device(1)
+    assert not torch.backends.cuda.cudnn_sdp_enabled()

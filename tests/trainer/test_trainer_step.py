@@ -177,15 +177,16 @@ def test_training_runs_without_dropout():
     assert not model.training
 
 
+# The decoder's forwards: the trainer runs the decoder alone and the head a block at a time.
 def _forward_counter(model):
     calls = []
-    model.register_forward_hook(lambda *_: calls.append(1))
+    model.get_decoder().register_forward_hook(lambda *_: calls.append(1))
     return calls
 
 
 def _tokens_through(model):
     tokens = []
-    model.register_forward_pre_hook(
+    model.get_decoder().register_forward_pre_hook(
         lambda _, args, kwargs: tokens.append(kwargs["input_ids"].numel()), with_kwargs=True)
     return tokens
 
