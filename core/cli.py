@@ -113,6 +113,11 @@ def run(
         "--metrics", help="Every service serves Prometheus /metrics on a loopback port; "
         "RUN_DIR/prometheus/ gets targets.json (file_sd) and a prometheus.yml that scrapes "
         "them.")] = False,
+    devices: Annotated[str, typer.Option(
+        help="What the trainer and rollout compute on: auto (every GPU CUDA shows, else the "
+        "CPU), cpu, or GPU indices such as 0 or 0,1 (the trainer takes the first, the rollout "
+        "the next, or shares the trainer's when none is left). The job's placement is the "
+        "cluster's; here this decides.")] = "auto",
 ) -> None:
     """Run a whole job on this machine: Redis, buffer, reward, trainer and rollout as processes."""
     import time
@@ -122,22 +127,30 @@ def run(
 
     from asyncrl.local.progress import RunProgress
     from asyncrl.local.report import read_metrics, write_plots, write_report
+    from asyncrl.local.devices import DevicesError, parse_devices
     from asyncrl.local.runner import LocalJob, RunOptions, ServiceFailed, stop_on_signals
 
     job = _load_or_exit(file)
     _dataset_or_exit(job)
     # Resolved once, here: every path handed to a service is absolute.
     run_dir = (run_dir or Path("runs") / job.metadata.name).resolve()
-    options = RunOptions(run_dir=run_dir, sync=sync,
-                         max_steps=steps, trainer_threads=trainer_threads,
-                         rollout_threads=rollout_threads, metrics=metrics)
     console = Console()
-    local = LocalJob(job, options,
-                     notify=lambda line: console.print(line, style="yellow", markup=False))
+    try:
+        options = RunOptions(run_dir=run_dir, sync=sync,
+                             max_steps=steps, trainer_threads=trainer_threads,
+                             rollout_threads=rollout_threads, metrics=metrics,
+                             devices=parse_devices(devices))
+        local = LocalJob(job, options,
+                         notify=lambda line: console.print(line, style="yellow", markup=False))
+    except DevicesError as exc:
+        console.print(str(exc), style="red", markup=False, soft_wrap=True)
+        raise typer.Exit(2) from None
     max_steps = local.job.spec.algorithm.max_steps
     console.print(f"[bold]{job.metadata.name}[/]: {'sync' if sync else 'async'} run in "
                   f"{options.run_dir} (trainer {local.trainer_threads} / rollout "
                   f"{local.rollout_threads} threads); logs in {options.run_dir / 'logs'}")
+    for line in local.device_lines():
+        console.print(line, markup=False)
     if metrics:
         console.print(f"metrics: Prometheus targets in {local.prometheus_dir / 'targets.json'}; "
                       f"scrape them with: prometheus --config.file="

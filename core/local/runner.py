@@ -41,7 +41,16 @@ from asyncrl.platform.outage import DEFAULT_OUTAGE_SECONDS
 from asyncrl.platform.redis_server import RedisServer, free_port
 from asyncrl.platform.settings import serve_command
 from asyncrl.launch.torchrun import LOCAL_MAX_RESTARTS, torchrun_arguments
+from asyncrl.local.devices import (
+    DevicePlan,
+    DevicesError,
+    DevicesOption,
+    plan_devices,
+    runner_cuda_visible,
+    visible_gpus,
+)
 from asyncrl.spec import RLJob, parse_manifest
+from asyncrl.weights.ipc import transfer_path
 from asyncrl.v1 import (
     buffer_pb2,
     buffer_pb2_grpc,
@@ -147,13 +156,23 @@ class RunOptions:
     trainer_threads: int | None = None
     rollout_threads: int | None = None
     metrics: bool = False  # each service serves /metrics; Prometheus files in <run_dir>/prometheus
+    devices: DevicesOption = "auto"  # --devices: auto, cpu or GPU indices (asyncrl.local.devices)
 
 
-def resolve_manifest(manifest: Mapping | RLJob, options: RunOptions) -> RLJob:
+#: The node selector the job as run locally carries where the runner gives a service GPUs:
+#: the spec asks one of every pod with GPUs (to pick a cluster's GPU pool); here no scheduler
+#: reads it.
+LOCAL_NODE_SELECTOR = {"asyncrl.io/run": "local"}
+
+
+def resolve_manifest(manifest: Mapping | RLJob, options: RunOptions,
+                     plan: DevicePlan | None = None) -> RLJob:
     """The job as this run executes it: the manifest validated as an RLJob, with this run's
-    overrides (--sync means η = 0, generation waits for training; --steps sets maxSteps) and
-    its file paths absolute. Its `resolved()` is what the services read, the same form as the
-    operator's ConfigMap: every default filled in."""
+    overrides (--sync means η = 0, generation waits for training; --steps sets maxSteps), its
+    file paths absolute and, given a device `plan`, each service's GPUs (placement.gpus; the
+    job's own placement is the cluster's) and the weight transfer the plan allows
+    (ipc only where trainer and rollout share a GPU). Its `resolved()` is what the services
+    read, the same form as the operator's ConfigMap: every default filled in."""
     job = manifest if isinstance(manifest, RLJob) else parse_manifest(manifest)
     spec = job.spec
     algorithm = {}
@@ -169,9 +188,40 @@ def resolve_manifest(manifest: Mapping | RLJob, options: RunOptions) -> RLJob:
     if spec.reward.python is not None:
         python = spec.reward.python.model_copy(update={"path": _absolute(spec.reward.python.path)})
         sections["reward"] = spec.reward.model_copy(update={"python": python})
+    if plan is not None:
+        sections["rollout"] = spec.rollout.model_copy(update={
+            "placement": _placed(spec.rollout.placement, len(plan.rollout.gpus))})
+        transfer, _ = transfer_path(spec.trainer.weight_transfer, plan.trainer.device,
+                                    plan.rollout.device)
+        sections["trainer"] = spec.trainer.model_copy(update={
+            "placement": _placed(spec.trainer.placement, len(plan.trainer.gpus)),
+            "weight_transfer": transfer})
     # Validated again as a whole: the rules between fields hold for the job as run too.
     return parse_manifest(job.model_copy(update={"spec": spec.model_copy(update=sections)})
                           .to_manifest())
+
+
+def _placed(placement, gpus: int):
+    """`placement` with the GPUs this run gives the service (and, with some, a node selector
+    if it has none, which the spec requires of a pod with GPUs)."""
+    update = {"gpus": gpus}
+    if gpus and not placement.node_selector:
+        update["node_selector"] = dict(LOCAL_NODE_SELECTOR)
+    return placement.model_copy(update=update)
+
+
+def run_devices(job: RLJob, option: DevicesOption) -> DevicePlan:
+    """The devices of this run's services for --devices `option`, on this machine's GPUs.
+    Raises DevicesError."""
+    spec = job.spec
+    plan = plan_devices(option, visible_gpus(),
+                        trainer_processes=spec.trainer.processes_per_replica,
+                        rollout_engine=spec.rollout.engine, cuda_visible=runner_cuda_visible())
+    if spec.rollout.engine == "sglang" and not plan.rollout.gpus:
+        raise DevicesError(f"rollout.engine sglang needs a GPU, and this run computes on the "
+                           f"CPU ({plan.cpu_reason}): use --devices auto or GPU indices on a "
+                           "machine with CUDA, or rollout.engine torch")
+    return plan
 
 
 def _absolute(value: str | None) -> str | None:
@@ -194,7 +244,10 @@ def thread_split(options: RunOptions) -> tuple[int, int]:
 
 class LocalJob:
     def __init__(self, job: RLJob, options: RunOptions, notify: Callable[[str], None] = print):
-        self.job = resolve_manifest(job, options)  # as this run executes it
+        """Raises DevicesError when --devices (options.devices) cannot be honoured here."""
+        requested = job if isinstance(job, RLJob) else parse_manifest(job)
+        self.devices = run_devices(requested, options.devices)
+        self.job = resolve_manifest(requested, options, self.devices)  # as this run executes it
         self.options = options
         self.notify = notify  # one line of the run's output, for events worth telling the user
         # Absolute from here on: services (redis-server above all, which changes into its
@@ -211,6 +264,20 @@ class LocalJob:
                               for name in ("buffer", "reward", "trainer")}
         self.prometheus_dir = self.run_dir / "prometheus"
         self.trainer_threads, self.rollout_threads = thread_split(options)
+        self._requested_transfer = requested.spec.trainer.weight_transfer
+
+    def device_lines(self) -> list[str]:
+        """The run's first lines: what each service computes on, and how weights travel when
+        that is not what the job asks (ipc without a shared GPU)."""
+        lines = self.devices.lines()
+        devices = self.devices
+        path, reason = transfer_path(self._requested_transfer, devices.trainer.device,
+                                     devices.rollout.device)
+        if reason:
+            lines.append(f"weights: {path}, not {self._requested_transfer} ({reason})")
+        elif path == "ipc":
+            lines.append(f"weights: ipc (CUDA IPC on {devices.trainer.device})")
+        return lines
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -233,12 +300,14 @@ class LocalJob:
             "reward", job_file=job_file, grpc_port=self.ports["reward"],
             metrics_port=self.metrics_ports["reward"], workers=1)], env)
         self._wait(lambda: is_serving_at(reward_address), "reward")
-        self._launch("trainer", self._trainer_command(exe, buffer_address, reward_address), env)
+        self._launch("trainer", self._trainer_command(exe, buffer_address, reward_address),
+                     {**env, **self.devices.trainer.env})
         self._launch("rollout", [exe, *serve_command(
             "rollout", job_file=job_file, buffer_address=buffer_address,
             reward_address=reward_address, redis_url=redis_url,
             http_port=self.ports["rollout_http"], grpc_port=self.ports["rollout_grpc"],
-            weights_address=self._weights_address(), threads=self.rollout_threads)], env)
+            weights_address=self._weights_address(), threads=self.rollout_threads)],
+            {**env, **self.devices.rollout.env})
         self._wait(lambda: self.trainer_status() is not None, "trainer", timeout=600)
 
     def start_redis(self) -> str:

@@ -942,6 +942,17 @@ def megatron_shape_problem(heads: int, kv_heads: int, layers: int, tensor_parall
 class TrainerSpec(SpecModel):
     """The trainer: backend, parallelism, packing and checkpoints."""
 
+    # In a cluster the trainer and the rollout workers are different pods: the API server
+    # refuses ipc there, while `asyncrl run` (one machine) takes the same file.
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": "!has(self.weightTransfer) || self.weightTransfer != 'ipc'",
+        "message": "weightTransfer ipc needs trainer and rollout on one GPU of one machine "
+                   "(asyncrl run); in a cluster they are different pods: set weightTransfer "
+                   "distributed or disk",
+        "fieldPath": ".weightTransfer",
+        "reason": "FieldValueForbidden",
+    }]})
+
     backend: Literal["pytorch", "megatron"] = Field(
         default="pytorch",
         description="pytorch: the transformers model under torch.distributed (CPU or GPU); "
@@ -966,7 +977,7 @@ class TrainerSpec(SpecModel):
         "parallel); fsdp: parameters, gradients and optimizer state are sharded across the "
         "trainer processes (FSDP2), for models that do not fit on one device.",
     )
-    weight_transfer: Literal["disk", "distributed"] = Field(
+    weight_transfer: Literal["disk", "distributed", "ipc"] = Field(
         default="disk",
         description="How each new policy version reaches the rollout engines. disk: the "
         "trainer writes a safetensors snapshot to the run volume and engines load it; "
@@ -974,7 +985,11 @@ class TrainerSpec(SpecModel):
         "NCCL when trainer and rollout pods have GPUs) to every engine, which joined its "
         "group at start (SGLang's /init_weights_update_group and "
         "/update_weights_from_distributed); a version that cannot go that way (an engine "
-        "missing or restarted) is written to disk instead.",
+        "missing or restarted) is written to disk instead. ipc: trainer and torch engine "
+        "share one GPU (`asyncrl run` on one machine; in a cluster they are different pods, "
+        "so the API server refuses it): the engine copies each version device to device "
+        "from the trainer's buffer through a CUDA IPC handle; a run where they are not on "
+        "one GPU writes to disk instead, saying why.",
     )
     compute_dtype: Literal["auto", "float32", "bfloat16"] | None = Field(
         default=None,
@@ -1093,6 +1108,12 @@ class RLJobSpec(SpecModel):
             )
         if self.trainer.backend == "megatron":
             _check_megatron(self.model, self.trainer, self.trainer_compute_dtype)
+        if self.trainer.weight_transfer == "ipc" and self.rollout.engine != "torch":
+            raise rule_error(
+                f"weightTransfer ipc hands the trainer's GPU buffer to the torch engine; "
+                f"rollout.engine is {self.rollout.engine}",
+                field="trainer.weightTransfer",
+                fix="set rollout.engine: torch, or trainer.weightTransfer: distributed")
         _check_rollout_mounts(self.dataset, self.rollout.workflow)
         workflow = self.rollout.workflow
         if (workflow.kind == "episode"

@@ -45,7 +45,12 @@ from asyncrl.launch.sglang import (
     sglang_launch_command,
 )
 from asyncrl.engine.types import SamplingParams
-from asyncrl.rollout.weights_receiver import TransferMember, WeightWatcher, engine_applier
+from asyncrl.rollout.weights_receiver import (
+    IpcReceiver,
+    TransferMember,
+    WeightWatcher,
+    engine_applier,
+)
 from asyncrl.weights.distributed import backend as transfer_backend
 from asyncrl.weights.distributed import directory_manifest, engine_ranks, model_manifest
 from asyncrl.rollout.workflow import EngineGenerator, RolloutWorkflow, SingleTurnGroups
@@ -111,6 +116,7 @@ def serve(settings: RolloutSettings) -> None:
     engine = TorchInferenceEngine(torch_engine)
     transfer = transfer_member(settings, spec, engine,
                                lambda dtype: model_manifest(model, dtype))
+    ipc = IpcReceiver(torch_engine, device) if spec.trainer.weight_transfer == "ipc" else None
     control = serve_control(engine, settings.grpc_port, host=settings.host,
                             ready=lambda: redis_outage.available)
     app = create_app(torch_engine, model_path=spec.model.source, metrics=metrics,
@@ -118,7 +124,7 @@ def serve(settings: RolloutSettings) -> None:
                      **_episode_api(spec, episodes))
     try:
         asyncio.run(_serve_async(settings, job.metadata.name, engine, app, workflow, metrics,
-                                 redis_outage=redis_outage, transfer=transfer))
+                                 redis_outage=redis_outage, transfer=transfer, ipc=ipc))
     except OutageTooLong as exc:
         raise SystemExit(f"rollout: {exc}") from None
     finally:
@@ -283,7 +289,8 @@ async def _serve_async(settings: RolloutSettings, job: str, engine: InferenceEng
                        workflow=None, metrics: RolloutMetrics | None = None,
                        watch: Coroutine | None = None,
                        redis_outage: Outage | None = None,
-                       transfer: TransferMember | None = None) -> None:
+                       transfer: TransferMember | None = None,
+                       ipc: IpcReceiver | None = None) -> None:
     """Serves `app`, follows announced versions and runs the workflow until one of them (or
     `watch`) ends; an error in any stops the worker with that error (OutageTooLong once
     Redis has been unreachable for longer than `redis_outage` allows)."""
@@ -295,7 +302,7 @@ async def _serve_async(settings: RolloutSettings, job: str, engine: InferenceEng
     if settings.redis_url:
         client = connect(settings.redis_url)
         watcher = WeightWatcher(
-            client, job, engine_applier(engine, settings.weights_cache, metrics, transfer),
+            client, job, engine_applier(engine, settings.weights_cache, metrics, transfer, ipc),
             current_version=engine.version, poll_seconds=settings.poll_seconds,
             outage=redis_outage,
         )

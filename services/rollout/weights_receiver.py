@@ -7,8 +7,9 @@ every `poll_seconds` without one, and after reconnecting, so lost messages cost 
 poll interval and never a version. While Redis is unreachable the watcher retries with backoff
 (`redis`, an Outage: the worker's readiness) and gives up past the outage bound.
 
-A version comes from a snapshot (a path or URL) or, with trainer.weightTransfer distributed,
-by broadcast from the trainer to the group this worker joined (`TransferMember`).
+A version comes from a snapshot (a path or URL); with trainer.weightTransfer distributed,
+by broadcast from the trainer to the group this worker joined (`TransferMember`); with ipc,
+copied on the GPU from the trainer's buffer (`IpcReceiver`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from urllib.parse import urlparse
 
 import httpx
 import redis.asyncio as redis
+import torch
 
 from asyncrl.platform.outage import Outage, redis_down
 from asyncrl.engine.api import InferenceEngine
@@ -41,6 +43,7 @@ from asyncrl.weights.distributed import (
     wait_for_claims,
 )
 from asyncrl.weights.announcements import WeightVersion, weights_channel, weights_key
+from asyncrl.weights.ipc import IpcReader, NotThisVersion, is_ipc_uri, manifest_path
 
 log = logging.getLogger(__name__)
 
@@ -230,15 +233,45 @@ class TransferMember:
                                  "to write this version to disk") from exc
 
 
+class IpcReceiver:
+    """A torch engine's end of the ipc transfer (asyncrl.weights.ipc): each version copied
+    device to device from the trainer's buffer into the engine's weights (`engine`: a
+    TorchEngine computing on `device`)."""
+
+    def __init__(self, engine, device: torch.device):
+        self.engine = engine
+        self.reader = IpcReader(device)
+
+    async def receive(self, announced: WeightVersion) -> WeightUpdate:
+        version = announced.version
+
+        def copy_in(tensors) -> WeightUpdate:
+            return self.engine.update_weights_from_state_dict(tensors, version)
+
+        try:
+            return await asyncio.to_thread(self.reader.read, manifest_path(announced.uri),
+                                           version, copy_in)
+        except NotThisVersion as exc:
+            raise VersionSkipped(f"{exc}; the next announcement brings it") from exc
+
+
 def engine_applier(engine: InferenceEngine, cache_dir: Path, metrics=None,
-                   transfer: TransferMember | None = None) -> ApplyWeights:
+                   transfer: TransferMember | None = None,
+                   ipc: IpcReceiver | None = None) -> ApplyWeights:
     """Applies announced versions to an InferenceEngine (torch or SGLang): a snapshot from
-    disk or HTTP, or a broadcast through `transfer`. Counts each update and its latency in
-    `metrics` (a RolloutMetrics) when given."""
+    disk or HTTP, a broadcast through `transfer`, or a copy from the trainer's GPU buffer
+    through `ipc`. Counts each update and its latency in `metrics` (a RolloutMetrics) when
+    given."""
 
     async def apply(announced: WeightVersion) -> None:
         try:
-            if is_distributed_uri(announced.uri):
+            if is_ipc_uri(announced.uri):
+                if ipc is None:
+                    raise VersionSkipped("shared on the trainer's GPU, but this worker reads "
+                                         "no ipc weights (trainer.weightTransfer is not ipc "
+                                         "in its job)")
+                update = await ipc.receive(announced)
+            elif is_distributed_uri(announced.uri):
                 if transfer is None:
                     raise VersionSkipped("broadcast, but this worker has no weights address")
                 update = await transfer.receive(announced.version,

@@ -71,6 +71,8 @@ from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
 from asyncrl.weights.distributed import announcement_uri, model_manifest
 from asyncrl.weights.distributed import backend as transfer_backend
 from asyncrl.weights.distributed import world_size as transfer_world_size
+from asyncrl.weights.ipc import SharedWeights, transfer_path
+from asyncrl.weights.ipc import announcement_uri as ipc_announcement_uri
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +178,7 @@ class Trainer:
                 settings.weights_port, self._transfer_world_size,
                 transfer_backend(spec),
                 model_manifest(self.hf_model, getattr(torch, spec.model.dtype)))
+        self.shared_weights = self._shared_weights() if self.group.leader else None
         self.sharded = spec.trainer.sharding == "fsdp" and self.group.distributed
         if self.sharded:
             for model in filter(None, (self.model, reference)):
@@ -422,6 +425,21 @@ class Trainer:
             await self._on_compute(save_checkpoint, self.hf_model, state, optimizer_state,
                                    self.settings.run_dir, TrainerState(step, version))
 
+    def _shared_weights(self) -> SharedWeights | None:
+        """The GPU buffer an engine on this GPU copies each version from, when the job asks
+        for ipc and this trainer computes on a GPU (the runner has put the rollout on the
+        same one); else versions go to disk, and the log says why."""
+        spec = self.spec
+        if spec.trainer.weight_transfer != "ipc":
+            return None
+        path, reason = transfer_path("ipc", str(self.device))
+        if path != "ipc":
+            log.warning("trainer.weightTransfer is ipc but %s: versions go to disk", reason)
+            return None
+        return SharedWeights(self.settings.run_dir / "weights" / "ipc",
+                             model_manifest(self.hf_model, getattr(torch, spec.model.dtype)),
+                             getattr(torch, spec.model.dtype), self.device)
+
     def _transfer_world_size(self) -> int:
         """The weight transfer group's size as the job says now: scaling the rollout changes
         the job file (the operator's ConfigMap) without restarting the trainer."""
@@ -438,8 +456,19 @@ class Trainer:
         """Makes policy `version` (the whole model's `state`) the rollout engines': broadcast
         when the transfer group is up, else as a snapshot on disk; then announced, with
         `step` (else the step before it: the caller announces `step` later). Returns how
-        (distributed or disk) and the seconds it took."""
+        (ipc, distributed or disk) and the seconds it took."""
         announced = step if announce_step else max(step - 1, 0)
+        if self.shared_weights is not None:
+            # Written into the buffer (once no engine copies from it), then announced: an
+            # engine reads the manifest the announcement names and copies on its GPU.
+            started = time.perf_counter()
+            await self._on_compute(self.shared_weights.write, state, version)
+            uri = self._published_uri = ipc_announcement_uri(self.shared_weights.manifest_path)
+            await client.set_version(version, uri, announced)
+            self.status.version = version
+            seconds = time.perf_counter() - started
+            self.metrics.observe_publish(seconds, "ipc")
+            return "ipc", seconds
         # The engines join while the trainer loads and takes its first step: its first
         # version waits a little for them rather than go to disk seconds before they are in.
         wait = 0.0 if self._waited_for_group else FIRST_VERSION_WAIT_SECONDS

@@ -1,0 +1,188 @@
+"""The ipc weight transfer (asyncrl.weights.ipc) on the CPU: which path a job takes, the
+manifest, and the buffer shared for real with an unrelated process through torch's own tensor
+sharing (file_system shared memory here; a CUDA IPC handle on a GPU, the only difference),
+read into a torch engine's weights, under the lock that keeps the trainer from writing while
+an engine copies."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from asyncrl.engine.torch_engine import TorchEngine
+from asyncrl.model.policy import tied_aliases
+from asyncrl.rollout.weights_receiver import IpcReceiver, VersionSkipped
+from asyncrl.weights.announcements import WeightVersion
+from asyncrl.weights.distributed import model_manifest
+from asyncrl.weights.ipc import (
+    IpcManifest,
+    IpcReader,
+    IpcUnavailable,
+    NotThisVersion,
+    SharedWeights,
+    announcement_uri,
+    is_ipc_uri,
+    manifest_path,
+    open_handle,
+    transfer_path,
+)
+from support.tiny_model import tiny_model
+
+CPU = torch.device("cpu")
+
+
+# ------------------------------------------------------------------ path selection
+
+
+@pytest.mark.parametrize(("trainer", "rollout", "path", "why"), [
+    ("cuda:0", "cuda:0", "ipc", ""),
+    ("cuda:0", None, "ipc", ""),  # the trainer alone: the runner placed the rollout
+    ("cuda:0", "cuda:1", "disk", "the trainer computes on cuda:0 and the rollout engine on "
+                                 "cuda:1: ipc needs both on one GPU"),
+    ("cuda:0", "cpu", "disk", "the rollout engine computes on cpu"),
+    ("cpu", "cpu", "disk", "the trainer computes on cpu, and ipc shares GPU memory"),
+    ("cpu", None, "disk", "the trainer computes on cpu"),
+])
+def test_ipc_is_taken_only_on_one_gpu_else_disk_with_the_reason(trainer, rollout, path, why):
+    taken, reason = transfer_path("ipc", trainer, rollout)
+    assert taken == path
+    assert (why in reason) if why else reason == ""
+
+
+@pytest.mark.parametrize("requested", ["disk", "distributed"])
+def test_other_transfers_are_taken_as_requested(requested):
+    assert transfer_path(requested, "cpu", "cuda:0") == (requested, "")
+
+
+def test_an_ipc_announcement_names_the_manifest(tmp_path):
+    uri = announcement_uri(tmp_path / "manifest.json")
+    assert uri.startswith("torch-ipc:///") and is_ipc_uri(uri)
+    assert manifest_path(uri) == tmp_path / "manifest.json"
+    assert not is_ipc_uri(str(tmp_path)) and not is_ipc_uri("torch-distributed://g")
+
+
+# ------------------------------------------------------------------ the manifest
+
+
+def test_the_manifest_places_each_tensor_of_the_snapshot_layout_once_and_round_trips(tmp_path):
+    model = tiny_model(0)
+    metas = model_manifest(model, torch.bfloat16)
+    shared = SharedWeights(tmp_path, metas, torch.bfloat16, CPU)
+    manifest = IpcManifest.from_json(shared.manifest_path.read_text())
+    assert manifest == shared.manifest
+    assert manifest.dtype == torch.bfloat16 and manifest.device == "cpu"
+    names = [t.name for t in manifest.tensors]
+    assert names == sorted(set(model.state_dict()) - set(tied_aliases(model)))
+    # Back to back, in order: the buffer holds exactly the model's tensors.
+    for before, after in zip(manifest.tensors, manifest.tensors[1:]):
+        assert after.offset == before.offset + before.numel
+    last = manifest.tensors[-1]
+    assert shared.flat.numel() == last.offset + last.numel
+
+
+def test_a_handle_opens_only_what_tensor_sharing_pickles():
+    with pytest.raises(pickle.UnpicklingError, match="not part of a shared tensor's handle"):
+        open_handle(pickle.dumps(subprocess.run))
+
+
+# ------------------------------------------------------------------ across processes
+
+READER = textwrap.dedent("""
+    import sys, torch
+    from pathlib import Path
+    from safetensors.torch import save_file
+    from asyncrl.weights.ipc import IpcReader, NotThisVersion
+
+    manifest, version, out = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    reader = IpcReader(torch.device("cpu"))
+    try:
+        copied = reader.read(manifest, version,
+                             lambda tensors: {n: t.clone() for n, t in tensors.items()})
+    except NotThisVersion as exc:
+        print("not this version:", exc)
+        sys.exit(3)
+    save_file(copied, out)
+""")
+
+
+def read_in_another_process(manifest, version: int, out) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", READER, str(manifest), str(version), str(out)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_an_unrelated_process_reads_each_version_from_the_shared_buffer(tmp_path):
+    torch.manual_seed(0)
+    shared = SharedWeights(tmp_path / "ipc", model_manifest(tiny_model(0), torch.bfloat16),
+                           torch.bfloat16, CPU)
+    for version, seed in ((1, 1), (2, 2)):
+        state = tiny_model(seed).state_dict()  # float32: written in the buffer's bfloat16
+        shared.write(state, version)
+        done = read_in_another_process(shared.manifest_path, version, tmp_path / "read.st")
+        assert done.returncode == 0, done.stdout + done.stderr
+        read = load_file(tmp_path / "read.st")
+        assert set(read) == set(shared.views)
+        for name, tensor in read.items():
+            assert torch.equal(tensor, state[name].to(torch.bfloat16)), name
+    # A version the buffer no longer holds is not copied (the newer one is announced next).
+    stale = read_in_another_process(shared.manifest_path, 1, tmp_path / "stale.st")
+    assert stale.returncode == 3, stale.stdout + stale.stderr
+    assert "holds version 2, not the announced 1" in stale.stdout
+
+
+def test_the_trainer_waits_to_write_while_an_engine_copies(tmp_path):
+    shared = SharedWeights(tmp_path, model_manifest(tiny_model(0), torch.float32),
+                           torch.float32, CPU)
+    shared.write(tiny_model(1).state_dict(), 1)
+    copying, release = threading.Event(), threading.Event()
+    seen = {}
+
+    def slow_copy(tensors):
+        copying.set()
+        release.wait(10)
+        seen.update({n: t.clone() for n, t in tensors.items()})
+
+    reader = threading.Thread(target=IpcReader(CPU).read,
+                              args=(shared.manifest_path, 1, slow_copy))
+    reader.start()
+    assert copying.wait(10)
+    writer = threading.Thread(target=shared.write, args=(tiny_model(2).state_dict(), 2))
+    writer.start()
+    time.sleep(0.3)
+    assert writer.is_alive()  # blocked on the engine's shared lock
+    release.set()
+    reader.join(10)
+    writer.join(10)
+    assert not writer.is_alive()
+    first = tiny_model(1).state_dict()
+    assert all(torch.equal(seen[n], first[n]) for n in seen)  # version 1 whole, untorn
+
+
+def test_a_torch_engine_takes_a_version_from_the_buffer_and_refuses_another_device(tmp_path):
+    import asyncio
+
+    shared = SharedWeights(tmp_path, model_manifest(tiny_model(0), torch.float32),
+                           torch.float32, CPU)
+    engine = TorchEngine(tiny_model(0), max_running_requests=2, max_sequence_length=32)
+    receiver = IpcReceiver(engine, CPU)
+    new = tiny_model(5).state_dict()
+    shared.write(new, 3)
+    uri = announcement_uri(shared.manifest_path)
+    update = asyncio.run(receiver.receive(WeightVersion(3, uri)))
+    assert update.version == 3 == engine.version
+    weights = engine._model.state_dict()
+    assert all(torch.equal(weights[n], new[n]) for n in new)
+    with pytest.raises(VersionSkipped, match="holds version 3, not the announced 4"):
+        asyncio.run(receiver.receive(WeightVersion(4, uri)))
+
+    # A buffer on a GPU this engine does not compute on: refused, naming the field and fix.
+    elsewhere = IpcManifest(shared.manifest.tensors, torch.float32, "GPU-1234", b"")
+    with pytest.raises(IpcUnavailable, match="trainer.weightTransfer: disk"):
+        IpcReader(CPU).tensors(elsewhere)
