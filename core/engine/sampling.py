@@ -10,8 +10,31 @@ renormalised distribution: that is the behaviour policy the trainer's importance
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """What a batch's settings ask of the sampler, known on the host: each step below runs
+    only when some row needs it. Given to `sample_tokens`, it spares reading these answers
+    back from the device (a synchronisation each on a GPU)."""
+
+    scaled: bool  # some row's temperature is neither 0 nor 1
+    truncated: bool  # some row has a top-k or a top-p below 1
+    greedy: bool  # some row has temperature 0
+
+    @classmethod
+    def of(cls, temperatures: list[float], top_ps: list[float], top_ks: list[int],
+           vocab: int) -> BatchShape:
+        return cls(
+            scaled=any(t > 0 and t != 1 for t in temperatures),
+            truncated=any(t > 0 and (0 < k < vocab or p < 1)
+                          for t, p, k in zip(temperatures, top_ps, top_ks)),
+            greedy=any(t <= 0 for t in temperatures),
+        )
 
 
 def sample_tokens(
@@ -20,6 +43,7 @@ def sample_tokens(
     top_p: Tensor,
     top_k: Tensor,
     generator: torch.Generator | None = None,
+    shape: BatchShape | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(tokens [n], logprobs [n]) for logits [n, V] and per-row settings [n].
 
@@ -27,19 +51,20 @@ def sample_tokens(
     (`apply_penalties`). temperature 0 is greedy: the argmax, with its log-probability under
     the unscaled logits. Otherwise logits are divided by the temperature, cut to the top-k
     tokens and the top-p nucleus, renormalised, and sampled; the log-probability is taken from
-    that distribution.
+    that distribution. `shape` (from the same settings on the host) saves reading back which
+    steps apply.
     """
     greedy = temperature <= 0
     divisor = torch.where(greedy, torch.ones_like(temperature), temperature)
     # A float32 copy that the steps below overwrite in place: each pass over [n, V] that
     # allocates a tensor of its own costs as much again in fresh pages.
     scaled = logits.to(torch.float32, copy=True)
-    if bool((divisor != 1).any()):
+    if shape.scaled if shape else bool((divisor != 1).any()):
         scaled.div_(divisor[:, None])
     vocab = logits.shape[-1]
     k = torch.where((top_k > 0) & ~greedy, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     p = torch.where(greedy, torch.ones_like(top_p), top_p)
-    if bool((k < vocab).any()) or bool((p < 1).any()):
+    if shape.truncated if shape else bool((k < vocab).any()) or bool((p < 1).any()):
         scaled = _truncate(scaled, k, p)
     # The row maximum, the exponentials, their sum (the softmax's normaliser) and running sum
     # (the sampling CDF): no full log-softmax for the one log-probability per row that is kept.
@@ -50,7 +75,7 @@ def sample_tokens(
     draw = torch.rand(scaled.shape[0], 1, generator=generator, device=scaled.device)
     tokens = torch.searchsorted(cumulative, draw * cumulative[:, -1:]).squeeze(-1)
     tokens = tokens.clamp_(max=vocab - 1)
-    if bool(greedy.any()):  # an argmax over the vocabulary only when a row asks for it
+    if shape.greedy if shape else bool(greedy.any()):  # an argmax only when a row asks
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     # The chosen token's scaled logit, computed again from its logit exactly as above (a
     # sampled token is never one that top-k or top-p masked).

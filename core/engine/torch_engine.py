@@ -13,6 +13,11 @@ new weights, then continues. Nothing is lost or duplicated.
 All tensor work runs on the loop's thread, weight copies and aborts included (other threads
 hand them over with `_on_loop`): on a CPU a second thread running parallel kernels would give
 the process a second OpenMP pool, and slow every small kernel (see asyncrl.platform.openmp).
+
+On a GPU the host must not be what a step waits for: decode steps replay CUDA graphs
+(asyncrl.engine.decode_graphs), attention avoids cuDNN's kernels (which build a plan for each
+new shape, milliseconds of host time a call), sampling settings are known on the host
+(sampling.BatchShape), and a step reads its results back in one copy.
 """
 
 from __future__ import annotations
@@ -33,10 +38,13 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
 from asyncrl.platform.openmp import release_idle_thread_pools
+from asyncrl.engine.decode_graphs import DecodeGraphs
 from asyncrl.engine.fused_decode import FusedDecoder
 from asyncrl.engine.kv_cache import SlotKVCache
-from asyncrl.engine.sampling import apply_penalties, sample_tokens
+from asyncrl.engine.sampling import BatchShape, apply_penalties, sample_tokens
 from asyncrl.engine.types import (
     EngineStatus,
     GenerationResult,
@@ -76,6 +84,11 @@ def _refused():
     except SnapshotError as exc:
         raise RequestError(str(exc)) from exc
 
+
+#: Attention kernels that plan nothing per call: cuDNN's builds an execution plan for every
+#: new shape (2.6 ms of host time per call on an H200), and prefills bring new shapes.
+_PLANLESS_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                       SDPBackend.MATH]
 
 #: The most (padded) tokens one prefill forward pass takes: admitted requests prefill
 #: together up to this, so a burst of short prompts costs a few passes, not one each.
@@ -130,6 +143,7 @@ class TorchEngine:
         version: int = 0,
         seed: int | None = None,
         fused_decode: bool = True,
+        cuda_graphs: bool | None = None,
     ):
         config = model.config
         self._model = model.eval().requires_grad_(False)
@@ -153,8 +167,17 @@ class TorchEngine:
         # Decode steps through fused projections where the architecture allows (fused_decode.py;
         # the model's weights stay where they are, as views): prefill keeps the model's layers.
         self._fused = FusedDecoder.for_model(self._model) if fused_decode else None
-        log.info("decode steps run %s", "fused Llama-family layers" if self._fused
-                 else "the model's own layers")
+        # On a GPU, fused decode steps replay CUDA graphs (None: wherever they can).
+        if cuda_graphs and (self._device.type != "cuda" or self._fused is None):
+            raise ValueError("cuda_graphs needs a CUDA device and fused decode steps (a Llama-"
+                             f"family model); this engine has {self._device} and "
+                             f"{'fused' if self._fused else 'the model own'} decode steps")
+        if cuda_graphs is None:
+            cuda_graphs = self._device.type == "cuda" and self._fused is not None
+        self._graphs = DecodeGraphs(self._fused.logits, self._cache, self._device) \
+            if cuda_graphs else None
+        log.info("decode steps run %s%s", "fused Llama-family layers" if self._fused
+                 else "the model's own layers", " as CUDA graphs" if self._graphs else "")
         self._version = version
         self._generator = torch.Generator(device=self._device)
         self._generator.manual_seed(seed if seed is not None else torch.seed())
@@ -191,6 +214,11 @@ class TorchEngine:
     def fused_decode(self) -> bool:
         """Whether decode steps run fused projections (FusedDecoder)."""
         return self._fused is not None
+
+    @property
+    def cuda_graphs(self) -> DecodeGraphs | None:
+        """The decode steps' CUDA graphs (captured per batch and length bucket), if used."""
+        return self._graphs
 
     @property
     def vocab_size(self) -> int:
@@ -490,6 +518,12 @@ class TorchEngine:
         self._run_calls()  # handed over before the loop knew it was stopping
 
     def _step(self) -> None:
+        if self._device.type != "cuda":
+            return self._admit_and_run()
+        with sdpa_kernel(_PLANLESS_ATTENTION):
+            return self._admit_and_run()
+
+    def _admit_and_run(self) -> None:
         with self._wake:
             while self._waiting and len(self._running) < self._cache.num_slots:
                 request = self._waiting.popleft()
@@ -566,9 +600,9 @@ class TorchEngine:
         fresh = [(entries[index][0], row_of[tuple(entries[index][1])])
                  for index in order if not resumed(index)]
         if fresh:
-            tokens, logprobs = self._sample([r for r, _ in fresh], logits[[i for _, i in fresh]])
-            for index, (request, _) in enumerate(fresh):
-                self._append(request, tokens[index : index + 1], logprobs[index : index + 1])
+            drawn = self._sample([r for r, _ in fresh], logits[[i for _, i in fresh]])
+            for (request, _), (token, logprob) in zip(fresh, drawn):
+                self._append(request, token, logprob)
         if len(fresh) < len(entries):
             self._resume_prefill_seconds += time.perf_counter() - started
 
@@ -596,21 +630,26 @@ class TorchEngine:
     def _decode(self) -> None:
         """One token for every running request."""
         running = self._running
-        ids = torch.tensor([[r.pending] for r in running], device=self._device)
-        positions = torch.tensor([[r.cached] for r in running], device=self._device)
-        read_length = max(r.cached for r in running) + 1
-        span = torch.arange(read_length, device=self._device)[None, :]
-        mask = (span <= positions)[:, None, None, :]  # [n, 1, 1, read_length]
-        if self._fused is not None:
-            logits = self._fused.logits(ids, positions, self._cache, read_length, mask)
+        if self._graphs is not None:
+            logits = self._graphs.logits([r.pending for r in running],
+                                         [r.cached for r in running])
         else:
-            logits = self._forward(ids, positions, slice(0, len(running)), read_length, mask)
-        tokens, logprobs = self._sample(running, logits)
+            ids = torch.tensor([[r.pending] for r in running], device=self._device)
+            positions = torch.tensor([[r.cached] for r in running], device=self._device)
+            read_length = max(r.cached for r in running) + 1
+            span = torch.arange(read_length, device=self._device)[None, :]
+            mask = (span <= positions)[:, None, None, :]  # [n, 1, 1, read_length]
+            if self._fused is not None:
+                logits = self._fused.logits(ids, positions, self._cache, read_length, mask)
+            else:
+                logits = self._forward(ids, positions, slice(0, len(running)), read_length,
+                                       mask)
+        drawn = self._sample(running, logits)
         self._decode_steps += 1
         self._decode_rows += len(running)
-        for index, request in enumerate(running):
+        for request, (token, logprob) in zip(running, drawn):
             request.cached += 1
-            self._append(request, tokens[index : index + 1], logprobs[index : index + 1])
+            self._append(request, token, logprob)
 
     def _forward(
         self, ids: Tensor, positions: Tensor, rows: slice, read_length: int, mask: Tensor,
@@ -636,12 +675,13 @@ class TorchEngine:
             **{self._cache_keyword: self._cache},
         ).last_hidden_state
 
-    def _sample(self, requests: list[_Request], logits: Tensor) -> tuple[Tensor, Tensor]:
+    def _sample(self, requests: list[_Request], logits: Tensor) -> list[tuple[int, float]]:
         """One token per request (row of `logits`) and its log-probability under the
-        distribution it was drawn from: penalties, then temperature, top-k and top-p."""
+        distribution it was drawn from: penalties, then temperature, top-k and top-p. The
+        settings go to the device in one copy and the results come back in one."""
 
         def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=self._device)
+            return torch.tensor(values, dtype=dtype).to(self._device, non_blocking=True)
 
         penalized = [i for i, r in enumerate(requests) if r.counts is not None]
         if penalized:
@@ -654,19 +694,22 @@ class TorchEngine:
                 column([r.params.frequency_penalty for r in chosen], torch.float32),
                 column([r.params.presence_penalty for r in chosen], torch.float32),
             )
-        return sample_tokens(
-            logits,
-            column([r.params.temperature for r in requests], torch.float32),
-            column([r.params.top_p for r in requests], torch.float32),
-            column([r.params.top_k for r in requests], torch.long),
-            self._generator,
-        )
+        params = [r.params for r in requests]
+        temperatures = [p.temperature for p in params]
+        top_ps = [p.top_p for p in params]
+        top_ks = [p.top_k for p in params]
+        # float64 holds every top-k (and token id) exactly.
+        settings = column([temperatures, top_ps, top_ks], torch.float64)
+        tokens, logprobs = sample_tokens(
+            logits, settings[0].float(), settings[1].float(), settings[2].long(),
+            self._generator, BatchShape.of(temperatures, top_ps, top_ks, self.vocab_size))
+        drawn = torch.stack([tokens.double(), logprobs.double()]).tolist()
+        return [(int(token), logprob) for token, logprob in zip(*drawn)]
 
-    def _append(self, request: _Request, token: Tensor, logprob: Tensor) -> None:
-        token_id = int(token[0])
+    def _append(self, request: _Request, token_id: int, logprob: float) -> None:
         result = request.result
         result.output_ids.append(token_id)
-        result.output_logprobs.append(float(logprob[0]))
+        result.output_logprobs.append(logprob)
         result.output_versions.append(self._version)
         if request.counts is not None:
             request.counts[token_id] += 1
