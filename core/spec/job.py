@@ -1003,11 +1003,11 @@ class TrainerSpec(SpecModel):
     )
     activation_checkpointing: bool = Field(
         default=False,
-        description="Keep less for backward and recompute the rest: each decoder layer keeps "
-        "only its input, and the logits are made a block of positions at a time (Llama, "
-        "Qwen and Mistral models, sharding none), both recomputed in backward. A step's "
-        "memory for activations falls to a fraction, for about one more forward pass of "
-        "time. pytorch backend only.",
+        description="Each decoder layer keeps only its input for backward and runs its "
+        "forward again there: a step's memory for activations falls to a fraction, for about "
+        "one more forward pass of time. The logits are made a block of positions at a time "
+        "and recomputed in backward whether this is set or not (Llama, Qwen and Mistral "
+        "models, sharding none). pytorch backend only.",
     )
     checkpoint_every: int = Field(default=10, ge=1, description="Save a checkpoint every N steps.")
     eval_every: int = Field(default=10, ge=1, description="Evaluate every N steps.")
