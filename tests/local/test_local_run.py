@@ -251,6 +251,9 @@ def test_run_as_the_readme_types_it_relative_file_and_default_run_folder(tmp_pat
     assert done.returncode == 0, done.stdout + done.stderr
     run_dir = tmp_path / "runs/tiny"
     assert [r["step"] for r in metrics(run_dir)] == [1, 2]
+    # The first lines say what each service computes on (the CPU on the machines tests run on).
+    head = flat(done.stdout[:done.stdout.index("asyncrl run: tiny")])
+    assert "trainer: " in head and "rollout: " in head, head
     assert (run_dir / "redis/redis.log").is_file()
     # The live table's last frame shows where the run ended, not "starting".
     final_frame = done.stdout[done.stdout.rindex("asyncrl run: tiny"):]
