@@ -1,41 +1,57 @@
-"""How long one decoupled-PPO trainer step takes for SmolLM2-135M on this machine, in fp32 and
-in bf16 autocast, and what memory it needs.
+"""How long one decoupled-PPO trainer step takes on this machine (SmolLM2-135M, or a published
+model's shape with random weights), in fp32 and in bf16 autocast, and what memory it needs.
 
-Times full steps (forward/backward per micro-batch + AdamW) on a batch of random token
-sequences; in the same run, a no-grad forward pass over the same batch, so each step is also
-reported as a ratio to a forward pass (robust to machine noise). That forward is also what a
-step would cost on top if it ran the proximal policy as a pass of its own: it takes the
-proximal log-probs from its training forward instead (asyncrl.trainer.step). The fp32 step is
-also timed with transformers' SDPA over the whole packed row (a block-diagonal mask) instead
-of the trainer's per-sequence attention (asyncrl.model.packed_attention), and with activation
-checkpointing (trainer.activationCheckpointing); each configuration's first step also counts
-the bytes autograd keeps for backward. The batch's sequences come in groups of --group-size
-responses to one prompt, as a GRPO job's do, which the trainer packs with the prompt once
+On the CPU (the default) it times full steps (forward/backward per micro-batch + AdamW) on a
+batch of random token sequences; in the same run, a no-grad forward pass over the same batch,
+so each step is also reported as a ratio to a forward pass (robust to machine noise). That
+forward is also what a step would cost on top if it ran the proximal policy as a pass of its
+own: it takes the proximal log-probs from its training forward instead (asyncrl.trainer.step).
+The fp32 step is also timed with each micro-batch's logits whole (kept for backward) instead
+of a block of positions at a time (asyncrl.model.recompute), with transformers' SDPA over the
+whole packed row (a block-diagonal mask) instead of the trainer's per-sequence attention
+(asyncrl.model.packed_attention), and with activation checkpointing
+(trainer.activationCheckpointing); each configuration's first step also counts the bytes
+autograd keeps for backward. The batch's sequences come in groups of --group-size responses to
+one prompt, as a GRPO job's do, which the trainer packs with the prompt once
 (asyncrl.algorithms.packing); the fp32 step is also timed on the same shapes with every
 sequence's prompt its own, which nothing shares (and so is the block-diagonal mask's step).
 
-With --megatron, the fp32 step is also timed with the Megatron-Core backend, which computes
-every sequence whole: on the batch whose prompts are each their own, beside that step.
+With --device cuda it times the step in bf16 autocast (fp32 without --bf16), with the logits
+in blocks and whole, and prints each one's time, tokens/s through the model, MFU (6 x
+parameters x tokens through the model / step time / --peak-tflops; 790 by default, an
+H100/H200's dense bf16 figure rounded down; an H100 SXM's datasheet says 989) and peak GPU
+memory (torch.cuda.max_memory_allocated over the timed steps); the CPU comparisons are not run.
+
+With --megatron (CPU), the fp32 step is also timed with the Megatron-Core backend, which
+computes every sequence whole: on the batch whose prompts are each their own, beside that step.
 
     .venv/bin/python bench/trainer_step.py [--sequences 8] [--group-size 8] [--prompt 64]
-        [--response 128] [--bf16] [--megatron]
+        [--response 128] [--bf16] [--megatron] [--shape smollm2-135m]
+    .venv/bin/python bench/trainer_step.py --device cuda --shape qwen2.5-0.5b --sequences 64 \
+        --group-size 8 --prompt 256 --response 512 --bf16
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import resource
 import statistics
 import time
 
 import torch
 
-from asyncrl.algorithms.packing import pack_sequences
-from asyncrl.platform.devices import native_bf16
+from asyncrl.algorithms.packing import pack_sequences, pack_sharing_prefixes
+from asyncrl.platform.devices import native_bf16, use_planless_attention
 from asyncrl.model.policy import SMOLLM2, load_model, packed_token_logprobs
 from asyncrl.model.packed_attention import PACKED_SDPA
-from asyncrl.trainer.step import PolicyUpdater, TrainSample, UpdateConfig
+from asyncrl.model.shapes import SHAPES, parameter_count, random_model
+from asyncrl.trainer.step import PolicyUpdater, TrainSample, UpdateConfig, fused_adamw
+
+#: Tokens per micro-batch by device: a GPU runs fewer, larger micro-batches faster (fewer
+#: launches), and its memory holds their activations.
+MICRO_BATCH_TOKENS = {"cpu": 2048, "cuda": 16384}
 
 
 def peak_rss_gb() -> float:
@@ -50,16 +66,39 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per sequence")
     parser.add_argument("--response", type=int, default=128, help="response tokens per sequence")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--micro-batch-max-tokens", type=int, default=2048)
+    parser.add_argument("--micro-batch-max-tokens", type=int, default=None,
+                        help=f"default by device: {MICRO_BATCH_TOKENS}")
     parser.add_argument("--bf16", action="store_true",
-                        help="time bf16 autocast also where the CPU emulates bf16")
+                        help="time bf16 autocast also where the CPU emulates bf16 (on CUDA: "
+                             "the step in bf16 autocast rather than fp32)")
     parser.add_argument("--megatron", action="store_true",
-                        help="also time the step with the Megatron-Core backend")
+                        help="also time the step with the Megatron-Core backend (CPU)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                        help="a published model's shape with random weights (default: "
+                             "SmolLM2-135M-Instruct's own weights)")
+    parser.add_argument("--peak-tflops", type=float, default=790.0,
+                        help="the GPU's dense peak for MFU (default 790: H100/H200 bf16)")
     args = parser.parse_args()
+    if args.micro_batch_max_tokens is None:
+        args.micro_batch_max_tokens = MICRO_BATCH_TOKENS[args.device]
 
-    model = load_model(SMOLLM2)
-    parameters = sum(p.numel() for p in model.parameters())
-    vocab = model.config.vocab_size
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        use_planless_attention()  # as every CUDA service process (select_device)
+    # float32 master weights, as the trainer keeps them.
+    model = (load_model(SMOLLM2, device=device) if args.shape is None
+             else random_model(args.shape, device, torch.float32))
+    name = args.shape or "SmolLM2-135M"
+    samples, unshared = make_batch(model.config.vocab_size, args)
+    if device.type == "cuda":
+        gpu_report(model, name, samples, args)
+    else:
+        cpu_report(model, name, samples, unshared, args)
+
+
+def make_batch(vocab: int, args) -> tuple[list[TrainSample], list[TrainSample]]:
+    """Random sequences in groups sharing a prompt, and the same with every prompt its own."""
     generator = torch.Generator().manual_seed(0)
     length = args.prompt + args.response
     mask = torch.arange(length) >= args.prompt
@@ -74,6 +113,72 @@ def main() -> None:
         samples.append(TrainSample(torch.cat([prompt, response]), mask, behaviour, advantage))
         unshared.append(TrainSample(torch.cat([own_prompt, response]), mask, behaviour,
                                     advantage))
+    return samples, unshared
+
+
+def gpu_report(model: torch.nn.Module, name: str, samples: list[TrainSample], args) -> None:
+    """Step time, tokens/s, MFU and peak memory on CUDA, logits in blocks and whole."""
+    dtype = "bfloat16" if args.bf16 else "float32"
+    parameters = parameter_count(model)
+    # What goes through the model: each group's prompt once (asyncrl.algorithms.packing).
+    through = pack_sharing_prefixes([s.input_ids for s in samples],
+                                    [args.prompt] * len(samples)).num_tokens
+    weights_grads_adam = parameters * 4 * 4 / 2**30
+    print(f"{name} ({parameters / 1e6:.0f}M parameters, vocabulary {model.config.vocab_size}) "
+          f"on {torch.cuda.get_device_name()}, {dtype} "
+          f"{'autocast' if args.bf16 else ''}; batch {args.sequences} x ({args.prompt} prompt + "
+          f"{args.response} response) tokens in groups of {args.group_size} sharing a prompt: "
+          f"{through} tokens through the model; micro-batches of at most "
+          f"{args.micro_batch_max_tokens} tokens; MFU against {args.peak_tflops:.0f} TFLOP/s")
+    print(f"fp32 weights + gradients + AdamW's two moments: {weights_grads_adam:.2f} GiB")
+    results = {}
+    for blocks in (True, False):
+        label = "logits in blocks" if blocks else "logits whole"
+        try:
+            seconds, peak = gpu_steps(model, samples, dtype, blocks, args)
+        except torch.cuda.OutOfMemoryError:
+            print(f"trainer step, {label}: out of GPU memory")
+            continue
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+        results[blocks] = seconds, peak
+        mfu = 6 * parameters * through / seconds / (args.peak_tflops * 1e12)
+        print(f"trainer step, {label}: {seconds:.3f} s, {through / seconds:,.0f} tokens/s "
+              f"through the model, MFU {mfu:.1%}, peak GPU memory {peak / 2**30:.2f} GiB")
+    if len(results) == 2:
+        (fast, fast_peak), (slow, slow_peak) = results[True], results[False]
+        print(f"logits in blocks / whole: step speed {slow / fast:.2f}x, peak memory "
+              f"{fast_peak / slow_peak:.2f}x")
+
+
+def gpu_steps(model, samples, dtype: str, blocks: bool, args) -> tuple[float, int]:
+    """Median step time over --repeats steps after one warm-up, and the peak GPU memory
+    allocated during them (model, gradients and optimizer state included)."""
+    updater = PolicyUpdater(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-6, **fused_adamw(model)),
+        UpdateConfig(micro_batch_max_tokens=args.micro_batch_max_tokens, compute_dtype=dtype,
+                     logits_in_blocks=blocks))
+    try:
+        updater.step(samples)  # warm-up: kernels chosen, optimizer state made
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(args.repeats):
+            started = time.perf_counter()
+            updater.step(samples)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times), torch.cuda.max_memory_allocated()
+    finally:
+        updater.optimizer.zero_grad(set_to_none=True)
+        updater.optimizer.state.clear()
+
+
+def cpu_report(model: torch.nn.Module, name: str, samples: list[TrainSample],
+               unshared: list[TrainSample], args) -> None:
+    parameters = sum(p.numel() for p in model.parameters())
+    length = args.prompt + args.response
     packed = pack_sequences([s.input_ids for s in samples])
 
     def forward() -> float:
@@ -85,15 +190,17 @@ def main() -> None:
     saved = {}  # bytes kept for backward by one step, by configuration
 
     def timed_steps(dtype: str, attention: str = PACKED_SDPA, checkpointing: bool = False,
-                    policy: torch.nn.Module = model, batch: list[TrainSample] = samples) -> float:
+                    policy: torch.nn.Module = model, batch: list[TrainSample] = samples,
+                    blocks: bool = True) -> float:
         updater = PolicyUpdater(
             policy, torch.optim.AdamW(policy.parameters(), lr=1e-6),
             UpdateConfig(micro_batch_max_tokens=args.micro_batch_max_tokens,
-                         compute_dtype=dtype, activation_checkpointing=checkpointing))
+                         compute_dtype=dtype, activation_checkpointing=checkpointing,
+                         logits_in_blocks=blocks))
         policy.set_attn_implementation(attention)  # the updater chose packed attention
         kept_bytes = saved_for_backward(updater, batch)  # warm-up
         if batch is samples:
-            saved[dtype, attention, checkpointing] = kept_bytes
+            saved[dtype, attention, checkpointing, blocks] = kept_bytes
         times = []
         for _ in range(args.repeats):
             started = time.perf_counter()
@@ -104,6 +211,7 @@ def main() -> None:
     forward()
     fwd = statistics.median(forward() for _ in range(args.repeats))
     fp32 = timed_steps("float32")
+    fp32_whole = timed_steps("float32", blocks=False)
     fp32_unshared = timed_steps("float32", batch=unshared)
     # transformers' SDPA knows nothing of shared prompts: both attentions on whole sequences.
     fp32_block_mask = timed_steps("float32", attention="sdpa", batch=unshared)
@@ -114,30 +222,32 @@ def main() -> None:
     megatron = megatron_step(model, unshared, args) if args.megatron else None
 
     total_tokens, trained_tokens = args.sequences * length, args.sequences * args.response
-    print(f"SmolLM2-135M, {torch.get_num_threads()} threads, batch {args.sequences} x "
+    print(f"{name}, {torch.get_num_threads()} threads, batch {args.sequences} x "
           f"({args.prompt} prompt + {args.response} response) tokens, in groups of "
-          f"{args.group_size} sharing a prompt")
+          f"{args.group_size} sharing a prompt; micro-batches of at most "
+          f"{args.micro_batch_max_tokens} tokens")
     print(f"no-grad forward of the batch, each sequence whole (fp32): {fwd:.2f} s")
-    for name, seconds in (("fp32", fp32), ("fp32, every prompt its own", fp32_unshared),
-                          ("fp32, every prompt its own, block-diagonal mask", fp32_block_mask),
-                          ("bf16 autocast", bf16)):
+    for label, seconds in (("fp32", fp32), ("fp32, logits whole", fp32_whole),
+                           ("fp32, every prompt its own", fp32_unshared),
+                           ("fp32, every prompt its own, block-diagonal mask", fp32_block_mask),
+                           ("bf16 autocast", bf16)):
         if seconds is None:
-            print(f"trainer step, {name}: not run, this CPU emulates bf16 (--bf16 runs it)")
+            print(f"trainer step, {label}: not run, this CPU emulates bf16 (--bf16 runs it)")
             continue
-        print(f"trainer step, {name}: {seconds:.2f} s ({trained_tokens / seconds:.0f} trained "
+        print(f"trainer step, {label}: {seconds:.2f} s ({trained_tokens / seconds:.0f} trained "
               f"tokens/s, {total_tokens / seconds:.0f} through the model; "
               f"{seconds / fwd:.1f} forwards)")
     print(f"trainer step, fp32, activation checkpointing: {checkpointed:.2f} s "
           f"({trained_tokens / checkpointed:.0f} trained tokens/s; "
           f"{checkpointed / fp32:.2f}x the fp32 step's time)")
     kept = {key: value / 2**20 for key, value in saved.items()}
-    bf16_kept = (f"bf16 autocast {kept['bfloat16', PACKED_SDPA, False]:.0f} MB, "
+    plain = kept["float32", PACKED_SDPA, False, True]
+    bf16_kept = (f"bf16 autocast {kept['bfloat16', PACKED_SDPA, False, True]:.0f} MB, "
                  if bf16 is not None else "")
-    print(f"kept for backward by one step: fp32 {kept['float32', PACKED_SDPA, False]:.0f} MB, "
-          f"{bf16_kept}fp32 with activation "
-          f"checkpointing {kept['float32', PACKED_SDPA, True]:.0f} MB "
-          f"({kept['float32', PACKED_SDPA, False] / kept['float32', PACKED_SDPA, True]:.1f}x "
-          f"less; micro-batches of at most {args.micro_batch_max_tokens} tokens)")
+    print(f"kept for backward by one step: fp32 {plain:.0f} MB (logits whole: "
+          f"{kept['float32', PACKED_SDPA, False, False]:.0f} MB), {bf16_kept}fp32 with "
+          f"activation checkpointing {kept['float32', PACKED_SDPA, True, True]:.0f} MB "
+          f"({plain / kept['float32', PACKED_SDPA, True, True]:.1f}x less)")
     if megatron is not None:
         print(f"trainer step, fp32, Megatron-Core backend (local layer spec): {megatron:.2f} s "
               f"({trained_tokens / megatron:.0f} trained tokens/s, every prompt its own); its "
@@ -145,6 +255,7 @@ def main() -> None:
               f"{megatron / fp32_unshared:.2f}")
     if bf16 is not None:
         print(f"bf16 / fp32 step speed: {fp32 / bf16:.2f}x")
+    print(f"logits in blocks / whole, step speed (fp32): {fp32_whole / fp32:.2f}x")
     print(f"prompts shared / every prompt its own, step speed (fp32): "
           f"{fp32_unshared / fp32:.2f}x")
     print(f"a proximal pass of its own would add {fwd:.2f} s to the fp32 step: taking the "
