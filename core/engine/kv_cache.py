@@ -16,6 +16,25 @@ import torch
 from torch import Tensor
 
 
+def slot_bytes(config, max_length: int, dtype: torch.dtype) -> int:
+    """Bytes of one slot of the cache for a model `config`: keys and values of every layer
+    for `max_length` positions."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return (2 * config.num_hidden_layers * config.num_key_value_heads * max_length * head_dim
+            * dtype.itemsize)
+
+
+def slots_that_fit(wanted: int, budget_bytes: int, per_slot: int) -> int:
+    """`wanted` slots, or as many as `budget_bytes` holds; ValueError when not even one."""
+    fitting = budget_bytes // per_slot
+    if fitting < 1:
+        raise ValueError(
+            f"rollout.kvCacheMemoryFraction leaves {budget_bytes / 2**20:.0f} MiB for the KV "
+            f"cache, less than one request needs ({per_slot / 2**20:.0f} MiB at the job's "
+            "sequence length); raise the fraction, or lower rollout.maxNewTokens")
+    return min(wanted, fitting)
+
+
 class SlotKVCache:
     def __init__(
         self,

@@ -635,6 +635,18 @@ class RolloutSpec(SpecModel):
         default_factory=WorkflowSpec,
         description="What one rollout is: a single completion, or an episode of your code.",
     )
+    kv_cache_memory_fraction: float | None = Field(
+        default=None,
+        gt=0,
+        lt=1,
+        description="The share of the rollout device's memory its engine may take, so that "
+        "trainer and rollout fit on one GPU together. torch: the KV cache gets at most this "
+        "share of the device's total memory, and where maxConcurrentRollouts x groupSize "
+        "requests would not fit the engine runs as many as do (it says so at start; the "
+        "others wait their turn). sglang: SGLang's --mem-fraction-static, which covers its "
+        "weights and KV cache together. Unset: the torch engine sizes its cache for every "
+        "request the job can ask of it, and SGLang chooses.",
+    )
     resources: Resources = Field(default_factory=Resources, description="Per-pod resources.")
     placement: Placement = Field(default_factory=Placement, description="Per-pod placement.")
 

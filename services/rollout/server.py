@@ -30,6 +30,7 @@ from asyncrl.platform.outage import Outage, OutageTooLong, connect, redis_addres
 from asyncrl.data.prompt_order import PromptOrder
 from asyncrl.data.prompts import build_prompts, rollout_sequence_length
 from asyncrl.clients.reward import PromptScorer, reward_scorer
+from asyncrl.engine.kv_cache import slot_bytes, slots_that_fit
 from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.engine.api import InferenceEngine, TorchInferenceEngine
 from asyncrl.rollout.grpc_control import serve_control
@@ -103,6 +104,7 @@ def serve(settings: RolloutSettings) -> None:
     # weights and KV cache in model.dtype (log-probabilities are computed in float32).
     device = select_device(spec.rollout.placement.gpus, local_rank())
     model, _ = load_policy(spec.model, device=device)
+    slots = _slots_within_memory(spec, model, slots, length, device)
     # Logits and sampling buffers of MBs every decode step, served from the heap instead of
     # mapped and faulted in afresh (see asyncrl.platform.heap).
     reuse_large_blocks()
@@ -132,6 +134,24 @@ def serve(settings: RolloutSettings) -> None:
         torch_engine.stop()
 
 
+def _slots_within_memory(spec, model, slots: int, length: int, device: torch.device) -> int:
+    """The engine's slots, fewer where rollout.kvCacheMemoryFraction of the device's memory
+    does not hold them all."""
+    fraction = spec.rollout.kv_cache_memory_fraction
+    if fraction is None:
+        return slots
+    total = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+             else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    per_slot = slot_bytes(model.config, length, next(model.parameters()).dtype)
+    fitting = slots_that_fit(slots, int(fraction * total), per_slot)
+    if fitting < slots:
+        log.warning("rollout.kvCacheMemoryFraction %.2f of %s's %.1f GiB holds %d of the %d "
+                    "requests the job can ask at once (%.0f MiB each): the engine runs %d, the "
+                    "others wait", fraction, device, total / 2**30, fitting, slots,
+                    per_slot / 2**20, fitting)
+    return fitting
+
+
 class SGLangExited(RuntimeError):
     """The SGLang server this worker launched is gone."""
 
@@ -144,7 +164,8 @@ def sglang_command(settings: RolloutSettings, spec) -> list[str]:
         return [part.format(port=settings.sglang_port, model_path=model_path)
                 for part in shlex.split(settings.sglang_command)]
     return sglang_launch_command(spec, model_path=model_path, port=settings.sglang_port,
-                                 host="127.0.0.1", seed=spec.dataset.seed)
+                                 host="127.0.0.1", seed=spec.dataset.seed,
+                                 mem_fraction_static=spec.rollout.kv_cache_memory_fraction)
 
 
 async def _serve_sglang(settings: RolloutSettings, job, slots: int, length: int,
