@@ -12,6 +12,12 @@ busy times, decode batch occupancy, idle fractions, and time lost to interruptio
 bench/long_tail.yaml is the arith job with a long response-length tail (up to 256 tokens at
 temperature 1.0), where the synchronous alternation decodes its last, longest responses
 almost alone.
+
+On a GPU (`--device cuda`; trainer and rollout share the first GPU) the job is
+bench/long_tail_gpu.yaml on a random ~0.4B model whose lengths are geometric with mean 150
+tokens up to 512 (bench/long_tail_model.py writes it first), unless `--job` names another:
+
+    .venv/bin/python bench/async_vs_sync.py --device cuda [--steps 12]
 """
 
 from __future__ import annotations
@@ -24,12 +30,18 @@ import sys
 import tempfile
 from pathlib import Path
 
+import yaml
+
+from long_tail_model import write_long_tail_model
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(job: Path, run_dir: Path, steps: int, sync: bool, threads: list[str] = ()) -> None:
+def run(job: Path, run_dir: Path, steps: int, sync: bool, threads: list[str] = (),
+        devices: str = "cpu") -> None:
     args = [str(Path(sys.executable).parent / "asyncrl"), "run", str(job), "--run-dir",
-            str(run_dir), "--steps", str(steps)] + (["--sync"] if sync else list(threads))
+            str(run_dir), "--steps", str(steps), "--devices", devices]
+    args += ["--sync"] if sync else list(threads)
     # No evaluations: they would take trainer time in both modes alike and blur the comparison.
     env = {**os.environ, "ASYNCRL_EVAL_PROMPTS": "0"}
     result = subprocess.run(args, env=env, capture_output=True, text=True)
@@ -60,28 +72,49 @@ def summarise(run_dir: Path) -> dict:
         "interruption_seconds": delta("weight_swap_seconds_total")
         + delta("resume_prefill_seconds_total"),
         "staleness": sum(r["staleness_mean"] for r in train) / len(train),
+        "weights": sorted({r["weight_transfer"] for r in records if r.get("weight_transfer")}),
     }
+
+
+def long_tail_job(folder: Path, size: str) -> Path:
+    """bench/long_tail_gpu.yaml on a long-tail model written into `folder`."""
+    job = yaml.safe_load((ROOT / "bench/long_tail_gpu.yaml").read_text())
+    job["spec"]["model"]["source"] = str(write_long_tail_model(folder / "model", size=size))
+    path = folder / "long_tail_gpu.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--job", type=Path, default=ROOT / "examples/arith.yaml")
+    parser.add_argument("--job", type=Path,
+                        help="default: examples/arith.yaml, on a GPU bench/long_tail_gpu.yaml")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--trainer-threads", type=int)
     parser.add_argument("--rollout-threads", type=int)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: trainer and rollout share GPU 0 (asyncrl run --devices 0)")
+    parser.add_argument("--model-size", default="0.4b",
+                        help="with --device cuda and the default job: the long-tail model's "
+                        "size (bench/long_tail_model.py SIZES)")
     args = parser.parse_args()
+    devices = "0" if args.device == "cuda" else "cpu"
     cores = os.cpu_count()
     trainer_threads = args.trainer_threads or cores - cores // 2
     rollout_threads = args.rollout_threads or max(1, cores // 2)
     threads = ["--trainer-threads", str(trainer_threads), "--rollout-threads", str(rollout_threads)]
     with tempfile.TemporaryDirectory() as tmp:
-        run(args.job, Path(tmp) / "sync", args.steps, sync=True)
-        run(args.job, Path(tmp) / "async", args.steps, sync=False, threads=threads)
+        if args.job is None and args.device == "cuda":
+            args.job = long_tail_job(Path(tmp), args.model_size)
+        args.job = args.job or ROOT / "examples/arith.yaml"
+        run(args.job, Path(tmp) / "sync", args.steps, sync=True, devices=devices)
+        run(args.job, Path(tmp) / "async", args.steps, sync=False, threads=threads,
+            devices=devices)
         sync, asyn = summarise(Path(tmp) / "sync"), summarise(Path(tmp) / "async")
     sync_rate = sync["trained_tokens"] / sync["wall"]
     async_rate = asyn["trained_tokens"] / asyn["wall"]
     bound = (sync["rollout_busy"] + sync["train_busy"]) / max(sync["rollout_busy"], sync["train_busy"])
-    print(f"job {args.job.name}, {args.steps} steps per mode, {cores} cores")
+    print(f"job {args.job.name}, {args.steps} steps per mode, {cores} cores, devices {devices}")
     print(f"threads: sync = trainer {cores} + rollout {cores} (they alternate); "
           f"async = trainer {trainer_threads} + rollout {rollout_threads}")
     for name, s in (("sync", sync), ("async", asyn)):
@@ -89,7 +122,8 @@ def main() -> None:
               f"({s['trained_tokens']:.0f} tokens in {s['wall']:.0f} s); decode batch "
               f"{s['occupancy']:.1f}; idle: trainer {s['trainer_idle']:.0%}, rollout "
               f"{s['rollout_idle']:.0%}; interrupted requests {s['interrupted']:.0f} "
-              f"({s['interruption_seconds']:.1f} s); staleness {s['staleness']:.2f}")
+              f"({s['interruption_seconds']:.1f} s); staleness {s['staleness']:.2f}; weights "
+              f"by {', '.join(s['weights']) or '-'}")
     print(f"async / sync = {async_rate / sync_rate:.2f}x; ideal-overlap bound from the sync "
           f"run's busy times (rollout {sync['rollout_busy']:.0f} s, train {sync['train_busy']:.0f} s)"
           f" = {bound:.2f}x")

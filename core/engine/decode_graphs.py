@@ -7,8 +7,8 @@ launch. A graph replays fixed shapes from fixed memory, so:
 
 - the step reads its inputs (each row's token and position) from static buffers, written by
   one host-to-device copy per step;
-- the batch is padded to a *batch bucket* (1, 2, 4, 8, then multiples of 8), one graph per
-  bucket. Padding rows feed token 0 at position 0 of cache rows no request holds (running
+- the batch is padded to a *batch bucket* (1, 2, 4, then multiples of 8, 32 and 64), one
+  graph per bucket. Padding rows feed token 0 at position 0 of cache rows no request holds (running
   requests hold rows 0..n-1, and a bucket never passes the cache's slots), and their logits
   are dropped;
 - attention reads a *length bucket* of every row (powers of two, up to the cache's length)
@@ -42,11 +42,12 @@ MIN_READ_LENGTH = 128
 
 
 def batch_buckets(slots: int) -> list[int]:
-    """The batch sizes graphs are captured for: 1, 2, 4, 8, then every multiple of 8, up to
-    (and always including) `slots`."""
-    sizes = [size for size in (1, 2, 4) if size < slots]
-    sizes += list(range(8, slots, 8))
-    return sizes + [slots]
+    """The batch sizes graphs are captured for, up to (and always including) `slots`: 1, 2,
+    4, then multiples of 8 to 64, of 32 to 256 and of 64 beyond, so that padding costs a
+    small batch little and a large one (whose step time grows with it) at most a quarter."""
+    sizes = [1, 2, 4] + list(range(8, 64, 8)) + list(range(64, 256, 32))
+    sizes += list(range(256, slots, 64))
+    return [size for size in sizes if size < slots] + [slots]
 
 
 def length_buckets(max_length: int) -> list[int]:
@@ -138,7 +139,8 @@ class DecodeGraphs:
             self._run(rows, length)
         torch.cuda.current_stream(self._device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the worker's other threads (weight transfers) may call CUDA meanwhile.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             output = self._run(rows, length)
         self._pool = graph.pool()
         self.capture_seconds += time.perf_counter() - started

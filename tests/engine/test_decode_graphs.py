@@ -22,6 +22,8 @@ VOCAB = 256
 
 def test_buckets_cover_every_batch_and_length_with_few_graphs():
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert batch_buckets(512) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128, 160, 192,
+                                  224, 256, 320, 384, 448, 512]
     assert batch_buckets(3) == [1, 2, 3]
     assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
     assert length_buckets(1032) == [128, 256, 512, 1024, 1032]
