@@ -141,9 +141,8 @@ def measure(args) -> None:
     out["engine_full_batch_step_ms"] = round(
         full_batch_step_ms(engine, inputs, longest // 24, 5 * longest // 24), 3)
     graphs = engine.cuda_graphs
-    if graphs is not None:
-        out["graphs"] = dict(captured=len(graphs.captured),
-                             capture_s=round(graphs.capture_seconds, 2))
+    out["graphs"] = (dict(captured=len(graphs.captured), capture_s=round(graphs.capture_seconds, 2))
+                     if graphs is not None else "off (see the log for why)")
     out["logprob_max_error"] = round(logprob_error(model, results, device), 4)
     engine.stop()
     if device.type == "cuda":

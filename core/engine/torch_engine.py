@@ -630,10 +630,16 @@ class TorchEngine:
     def _decode(self) -> None:
         """One token for every running request."""
         running = self._running
+        logits = None
         if self._graphs is not None:
-            logits = self._graphs.logits([r.pending for r in running],
-                                         [r.cached for r in running])
-        else:
+            try:
+                logits = self._graphs.logits([r.pending for r in running],
+                                             [r.cached for r in running])
+            except RuntimeError:  # a graph that cannot be captured must not stop generation
+                log.exception("a decode step could not be captured as a CUDA graph; decode "
+                              "steps run eagerly from now on")
+                self._graphs = None
+        if logits is None:
             ids = torch.tensor([[r.pending] for r in running], device=self._device)
             positions = torch.tensor([[r.cached] for r in running], device=self._device)
             read_length = max(r.cached for r in running) + 1

@@ -113,3 +113,19 @@ def test_an_engine_decoding_padded_buckets_gives_the_same_tokens_and_logprobs():
         assert padded.output_ids == plain.output_ids
         torch.testing.assert_close(torch.tensor(padded.output_logprobs),
                                    torch.tensor(plain.output_logprobs), atol=1e-5, rtol=0)
+
+
+def test_a_step_that_cannot_be_captured_leaves_the_engine_decoding_eagerly(caplog):
+    engine = TorchEngine(tiny_model(4, VOCAB).eval(), max_running_requests=2,
+                         max_sequence_length=MIN_READ_LENGTH, seed=3)
+
+    def uncapturable(*_):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    engine._graphs = DecodeGraphs(uncapturable, engine._cache, torch.device("cpu"),
+                                  capture=False)
+    future = engine.submit([5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    engine.run_until_idle()
+    assert len(future.result().output_ids) == 6
+    assert engine.cuda_graphs is None
+    assert "could not be captured as a CUDA graph" in caplog.text

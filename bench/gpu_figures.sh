@@ -1,0 +1,32 @@
+#!/bin/bash
+# The GPU figures of docs/performance.md in one run, from the project's root on a machine with
+# a CUDA GPU and the project installed (on a lent machine without a registry, after
+# `. .device/setup.sh`). Each bench has its own time limit inside LIMIT seconds (default 540);
+# logs go to $OUT (default /tmp/gpu-figures). SECTIONS picks a subset: "engine trainer async".
+set -u
+OUT=${OUT:-/tmp/gpu-figures}; mkdir -p "$OUT"
+LIMIT=${LIMIT:-540}; SECTIONS=${SECTIONS:-engine trainer async}
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+# budget N: N seconds, or what is left of LIMIT
+budget() { local left=$(( LIMIT - ($(date +%s) - T0) )); [ "$left" -lt "$1" ] && echo "$left" || echo "$1"; }
+want() { [[ " $SECTIONS " == *" $1 "* ]]; }
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+if want engine; then
+  stamp engine
+  timeout "$(budget 180)" python3 bench/rollout_engine.py --device cuda --shape qwen2.5-0.5b \
+    --requests 64 --responses-per-prompt 8 > "$OUT/engine.log" 2>&1; echo "rc=$?"
+  grep -v '^RESULT' "$OUT/engine.log" | tail -6
+fi
+if want trainer; then
+  stamp trainer
+  timeout "$(budget 150)" python3 bench/trainer_step.py --device cuda --shape qwen2.5-0.5b \
+    --sequences 64 --group-size 8 --prompt 256 --response 512 --bf16 > "$OUT/trainer.log" 2>&1
+  echo "rc=$?"; tail -12 "$OUT/trainer.log"
+fi
+if want async; then
+  stamp "async vs sync"
+  timeout "$(budget 300)" python3 bench/async_vs_sync.py --device cuda --steps 12 \
+    > "$OUT/async.log" 2>&1; echo "rc=$?"; tail -8 "$OUT/async.log"
+fi
+stamp done
