@@ -144,6 +144,11 @@ def measure(args) -> None:
     out["graphs"] = (dict(captured=len(graphs.captured), capture_s=round(graphs.capture_seconds, 2))
                      if graphs is not None else "off (see the log for why)")
     out["logprob_max_error"] = round(logprob_error(model, results, device), 4)
+    if args.profile and device.type == "cuda":
+        from profile_summary import profile_summary
+
+        print(profile_summary(lambda: run(engine, inputs, [64] * len(inputs)),
+                              f"{len(inputs)} requests x 64 tokens"), flush=True)
     engine.stop()
     if device.type == "cuda":
         eager = TorchEngine(model, max_running_requests=args.requests,

@@ -15,14 +15,14 @@ python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_devic
 if want engine; then
   stamp engine
   timeout "$(budget 180)" python3 bench/rollout_engine.py --device cuda --shape qwen2.5-0.5b \
-    --requests 64 --responses-per-prompt 8 > "$OUT/engine.log" 2>&1; echo "rc=$?"
-  grep -v '^RESULT' "$OUT/engine.log" | tail -6
+    --requests 64 --responses-per-prompt 8 --profile > "$OUT/engine.log" 2>&1; echo "rc=$?"
+  grep -v "^RESULT" "$OUT/engine.log" | tail -36
 fi
 if want trainer; then
   stamp trainer
   timeout "$(budget 150)" python3 bench/trainer_step.py --device cuda --shape qwen2.5-0.5b \
-    --sequences 64 --group-size 8 --prompt 256 --response 512 --bf16 > "$OUT/trainer.log" 2>&1
-  echo "rc=$?"; tail -12 "$OUT/trainer.log"
+    --sequences 64 --group-size 8 --prompt 256 --response 512 --bf16 --profile > "$OUT/trainer.log" 2>&1
+  echo "rc=$?"; tail -40 "$OUT/trainer.log"
 fi
 if want async; then
   stamp "async vs sync"

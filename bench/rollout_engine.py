@@ -207,6 +207,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--shape", help="a published model shape with random weights (one of "
                         "asyncrl.model.shapes.SHAPES; default with --device cuda: qwen2.5-0.5b)")
+    parser.add_argument("--profile", action="store_true",
+                        help="with --device cuda: also profile the engine on a full batch")
     parser.add_argument("--prompt-tokens", type=int, default=256,
                         help="with --shape: tokens per prompt (random ids)")
     args = parser.parse_args()

@@ -77,6 +77,8 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
                         help="a published model's shape with random weights (default: "
                              "SmolLM2-135M-Instruct's own weights)")
+    parser.add_argument("--profile", action="store_true",
+                        help="with --device cuda: also profile one step (logits in blocks)")
     parser.add_argument("--peak-tflops", type=float, default=790.0,
                         help="the GPU's dense peak for MFU (default 790: H100/H200 bf16)")
     args = parser.parse_args()
@@ -150,6 +152,14 @@ def gpu_report(model: torch.nn.Module, name: str, samples: list[TrainSample], ar
         (fast, fast_peak), (slow, slow_peak) = results[True], results[False]
         print(f"logits in blocks / whole: step speed {slow / fast:.2f}x, peak memory "
               f"{fast_peak / slow_peak:.2f}x")
+    if args.profile:
+        from profile_summary import profile_summary
+
+        updater = PolicyUpdater(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-6, **fused_adamw(model)),
+            UpdateConfig(micro_batch_max_tokens=args.micro_batch_max_tokens, compute_dtype=dtype))
+        updater.step(samples)  # warm-up
+        print(profile_summary(lambda: updater.step(samples), "one trainer step"))
 
 
 def gpu_steps(model, samples, dtype: str, blocks: bool, args) -> tuple[float, int]:
