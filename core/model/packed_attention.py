@@ -11,9 +11,19 @@ sequence. Without them (generation, the rollout engine's explicit masks) it is t
 SDPA, unchanged, so a model can use it everywhere. With `continues` as well (a row packed
 sharing prefixes, asyncrl.algorithms.packing), a sequence that continues another attends to
 all of that one first.
+
+On a GPU one SDPA call per sequence per layer is thousands of kernel launches a forward, more
+host time than the GPU's work. There the row's sequences go as a few padded batches instead
+(`BatchedLayout`, built once per forward and given to every layer as `packed_layout`):
+sequences of about one length in one batch, each row's queries its own tokens, its keys those
+of the sequence it continues and its own, and a mask saying which it sees. The same result
+(tests compare it with the loop on a CPU); a few gathers and one SDPA call per batch a layer.
+Padding costs a batch at most twice its queries' work.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +49,9 @@ def packed_sdpa_attention(
     if bounds is None or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
+    layout = kwargs.get("packed_layout")
+    if layout is not None:
+        return layout.attend(query, key, value, dropout, scaling), None
     # The boundaries as numbers, given once per forward (asyncrl.model.policy), not read from
     # the device by every layer.
     edges = kwargs.get("sequence_edges") or bounds.tolist()
@@ -68,6 +81,94 @@ def packed_sdpa_attention(
             query[:, :, start:end], keys, values, attn_mask=masks[end - start, seen],
             dropout_p=dropout, scale=scaling))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+@dataclass
+class _Batch:
+    queries: torch.Tensor  # [B, Lq]: the row positions of each batch row's queries (padding: 0)
+    keys: torch.Tensor  # [B, Lk]: its keys' positions, the continued sequence's then its own
+    mask: torch.Tensor  # [B, 1, Lq, Lk] bool: what each query sees
+
+
+@dataclass
+class BatchedLayout:
+    """A packed row's sequences as a few padded batches (see the module doc)."""
+
+    batches: list[_Batch]
+    placed: torch.Tensor  # [L]: where each row position's output is in the batches' outputs
+
+    @classmethod
+    def build(cls, edges: list[int], continues: list[int] | None,
+              device: torch.device | str) -> BatchedLayout:
+        """The layout of a row whose sequence s is `edges[s]:edges[s + 1]`, continuing
+        sequence `continues[s]` (-1 or None: none)."""
+        count = len(edges) - 1
+        continues = continues or [-1] * count
+        lengths = [edges[s + 1] - edges[s] for s in range(count)]
+        seen = [lengths[p] if p >= 0 else 0 for p in continues]
+        # Longest first; a batch ends where a sequence is under half its first's length.
+        order = sorted(range(count), key=lambda s: -lengths[s])
+        groups: list[list[int]] = []
+        for s in order:
+            if groups and lengths[s] * 2 >= lengths[groups[-1][0]]:
+                groups[-1].append(s)
+            else:
+                groups.append([s])
+        placed = torch.empty(edges[-1], dtype=torch.long)
+        batches, offset = [], 0
+        for group in groups:
+            width = lengths[group[0]]
+            span = max(seen[s] + lengths[s] for s in group)
+            queries = torch.zeros(len(group), width, dtype=torch.long)
+            keys = torch.zeros(len(group), span, dtype=torch.long)
+            mask = torch.zeros(len(group), 1, width, span, dtype=torch.bool)
+            for row, s in enumerate(group):
+                start, n, before = edges[s], lengths[s], seen[s]
+                own = torch.arange(start, start + n)
+                queries[row, :n] = own
+                placed[own] = offset + row * width + torch.arange(n)
+                if before:
+                    parent = continues[s]
+                    keys[row, :before] = torch.arange(edges[parent], edges[parent + 1])
+                keys[row, before:before + n] = own
+                # All of the continued sequence, then its own tokens causally.
+                mask[row, 0, :n, :before + n] = torch.ones(n, before + n,
+                                                           dtype=torch.bool).tril(before)
+                mask[row, 0, n:, 0] = True  # padding queries see one key: no NaN, never read
+            batches.append(_Batch(queries.to(device), keys.to(device), mask.to(device)))
+            offset += len(group) * width
+        return cls(batches, placed.to(device))
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               dropout: float, scaling: float | None) -> torch.Tensor:
+        """query [1, heads, L, dim], key/value [1, kv_heads, L, dim] -> [1, L, heads, dim]."""
+        heads, dim = query.shape[1], query.shape[3]
+        groups = heads // key.shape[1]
+        outputs = []
+        for batch in self.batches:
+            # [heads, B, Lq, dim] -> [B, heads, Lq, dim]; keys with a head per query head:
+            # SDPA's fused kernels take a mask only without grouped-query attention.
+            queries = query[0][:, batch.queries].transpose(0, 1)
+            keys, values = (
+                states[0][:, batch.keys].transpose(0, 1).repeat_interleave(groups, dim=1)
+                for states in (key, value))
+            attended = F.scaled_dot_product_attention(queries, keys, values,
+                                                      attn_mask=batch.mask, dropout_p=dropout,
+                                                      scale=scaling)
+            outputs.append(attended.transpose(1, 2).reshape(-1, heads, dim))  # [B * Lq, ...]
+        return torch.cat(outputs)[self.placed][None]
+
+
+#: Devices whose packed forwards attend in batches (BatchedLayout): where a kernel launch costs
+#: more than its work. On a CPU the loop over sequences is faster (no padding).
+BATCHED_DEVICES = ("cuda",)
+
+
+def batched_layout(edges: list[int], continues: list[int] | None,
+                   device: torch.device) -> BatchedLayout | None:
+    """The layout a packed forward on `device` gives its layers, or None (the loop)."""
+    return BatchedLayout.build(edges, continues, device) if device.type in BATCHED_DEVICES \
+        else None
 
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)

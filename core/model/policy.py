@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from asyncrl.model.packed_attention import PACKED_SDPA
+from asyncrl.model.packed_attention import PACKED_SDPA, batched_layout
 from asyncrl.model.recompute import head_logprobs
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -301,6 +301,10 @@ def packed_token_logprobs(
                    sequence_edges=edges)
     if continues is not None:
         packing["continues"] = continues.tolist()
+    if model.config._attn_implementation == PACKED_SDPA:
+        layout = batched_layout(edges, packing.get("continues"), input_ids.device)
+        if layout is not None:
+            packing["packed_layout"] = layout
     if recompute_logits:
         if model.config.model_type not in RECOMPUTED_HEADS:
             raise ValueError(f"recomputed logits need a model whose logits are its head's "

@@ -6,8 +6,7 @@ import torch
 
 import asyncrl.model.recompute as recompute
 from asyncrl.model.recompute import block_rows, head_logprobs
-from asyncrl.trainer.step import PolicyUpdater, UpdateConfig
-from support.trainer import make_groups, make_samples, tiny_model
+from support.trainer import make_groups, make_samples, tiny_model, two_sgd_steps
 
 VOCAB = 97
 
@@ -81,34 +80,14 @@ def test_a_blocks_rows_come_from_its_bytes(monkeypatch):
     assert block_rows(151_936) == 4
 
 
-def _update(samples, logits_in_blocks, **config):
-    """Two steps (SGD: its update is the gradient's, undistorted); the stats of each, the
-    parameters after, and the shapes of the tensors kept for backward in the first."""
-    model = tiny_model()
-    updater = PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                            UpdateConfig(logits_in_blocks=logits_in_blocks, **config))
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept = []  # the parameters left out
-
-    def pack(tensor):
-        if tensor.untyped_storage().data_ptr() not in weights:
-            kept.append(tuple(tensor.shape))
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        first = updater.step(samples)
-    second = updater.step(samples)
-    return first, second, [p.detach().clone() for p in model.parameters()], kept
-
-
 @pytest.mark.parametrize("samples", [make_samples(12), make_groups(3, 4)],
                          ids=["own prompts", "shared prompts"])
 def test_an_update_with_logits_in_blocks_is_the_update_with_whole_logits(samples, monkeypatch):
     """Float32, in blocks of 5 positions (blocks split sequences), several micro-batches: the
     same parameters to 1e-6 and the same stats, and no logits kept for backward."""
     monkeypatch.setattr(recompute, "LOGIT_ROWS", 5)
-    *whole, whole_params, whole_kept = _update(samples, False, micro_batch_max_tokens=40)
-    *blocks, params, kept = _update(samples, True, micro_batch_max_tokens=40)
+    *whole, whole_params, whole_kept = two_sgd_steps(samples, False, micro_batch_max_tokens=40)
+    *blocks, params, kept = two_sgd_steps(samples, True, micro_batch_max_tokens=40)
     for expected, got in zip(whole, blocks):
         assert got["micro_batches"] > 1
         for name in ("loss", "grad_norm", "clip_fraction", "approx_kl", "trained_tokens"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.trainer.step import TrainSample
+from asyncrl.trainer.step import PolicyUpdater, TrainSample, UpdateConfig
 from support import tiny_model as tiny
 
 VOCAB = 512
@@ -49,3 +49,23 @@ def make_groups(groups: int, size: int, seed: int = 0) -> list[TrainSample]:
             samples.append(TrainSample(torch.cat([prompt, generated]), mask, behaviour,
                                        response.advantage))
     return samples
+
+
+def two_sgd_steps(samples: list[TrainSample], logits_in_blocks: bool, **config):
+    """Two steps (SGD: its update is the gradient's, undistorted); the stats of each, the
+    parameters after, and the shapes of the tensors kept for backward in the first."""
+    model = tiny_model()
+    updater = PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            UpdateConfig(logits_in_blocks=logits_in_blocks, **config))
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = []  # the parameters left out
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in weights:
+            kept.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        first = updater.step(samples)
+    second = updater.step(samples)
+    return first, second, [p.detach().clone() for p in model.parameters()], kept
