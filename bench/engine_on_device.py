@@ -160,7 +160,7 @@ def measure(args) -> None:
         out["copy_GB_per_s"] = round(bandwidth / 1e9)
         out["weights_read_floor_ms"] = round(1000 * weight_bytes / bandwidth, 3)
     print(json.dumps(out), flush=True)  # the engine's figures, before the long part
-    batch = args.batch if args.batch != 8 else args.requests
+    batch = args.batch or args.requests
     hf = generate_seconds(model, inputs, lengths, batch, device)
     out["generate"] = dict(tokens_per_s=round(tokens / hf), seconds=round(hf, 2), batch=batch)
     out["engine_over_generate"] = round(hf / seconds, 1)

@@ -195,7 +195,9 @@ def main() -> None:
     parser.add_argument("--responses-per-prompt", type=int, default=8,
                         help="requests that share a prompt (the job's algorithm.groupSize)")
     parser.add_argument("--generate-batch-requests", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=8, help="transformers generate batch size")
+    parser.add_argument("--batch", type=int,
+                        help="transformers generate batch size (default 8; with --shape, "
+                        "--requests: one batch)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"),
                         help="the engine's weights and KV cache (default: bfloat16 on a GPU and "
                         "where the CPU computes it natively, else float32)")
@@ -217,6 +219,7 @@ def main() -> None:
 
         return measure(args)
     args.dtype = args.dtype or default_dtype()
+    args.batch = args.batch or 8
 
     reuse_large_blocks()  # as `asyncrl serve rollout` does
     tokenizer, model = load_tokenizer(SMOLLM2), load_model(SMOLLM2).eval()
