@@ -189,10 +189,13 @@ def resolve_manifest(manifest: Mapping | RLJob, options: RunOptions,
         python = spec.reward.python.model_copy(update={"path": _absolute(spec.reward.python.path)})
         sections["reward"] = spec.reward.model_copy(update={"python": python})
     if plan is not None:
-        sections["rollout"] = spec.rollout.model_copy(update={
-            "placement": _placed(spec.rollout.placement, len(plan.rollout.gpus))})
+        # SGLang without a GPU here is a command of one's own (run_devices refuses it
+        # otherwise): the job's placement stays, since the spec asks GPUs of SGLang workers.
+        if spec.rollout.engine != "sglang" or plan.rollout.gpus:
+            sections["rollout"] = spec.rollout.model_copy(update={
+                "placement": _placed(spec.rollout.placement, len(plan.rollout.gpus))})
         transfer, _ = transfer_path(spec.trainer.weight_transfer, plan.trainer.device,
-                                    plan.rollout.device)
+                                    plan.rollout.device, spec.rollout.engine)
         sections["trainer"] = spec.trainer.model_copy(update={
             "placement": _placed(spec.trainer.placement, len(plan.trainer.gpus)),
             "weight_transfer": transfer})
@@ -217,7 +220,10 @@ def run_devices(job: RLJob, option: DevicesOption) -> DevicePlan:
     plan = plan_devices(option, visible_gpus(),
                         trainer_processes=spec.trainer.processes_per_replica,
                         rollout_engine=spec.rollout.engine, cuda_visible=runner_cuda_visible())
-    if spec.rollout.engine == "sglang" and not plan.rollout.gpus:
+    # A command of one's own in place of SGLang (RolloutSettings.sglang_command, from the
+    # environment) may need no GPU: SGLang's HTTP API served by something else.
+    own_server = bool(os.environ.get("ASYNCRL_SGLANG_COMMAND"))
+    if spec.rollout.engine == "sglang" and not plan.rollout.gpus and not own_server:
         raise DevicesError(f"rollout.engine sglang needs a GPU, and this run computes on the "
                            f"CPU ({plan.cpu_reason}): use --devices auto or GPU indices on a "
                            "machine with CUDA, or rollout.engine torch")
@@ -272,7 +278,7 @@ class LocalJob:
         lines = self.devices.lines()
         devices = self.devices
         path, reason = transfer_path(self._requested_transfer, devices.trainer.device,
-                                     devices.rollout.device)
+                                     devices.rollout.device, self.job.spec.rollout.engine)
         if reason:
             lines.append(f"weights: {path}, not {self._requested_transfer} ({reason})")
         elif path == "ipc":
