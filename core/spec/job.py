@@ -989,9 +989,11 @@ class TrainerSpec(SpecModel):
         "parallel); fsdp: parameters, gradients and optimizer state are sharded across the "
         "trainer processes (FSDP2), for models that do not fit on one device.",
     )
-    weight_transfer: Literal["disk", "distributed", "ipc"] = Field(
-        default="disk",
-        description="How each new policy version reaches the rollout engines. disk: the "
+    weight_transfer: Literal["auto", "disk", "distributed", "ipc"] = Field(
+        default="auto",
+        description="How each new policy version reaches the rollout engines. auto: ipc "
+        "where the trainer and a torch engine share one GPU (`asyncrl run` on a machine with "
+        "one GPU), disk elsewhere (a cluster, the CPU, separate GPUs). disk: the "
         "trainer writes a safetensors snapshot to the run volume and engines load it; "
         "distributed: the trainer broadcasts the weights over torch.distributed (gloo, or "
         "NCCL when trainer and rollout pods have GPUs) to every engine, which joined its "

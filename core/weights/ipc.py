@@ -87,11 +87,16 @@ def ipc_refusal(trainer_device: str, rollout_device: str | None) -> str | None:
     return None
 
 
-def transfer_path(requested: str, trainer_device: str,
-                  rollout_device: str | None = None) -> tuple[str, str]:
+def transfer_path(requested: str, trainer_device: str, rollout_device: str | None = None,
+                  engine: str = "torch") -> tuple[str, str]:
     """(the path versions take, why when it is not the requested one) for
     trainer.weightTransfer `requested`: ipc falls back to disk when the two are not on one
-    GPU; disk and distributed are as requested (distributed falls back by itself)."""
+    GPU; auto is ipc where a torch engine is known to share the trainer's GPU, else disk;
+    disk and distributed are as requested (distributed falls back by itself)."""
+    if requested == "auto":
+        shared = (engine == "torch" and rollout_device is not None
+                  and ipc_refusal(trainer_device, rollout_device) is None)
+        return ("ipc" if shared else "disk"), ""
     if requested != "ipc":
         return requested, ""
     reason = ipc_refusal(trainer_device, rollout_device)

@@ -110,6 +110,20 @@ def test_the_job_as_run_gives_each_service_its_gpus_and_keeps_ipc_on_a_shared_on
     assert on_cpu.spec.trainer.weight_transfer == "disk"
 
 
+def test_the_default_transfer_is_ipc_on_a_shared_gpu_and_disk_elsewhere(tmp_path):
+    options = RunOptions(run_dir=tmp_path)
+    manifest = yaml.safe_load(TINY.read_text())
+    assert "weightTransfer" not in manifest["spec"]["trainer"]
+    assert parse_manifest(manifest).spec.trainer.weight_transfer == "auto"
+    shared = resolve_manifest(manifest, options, plan_devices("auto", [H200]))
+    assert shared.spec.trainer.weight_transfer == "ipc"
+    for plan in (plan_devices("auto", [H200] * 2), plan_devices("cpu", [H200])):
+        assert resolve_manifest(manifest, options, plan).spec.trainer.weight_transfer == "disk"
+    local = LocalJob(parse_manifest(manifest), RunOptions(run_dir=tmp_path / "run",
+                                                          devices="cpu"))
+    assert not any(line.startswith("weights:") for line in local.device_lines())
+
+
 def test_a_cluster_placement_is_replaced_locally(tmp_path):
     manifest = yaml.safe_load(TINY.read_text())
     pool = {"gpus": 1, "nodeSelector": {"pool": "gpu"}}

@@ -57,6 +57,18 @@ def test_ipc_is_taken_only_on_one_gpu_else_disk_with_the_reason(trainer, rollout
     assert (why in reason) if why else reason == ""
 
 
+@pytest.mark.parametrize(("trainer", "rollout", "engine", "path"), [
+    ("cuda:0", "cuda:0", "torch", "ipc"),
+    ("cuda:0", None, "torch", "disk"),  # a cluster: the rollout is another pod
+    ("cuda:0", "cuda:0", "sglang", "disk"),
+    ("cuda:0", "cuda:1", "torch", "disk"),
+    ("cpu", "cpu", "torch", "disk"),
+])
+def test_auto_is_ipc_only_where_a_torch_engine_is_known_to_share_the_gpu(trainer, rollout,
+                                                                       engine, path):
+    assert transfer_path("auto", trainer, rollout, engine) == (path, "")
+
+
 @pytest.mark.parametrize("requested", ["disk", "distributed"])
 def test_other_transfers_are_taken_as_requested(requested):
     assert transfer_path(requested, "cpu", "cuda:0") == (requested, "")
