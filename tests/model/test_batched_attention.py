@@ -10,7 +10,7 @@ from asyncrl.model.packed_attention import BatchedLayout, packed_sdpa_attention
 from asyncrl.model.policy import packed_token_logprobs
 
 from support.tiny_model import tiny_model
-from support.trainer import make_groups, two_sgd_steps
+from support.trainer import assert_same_steps, make_groups, two_sgd_steps
 
 
 def test_batches_group_sequences_of_about_one_length_and_place_every_position_once():
@@ -81,9 +81,4 @@ def test_an_update_attending_in_batches_is_the_loops_update(monkeypatch):
     *loop, loop_params, _ = two_sgd_steps(samples, True, micro_batch_max_tokens=40)
     monkeypatch.setattr(packed_attention, "BATCHED_DEVICES", ("cpu",))
     *batched, params, _ = two_sgd_steps(samples, True, micro_batch_max_tokens=40)
-    for expected, got in zip(loop, batched):
-        assert got["micro_batches"] > 1
-        for name in ("loss", "grad_norm", "clip_fraction", "approx_kl", "trained_tokens"):
-            assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), name
-    for got, expected in zip(params, loop_params):
-        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    assert_same_steps(loop, batched, params, loop_params)

@@ -69,3 +69,16 @@ def two_sgd_steps(samples: list[TrainSample], logits_in_blocks: bool, **config):
         first = updater.step(samples)
     second = updater.step(samples)
     return first, second, [p.detach().clone() for p in model.parameters()], kept
+
+
+def assert_same_steps(expected: list[dict], got: list[dict], params, expected_params) -> None:
+    """Steps (each of several micro-batches) with the same stats and parameters after, to
+    float32's 1e-6."""
+    import pytest
+
+    for before, after in zip(expected, got):
+        assert after["micro_batches"] > 1
+        for name in ("loss", "grad_norm", "clip_fraction", "approx_kl", "trained_tokens"):
+            assert after[name] == pytest.approx(before[name], rel=1e-5, abs=1e-7), name
+    for parameter, expected_parameter in zip(params, expected_params):
+        torch.testing.assert_close(parameter, expected_parameter, atol=1e-6, rtol=0)
