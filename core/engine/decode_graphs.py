@@ -18,9 +18,9 @@ launch. A graph replays fixed shapes from fixed memory, so:
 A graph is captured the first time its (batch, length) bucket is needed, with the step's
 real inputs: capture only records, so the step is then replayed on those same inputs, and
 what the warm-up runs before capture wrote into the cache (each row's key and value at its
-own position) is written again with the same values. Graphs share one memory pool; the
-engine replays one at a time and reads each output before the next replay, which is what
-sharing a pool requires.
+own position) is written again with the same values. Graphs share one memory pool and one
+logits buffer; the engine replays one at a time and reads its logits before the next replay,
+which is what sharing them requires.
 
 `DecodeGraphs(..., capture=False)` runs the same padded, bucketed step without graphs: the
 bookkeeping above is then testable on a CPU (the engine itself decodes unpadded there).
@@ -95,8 +95,11 @@ class DecodeGraphs:
         self._staging = torch.zeros(2, slots, dtype=torch.long,
                                     pin_memory=device.type == "cuda")
         self._span = torch.arange(cache.max_length, device=device)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
+        # Every graph leaves its logits here ([slots, vocab], made at the first capture), so
+        # graphs keep one output buffer between them, not one each.
+        self._logits: Tensor | None = None
         self.capture_seconds = 0.0
 
     @property
@@ -107,7 +110,7 @@ class DecodeGraphs:
     def logits(self, tokens: list[int], positions: list[int]) -> Tensor:
         """Logits [n, vocab] of `tokens[i]` at `positions[i]` in cache row i, each row
         attending to its positions up to that one. The result is only valid until the next
-        call (it is the graph's output buffer)."""
+        call (it is the graphs' output buffer)."""
         n = len(tokens)
         rows = bucket(n, self._batches)
         length = bucket(max(positions) + 1, self._lengths)
@@ -119,9 +122,8 @@ class DecodeGraphs:
             return self._run(rows, length)[:n]
         if (rows, length) not in self._graphs:
             self._graphs[rows, length] = self._record(rows, length)
-        graph, output = self._graphs[rows, length]
-        graph.replay()
-        return output[:n]
+        self._graphs[rows, length].replay()
+        return self._logits[:n]
 
     def _run(self, rows: int, length: int) -> Tensor:
         ids = self._inputs[0, :rows, None]
@@ -129,19 +131,22 @@ class DecodeGraphs:
         mask = (self._span[None, :length] <= positions)[:, None, None, :]
         return self._step(ids, positions, self._cache, length, mask)
 
-    def _record(self, rows: int, length: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+    def _record(self, rows: int, length: int) -> torch.cuda.CUDAGraph:
         started = time.perf_counter()
         # Warm-up on a side stream, as capture requires (lazy initialisations, cuBLAS
         # workspaces); it computes this step for real, which capture then records.
         side = torch.cuda.Stream(self._device)
         side.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(side):
-            self._run(rows, length)
+            warm = self._run(rows, length)
         torch.cuda.current_stream(self._device).wait_stream(side)
+        if self._logits is None:
+            self._logits = torch.empty(self._cache.num_slots, warm.shape[-1], dtype=warm.dtype,
+                                       device=self._device)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the worker's other threads (weight transfers) may call CUDA meanwhile.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            output = self._run(rows, length)
+            self._logits[:rows].copy_(self._run(rows, length))
         self._pool = graph.pool()
         self.capture_seconds += time.perf_counter() - started
-        return graph, output
+        return graph
