@@ -50,9 +50,10 @@ from asyncrl.model.shapes import SHAPES, parameter_count, random_model
 from asyncrl.trainer.step import PolicyUpdater, TrainSample, UpdateConfig, fused_adamw
 
 #: Tokens per micro-batch by device: a GPU runs fewer, larger micro-batches faster (fewer
-#: launches). 8,192: Qwen2.5-0.5B's activations in bf16 autocast are about 1.3 MB a token, so
-#: with 7.4 GB of fp32 weights, gradients and AdamW a step stays near the 20 GB target.
-MICRO_BATCH_TOKENS = {"cpu": 2048, "cuda": 8192}
+#: launches). 12,288: Qwen2.5-0.5B's activations in bf16 autocast are about 1.3 MB a token,
+#: so with 7.4 GB of fp32 weights, gradients and AdamW a step stays near the 20 GB target; two
+#: of the bench's groups (256 + 8 x 512 tokens each) fit one micro-batch.
+MICRO_BATCH_TOKENS = {"cpu": 2048, "cuda": 12288}
 
 
 def peak_rss_gb() -> float:
