@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from asyncrl.engine.kv_cache import SlotKVCache
+from asyncrl.engine.kv_cache import SlotKVCache, head_dim
 
 #: Decoder layers whose forward is exactly: norm, attention (q/k/v/o projections, rotary
 #: embedding, softmax attention), residual, norm, SiLU-gated MLP, residual.
@@ -53,7 +53,7 @@ class FusedDecoder:
         self._lm_head = model.lm_head
         self._heads = config.num_attention_heads
         self._kv_heads = config.num_key_value_heads
-        self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // self._heads
+        self._head_dim = head_dim(config)
         self._layers = [
             _Layer(
                 input_norm=layer.input_layernorm,

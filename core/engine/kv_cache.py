@@ -16,12 +16,17 @@ import torch
 from torch import Tensor
 
 
+def head_dim(config) -> int:
+    """A model config's attention head size: its own `head_dim` where it sets one, else the
+    hidden size split over the heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def slot_bytes(config, max_length: int, dtype: torch.dtype) -> int:
     """Bytes of one slot of the cache for a model `config`: keys and values of every layer
     for `max_length` positions."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return (2 * config.num_hidden_layers * config.num_key_value_heads * max_length * head_dim
-            * dtype.itemsize)
+    return (2 * config.num_hidden_layers * config.num_key_value_heads * max_length
+            * head_dim(config) * dtype.itemsize)
 
 
 def slots_that_fit(wanted: int, budget_bytes: int, per_slot: int) -> int:

@@ -43,7 +43,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from asyncrl.platform.openmp import release_idle_thread_pools
 from asyncrl.engine.decode_graphs import DecodeGraphs
 from asyncrl.engine.fused_decode import FusedDecoder
-from asyncrl.engine.kv_cache import SlotKVCache
+from asyncrl.engine.kv_cache import SlotKVCache, head_dim
 from asyncrl.engine.sampling import BatchShape, apply_penalties, sample_tokens
 from asyncrl.engine.types import (
     EngineStatus,
@@ -154,8 +154,7 @@ class TorchEngine:
             num_slots=max_running_requests,
             num_kv_heads=config.num_key_value_heads,
             max_length=max_sequence_length,
-            head_dim=getattr(config, "head_dim", None)
-            or config.hidden_size // config.num_attention_heads,
+            head_dim=head_dim(config),
             dtype=parameter.dtype,
             device=self._device,
         )
