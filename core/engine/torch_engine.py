@@ -38,8 +38,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
+from asyncrl.platform.devices import use_planless_attention
 from asyncrl.platform.openmp import release_idle_thread_pools
 from asyncrl.engine.decode_graphs import DecodeGraphs
 from asyncrl.engine.fused_decode import FusedDecoder
@@ -84,11 +83,6 @@ def _refused():
     except SnapshotError as exc:
         raise RequestError(str(exc)) from exc
 
-
-#: Attention kernels that plan nothing per call: cuDNN's builds an execution plan for every
-#: new shape (2.6 ms of host time per call on an H200), and prefills bring new shapes.
-_PLANLESS_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                       SDPBackend.MATH]
 
 #: The most (padded) tokens one prefill forward pass takes: admitted requests prefill
 #: together up to this, so a burst of short prompts costs a few passes, not one each.
@@ -149,6 +143,10 @@ class TorchEngine:
         self._model = model.eval().requires_grad_(False)
         parameter = next(model.parameters())
         self._device = parameter.device
+        if self._device.type == "cuda":
+            # Also where no service chose the device (select_device does it too): a bench's
+            # or a test's engine.
+            use_planless_attention()
         self._cache = SlotKVCache(
             num_layers=config.num_hidden_layers,
             num_slots=max_running_requests,
@@ -517,12 +515,6 @@ class TorchEngine:
         self._run_calls()  # handed over before the loop knew it was stopping
 
     def _step(self) -> None:
-        if self._device.type != "cuda":
-            return self._admit_and_run()
-        with sdpa_kernel(_PLANLESS_ATTENTION):
-            return self._admit_and_run()
-
-    def _admit_and_run(self) -> None:
         with self._wake:
             while self._waiting and len(self._running) < self._cache.num_slots:
                 request = self._waiting.popleft()

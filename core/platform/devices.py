@@ -56,8 +56,8 @@ def use_planless_attention() -> None:
     an execution plan for each new shape (2.57 ms of host time per call, measured on an
     H200), and packed micro-batches and a growing decode batch bring a new shape nearly
     every call. SDPA then picks its flash or memory-efficient kernels, which plan nothing.
-    Every CUDA process (trainer, rollout engine) comes through select_device, so this is
-    the one place that says it."""
+    Every CUDA service process (trainer, rollout worker) comes through select_device, and a
+    torch engine built on a GPU elsewhere (a bench) calls it too."""
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
