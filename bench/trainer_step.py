@@ -157,20 +157,24 @@ def gpu_report(model: torch.nn.Module, name: str, samples: list[TrainSample], ar
     if args.profile:
         from profile_summary import profile_summary
 
-        updater = PolicyUpdater(
-            model, torch.optim.AdamW(model.parameters(), lr=1e-6, **fused_adamw(model)),
-            UpdateConfig(micro_batch_max_tokens=args.micro_batch_max_tokens, compute_dtype=dtype))
+        updater = gpu_updater(model, dtype, True, args)
         updater.step(samples)  # warm-up
         print(profile_summary(lambda: updater.step(samples), "one trainer step"))
+
+
+def gpu_updater(model, dtype: str, blocks: bool, args) -> PolicyUpdater:
+    """The trainer's step as the GPU report times and profiles it: fused AdamW, the
+    micro-batches of --micro-batch-max-tokens, the logits in blocks or whole."""
+    return PolicyUpdater(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-6, **fused_adamw(model)),
+        UpdateConfig(micro_batch_max_tokens=args.micro_batch_max_tokens, compute_dtype=dtype,
+                     logits_in_blocks=blocks))
 
 
 def gpu_steps(model, samples, dtype: str, blocks: bool, args) -> tuple[float, int]:
     """Median step time over --repeats steps after one warm-up, and the peak GPU memory
     allocated during them (model, gradients and optimizer state included)."""
-    updater = PolicyUpdater(
-        model, torch.optim.AdamW(model.parameters(), lr=1e-6, **fused_adamw(model)),
-        UpdateConfig(micro_batch_max_tokens=args.micro_batch_max_tokens, compute_dtype=dtype,
-                     logits_in_blocks=blocks))
+    updater = gpu_updater(model, dtype, blocks, args)
     try:
         updater.step(samples)  # warm-up: kernels chosen, optimizer state made
         torch.cuda.synchronize()
