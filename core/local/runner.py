@@ -39,7 +39,7 @@ from asyncrl.platform.children import die_with_parent
 from asyncrl.platform.grpc_health import is_serving_at
 from asyncrl.platform.outage import DEFAULT_OUTAGE_SECONDS
 from asyncrl.platform.redis_server import RedisServer, free_port
-from asyncrl.platform.settings import serve_command
+from asyncrl.platform.settings import environment_name, serve_command
 from asyncrl.launch.torchrun import LOCAL_MAX_RESTARTS, torchrun_arguments
 from asyncrl.local.devices import (
     DevicePlan,
@@ -222,7 +222,7 @@ def run_devices(job: RLJob, option: DevicesOption) -> DevicePlan:
                         rollout_engine=spec.rollout.engine, cuda_visible=runner_cuda_visible())
     # A command of one's own in place of SGLang (RolloutSettings.sglang_command, from the
     # environment) may need no GPU: SGLang's HTTP API served by something else.
-    own_server = bool(os.environ.get("ASYNCRL_SGLANG_COMMAND"))
+    own_server = bool(os.environ.get(environment_name("sglang_command")))
     if spec.rollout.engine == "sglang" and not plan.rollout.gpus and not own_server:
         raise DevicesError(f"rollout.engine sglang needs a GPU, and this run computes on the "
                            f"CPU ({plan.cpu_reason}): use --devices auto or GPU indices on a "

@@ -162,6 +162,11 @@ def is_flag(settings_class: type[ServiceSettings], name: str) -> bool:
     return extra.get("flag", True)
 
 
+def environment_name(name: str) -> str:
+    """The environment variable a service reads its setting `name` from: ASYNCRL_<NAME>."""
+    return ServiceSettings.model_config["env_prefix"] + name.upper()
+
+
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
