@@ -46,3 +46,24 @@ def test_the_fraction_is_a_share_and_reaches_sglang(tmp_path):
     command = sglang_command(RolloutSettings(job_file=str(tmp_path / "job.yaml")), spec)
     assert command[command.index("--mem-fraction-static") + 1] == "0.4"
     assert "--mem-fraction-static" not in sglang_launch_command(job(), model_path="m", port=1)
+
+
+def test_the_rollout_worker_runs_as_many_requests_as_its_share_of_memory_holds(caplog):
+    """On this CPU: a share of the machine's memory that holds 3.5 slots gives 3 of the 64
+    asked for, said in the log; a share under one slot stops the worker naming the field."""
+    import os
+
+    from asyncrl.rollout.server import _slots_within_memory
+
+    model = tiny_model(1, 256)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    per_slot = slot_bytes(model.config, 2048, torch.float32)
+    cpu = torch.device("cpu")
+    assert _slots_within_memory(job(), model, 64, 2048, cpu) == 64  # unset: as asked
+    assert _slots_within_memory(job(kvCacheMemoryFraction=0.5), model, 64, 2048, cpu) == 64
+    three = job(kvCacheMemoryFraction=3.5 * per_slot / total)
+    assert _slots_within_memory(three, model, 64, 2048, cpu) == 3
+    assert "holds 3 of the 64 requests" in caplog.text
+    with pytest.raises(ValueError, match="rollout.kvCacheMemoryFraction leaves"):
+        _slots_within_memory(job(kvCacheMemoryFraction=0.5 * per_slot / total), model, 64,
+                             2048, cpu)
