@@ -26,6 +26,7 @@ import torch
 from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.engine.types import SamplingParams
 from asyncrl.model.shapes import parameter_count, random_model
+from rollout_engine import long_tail_lengths
 
 
 def synchronize(device: torch.device) -> None:
@@ -45,13 +46,6 @@ def copy_bandwidth(device: torch.device) -> float:
         synchronize(device)
         best = min(best, time.perf_counter() - started)
     return 2 * source.numel() / best
-
-
-def long_tail(count: int, longest: int, seed: int = 0) -> list[int]:
-    """A quarter of the lengths in the top third of `longest`, the rest in its lower third."""
-    rng = random.Random(seed)
-    return [rng.randint(2 * longest // 3, longest) if rng.random() < 0.25
-            else rng.randint(max(1, longest // 12), longest // 3) for _ in range(count)]
 
 
 def run(engine: TorchEngine, inputs, lengths) -> tuple[float, float, list]:
@@ -120,7 +114,9 @@ def measure(args) -> None:
                for _ in range(groups)]
     inputs = [p for p in prompts for _ in range(args.responses_per_prompt)][:args.requests]
     longest = 768 if device.type == "cuda" else 64
-    lengths = long_tail(len(inputs), longest)
+    # A quarter in the top third of `longest`, the rest in its lower third.
+    lengths = long_tail_lengths(len(inputs), short=(max(1, longest // 12), longest // 3),
+                                long=(2 * longest // 3, longest))
     tokens = sum(lengths)
     max_length = args.prompt_tokens + longest + 8
     out = dict(shape=shape, parameters_M=round(parameter_count(model) / 1e6),
@@ -141,8 +137,11 @@ def measure(args) -> None:
     out["engine_full_batch_step_ms"] = round(
         full_batch_step_ms(engine, inputs, longest // 24, 5 * longest // 24), 3)
     graphs = engine.cuda_graphs
-    out["graphs"] = (dict(captured=len(graphs.captured), capture_s=round(graphs.capture_seconds, 2))
-                     if graphs is not None else "off (see the log for why)")
+    if graphs is not None:
+        out["graphs"] = dict(captured=len(graphs.captured),
+                             capture_s=round(graphs.capture_seconds, 2))
+    elif device.type == "cuda":
+        out["graphs"] = "off: a step could not be captured (the log says why)"
     out["logprob_max_error"] = round(logprob_error(model, results, device), 4)
     if args.profile and device.type == "cuda":
         from profile_summary import profile_summary

@@ -58,9 +58,11 @@ from asyncrl.engine.types import SamplingParams
 from asyncrl.spec.job import ModelSpec
 
 
-def long_tail_lengths(count: int, seed: int = 0) -> list[int]:
+def long_tail_lengths(count: int, seed: int = 0, short: tuple[int, int] = (16, 48),
+                      long: tuple[int, int] = (128, 192)) -> list[int]:
+    """A quarter of the lengths drawn from `long`, the rest from `short`."""
     rng = random.Random(seed)
-    return [rng.randint(128, 192) if rng.random() < 0.25 else rng.randint(16, 48)
+    return [rng.randint(*long) if rng.random() < 0.25 else rng.randint(*short)
             for _ in range(count)]
 
 
