@@ -24,9 +24,9 @@ import time
 import torch
 
 from asyncrl.engine.torch_engine import TorchEngine
-from asyncrl.engine.types import SamplingParams
 from asyncrl.model.shapes import parameter_count, random_model
 from rollout_engine import long_tail_lengths
+from rollout_engine import run_engine as run
 
 
 def synchronize(device: torch.device) -> None:
@@ -46,20 +46,6 @@ def copy_bandwidth(device: torch.device) -> float:
         synchronize(device)
         best = min(best, time.perf_counter() - started)
     return 2 * source.numel() / best
-
-
-def run(engine: TorchEngine, inputs, lengths) -> tuple[float, float, list]:
-    """(seconds, mean decode batch, results) of serving every request."""
-    before = engine.status()
-    started = time.perf_counter()
-    futures = [engine.submit(ids, SamplingParams(max_new_tokens=n, ignore_eos=True))
-               for ids, n in zip(inputs, lengths)]
-    results = [future.result() for future in futures]
-    elapsed = time.perf_counter() - started
-    assert [len(r.output_ids) for r in results] == lengths, "the engine cut a request short"
-    after = engine.status()
-    steps = after.decode_steps_total - before.decode_steps_total
-    return elapsed, (after.decode_rows_total - before.decode_rows_total) / max(steps, 1), results
 
 
 def full_batch_step_ms(engine: TorchEngine, inputs, short: int, long: int) -> float:

@@ -95,19 +95,21 @@ def run_transformers(model, tokenizer, inputs, lengths, batch: int) -> float:
     return time.perf_counter() - started
 
 
-def run_engine(engine: TorchEngine, inputs, lengths) -> tuple[float, float]:
-    """(seconds, mean decode batch)."""
+def run_engine(engine: TorchEngine, inputs, lengths) -> tuple[float, float, list]:
+    """(seconds, mean decode batch, results) of serving every request to exactly its length
+    (EOS ignored)."""
     before = engine.status()
     started = time.perf_counter()
-    futures = [engine.submit(ids, SamplingParams(max_new_tokens=n)) for ids, n in zip(inputs, lengths)]
+    futures = [engine.submit(ids, SamplingParams(max_new_tokens=n, ignore_eos=True))
+               for ids, n in zip(inputs, lengths)]
     if not engine.alive:
         engine.run_until_idle()
     results = [f.result() for f in futures]
     elapsed = time.perf_counter() - started
-    assert [len(r.output_ids) for r in results] == lengths
+    assert [len(r.output_ids) for r in results] == lengths, "the engine cut a request short"
     after = engine.status()
     steps = after.decode_steps_total - before.decode_steps_total
-    return elapsed, (after.decode_rows_total - before.decode_rows_total) / max(steps, 1)
+    return elapsed, (after.decode_rows_total - before.decode_rows_total) / max(steps, 1), results
 
 
 def run_generate_batch(model, inputs, lengths) -> tuple[float, int]:
@@ -241,9 +243,9 @@ def main() -> None:
     for engine in engines.values():
         run_engine(engine, inputs[:2], [4, 4])  # warm-up
     for _ in range(args.repeats):
-        runs["fused"].append(run_engine(engines[True], inputs, lengths))
-        runs["own layers"].append(run_engine(engines[False], inputs, lengths))
-        runs["distinct"].append(run_engine(engines[True], distinct_inputs, lengths))
+        runs["fused"].append(run_engine(engines[True], inputs, lengths)[:2])
+        runs["own layers"].append(run_engine(engines[False], inputs, lengths)[:2])
+        runs["distinct"].append(run_engine(engines[True], distinct_inputs, lengths)[:2])
     (engine_seconds, mean_batch), (unfused_seconds, _), (distinct_seconds, distinct_batch) = (
         min(r) for r in runs.values())
     del engines[False]
