@@ -147,7 +147,8 @@ def trainer_status(job: RLJob, addresses: list[str] | None = None,
         return TrainerStatus(
             step=reply.step, phase=reply.phase,
             tokens_per_second=reply.trained_tokens_per_second, reward_mean=reply.reward_mean,
-            eval_accuracy=reply.eval_accuracy if reply.eval_accuracy >= 0 else None), None
+            eval_accuracy=reply.eval_accuracy if reply.eval_accuracy >= 0 else None,
+            eval_stderr=reply.eval_stderr if reply.eval_stderr >= 0 else None), None
     return None, "; ".join(problems)
 
 

@@ -84,6 +84,8 @@ class TrainerStatus:
     reward_mean: float = 0.0
     #: Greedy accuracy on held-out prompts; None before the first evaluation.
     eval_accuracy: float | None = None
+    #: One standard error of eval_accuracy; None where the trainer does not report it.
+    eval_stderr: float | None = None
 
 
 @dataclass(frozen=True)
@@ -147,12 +149,14 @@ def compute_status(observed: Observation, previous: dict[str, Any] | None) -> di
             status["rewardMean"] = round(trainer.reward_mean, 4)
         if trainer.eval_accuracy is not None:
             status["evalAccuracy"] = round(trainer.eval_accuracy, 4)
+        if trainer.eval_stderr is not None:
+            status["evalStderr"] = round(trainer.eval_stderr, 4)
     return status
 
 
 #: Training figures; an observation that cannot see them keeps the previous values.
 _FIGURES = ("policyVersion", "trainerStep", "tokensPerSecond", "samplesPerSecond",
-            "stalenessMean", "rewardMean", "evalAccuracy")
+            "stalenessMean", "rewardMean", "evalAccuracy", "evalStderr")
 
 
 def _phase(observed: Observation, conditions: list) -> str:

@@ -18,6 +18,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from asyncrl.algorithms.correction import RolloutCorrection, behaviour_weights
+
 __all__ = [
     "BEHAVIOUR_CAP_MODES", "KL_ESTIMATORS", "PROXIMAL_MODES", "decoupled_ppo_loss", "kl_penalty",
     "loglinear_proximal_logprobs",
@@ -43,6 +45,9 @@ def decoupled_ppo_loss(
     behaviour_cap_mode: Literal["mask", "clamp"] = "mask",
     decoupled: bool = True,
     num_global_tokens: int | Tensor | None = None,
+    correction: RolloutCorrection = RolloutCorrection(),
+    sequence_ids: Tensor | None = None,
+    num_sequences: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Token-level decoupled PPO policy loss.
 
@@ -56,7 +61,10 @@ def decoupled_ppo_loss(
         where ``A < 0`` (bounds the loss when the ratio explodes on a bad token);
         ``pg *= w`` with the behaviour weight ``w = exp(proximal_logprobs - behaviour_logprobs)``.
         If ``w > behaviour_weight_cap``, mode ``"mask"`` drops the token (it still counts in the
-        denominator) and mode ``"clamp"`` uses the cap instead.
+        denominator) and mode ``"clamp"`` uses the cap instead. `correction` then forms the
+        weight at token, sequence or geometric level and truncates or masks it
+        (asyncrl.algorithms.correction; `sequence_ids` and `num_sequences` say which sequence
+        each token is in, for the levels that need it). The default changes nothing.
 
     ``decoupled=False`` is standard PPO: the behaviour policy is the proximal policy,
     ``proximal_logprobs`` is ignored and there is no behaviour weight.
@@ -71,8 +79,9 @@ def decoupled_ppo_loss(
     ``approx_kl`` (Schulman's k3 estimate of KL(π_prox ‖ π_θ): ``r - 1 - log r`` with the
     unclipped ratio ``r``, non-negative per token), ``ratio_mean``, ``behaviour_weight_mean`` and
     ``behaviour_weight_max`` (the raw weight before capping, to show how off-policy the data is),
-    ``behaviour_capped_fraction`` (tokens whose raw weight exceeded the cap), and ``num_tokens``
-    (this call's masked token count).
+    ``behaviour_capped_fraction`` (tokens whose raw weight exceeded the cap),
+    ``correction_truncated_fraction`` and ``correction_masked_fraction`` (tokens the rollout
+    correction truncated or dropped), and ``num_tokens`` (this call's masked token count).
     """
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     _check_loss_args(
@@ -112,18 +121,15 @@ def decoupled_ppo_loss(
         dual_clipped = torch.zeros_like(mask)
 
     if decoupled:
-        raw_weight = torch.exp(torch.where(mask, proximal - behaviour_logprobs.detach(), zero))
+        weights = behaviour_weights(
+            torch.where(mask, proximal - behaviour_logprobs.detach(), zero), mask,
+            cap=behaviour_weight_cap, cap_mode=behaviour_cap_mode, correction=correction,
+            sequence_ids=sequence_ids, num_sequences=num_sequences)
+        raw_weight, weight, capped = weights.raw, weights.weight.to(pg.dtype), weights.capped
+        truncated, correction_masked = weights.truncated, weights.masked
     else:
-        raw_weight = torch.ones_like(pg)
-    if behaviour_weight_cap is None:
-        capped = torch.zeros_like(mask)
-        weight = raw_weight
-    else:
-        capped = mask & (raw_weight > behaviour_weight_cap)
-        if behaviour_cap_mode == "mask":
-            weight = torch.where(capped, zero, raw_weight)
-        else:
-            weight = raw_weight.clamp(max=behaviour_weight_cap)
+        raw_weight = weight = torch.ones_like(pg)
+        capped = truncated = correction_masked = torch.zeros_like(mask)
     pg = pg * weight
 
     local_tokens = mask.sum()
@@ -143,6 +149,8 @@ def decoupled_ppo_loss(
         ratio=ratio,
         log_ratio=log_ratio,
         raw_weight=raw_weight,
+        truncated=truncated,
+        correction_masked=correction_masked,
     )
     return loss, stats
 
@@ -229,6 +237,8 @@ def _loss_stats(
     ratio: Tensor,
     log_ratio: Tensor,
     raw_weight: Tensor,
+    truncated: Tensor,
+    correction_masked: Tensor,
 ) -> dict[str, Tensor]:
     """Detached diagnostics, averaged over masked tokens; at least float32 for exact counts."""
     dtype = torch.promote_types(ratio.dtype, torch.float32)
@@ -249,6 +259,8 @@ def _loss_stats(
         "behaviour_weight_mean": masked_mean(weight),
         "behaviour_weight_max": weight_max,
         "behaviour_capped_fraction": masked_mean(capped),
+        "correction_truncated_fraction": masked_mean(truncated),
+        "correction_masked_fraction": masked_mean(correction_masked),
         "num_tokens": count.detach(),
     }
 

@@ -24,17 +24,23 @@ class RunProgress:
     @staticmethod
     def finished(status, records: list[dict]):
         """The trainer's final state for the last frame, once it has exited: its last step
-        record in metrics.jsonl (the newest evaluation included), or its last status."""
+        record in metrics.jsonl (the newest evaluation included), or its last status. The
+        records say more than the status does: the evaluation's problem count, the last
+        step's entropy, clip fraction and engine/trainer mismatch (None where absent)."""
         train = [r for r in records if r.get("kind", "train") == "train"]
         if not train:
             return status
         last = train[-1]
-        evaluated = [r["eval_accuracy"] for r in records if r.get("eval_accuracy", -1) >= 0]
+        evaluated = [r for r in records if r.get("eval_accuracy", -1) >= 0]
+        evaluation = evaluated[-1] if evaluated else {}
         return SimpleNamespace(
             phase="done", step=last["step"], version=last["version"],
             trained_tokens_per_second=last["trained_tokens"] / max(last["step_seconds"], 1e-9),
             reward_mean=last["reward_mean"], staleness_mean=last["staleness_mean"],
-            eval_accuracy=evaluated[-1] if evaluated else -1.0,
+            eval_accuracy=evaluation.get("eval_accuracy", -1.0),
+            eval_stderr=evaluation.get("eval_stderr", -1.0),  # runs before it: none
+            eval_problems=evaluation.get("eval_problems"),
+            **{key: last.get(key) for key in _LAST_STEP_SIGNALS},
         )
 
     def table(self, status, stats) -> Table:
@@ -56,7 +62,9 @@ class RunProgress:
             table.add_row("reward mean (last batch)", f"{status.reward_mean:.3f}")
             table.add_row("staleness mean (last batch)", f"{status.staleness_mean:.2f}")
             if status.eval_accuracy >= 0:
-                table.add_row("eval accuracy", f"{status.eval_accuracy:.3f}")
+                table.add_row("eval accuracy", _eval_accuracy(status))
+            for name, text in _last_step_signals(status):
+                table.add_row(name, text)
         if stats is not None:
             if stats.prompts_per_epoch:
                 table.add_row("epoch", _epoch(stats))
@@ -70,6 +78,40 @@ class RunProgress:
         eta = (self.max_steps - step) / step_rate if step_rate > 0 and not done else None
         table.add_row("ETA", _duration(eta) if eta is not None else "-")
         return table
+
+
+# Record fields the last frame shows (a finished run's records have them; the live status
+# does not).
+_LAST_STEP_SIGNALS = ("entropy", "clip_fraction", "mismatch_abs_mean", "mismatch_abs_max")
+
+
+def _eval_accuracy(status) -> str:
+    """"0.812 ± 0.031 (160 problems)": with one standard error where the status has one
+    (not before the first evaluation, nor in an old run's records), and the problem count
+    where the records have it (the live status does not)."""
+    text = f"{status.eval_accuracy:.3f}"
+    stderr = getattr(status, "eval_stderr", -1.0)
+    if stderr >= 0:
+        text += f" ± {stderr:.3f}"
+    problems = getattr(status, "eval_problems", None)
+    if problems:
+        text += f" ({problems} problems)"
+    return text
+
+
+def _last_step_signals(status) -> list[tuple[str, str]]:
+    """Rows for the last step's entropy, clip fraction and mismatch, where known."""
+    value = {key: getattr(status, key, None) for key in _LAST_STEP_SIGNALS}
+    rows = []
+    if value["entropy"] is not None:
+        rows.append(("policy entropy (last step)", f"{value['entropy']:.3f} nats/token"))
+    if value["clip_fraction"] is not None:
+        rows.append(("clip fraction (last step)", f"{value['clip_fraction']:.3f}"))
+    if value["mismatch_abs_mean"] is not None:  # None: no token of the trainer's version
+        rows.append(("engine/trainer |Δ log-prob|",
+                     f"mean {value['mismatch_abs_mean']:.3g}, "
+                     f"max {value['mismatch_abs_max']:.3g}"))  # often far below 1e-3
+    return rows
 
 
 def _epoch(stats) -> str:

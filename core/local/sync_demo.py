@@ -72,7 +72,7 @@ def run_demo(spec, steps: int, on_step: Callable[[DemoStep], None] = lambda _: N
                 TrainSample(s.input_ids, s.loss_mask, s.behaviour_logprobs, float(a), step - 1)
                 for s, a in zip(samples, advantages)
             ]
-            stats = updater.step(samples, step - 1)
+            stats = updater.step(samples, step - 1, step - 1)
             result = DemoStep(step, float(rewards.mean()), generate_seconds, stats)
             results.append(result)
             on_step(result)

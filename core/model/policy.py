@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from asyncrl.model.packed_attention import PACKED_SDPA, batched_layout
-from asyncrl.model.recompute import head_logprobs
+from asyncrl.model.recompute import entropy_of_logits, head_logprobs
 
 SMOLLM2 = "smollm2-135m-instruct"
 TINY_RANDOM = "tiny-random"
@@ -253,7 +253,8 @@ def packed_token_logprobs(
     needed: torch.Tensor | None = None,
     recompute_logits: bool = False,
     continues: torch.Tensor | None = None,
-) -> torch.Tensor:
+    entropy: bool = False,
+):
     """Log-probability of every token of a packed batch given the tokens before it in its
     own sequence, token-aligned: out[i] = log p(input_ids[i] | its prefix). A sequence's first
     token has no prefix and gets 0. Logits are divided by the sampling temperature so the
@@ -278,11 +279,15 @@ def packed_token_logprobs(
     logits are made a block of positions at a time and recomputed in backward
     (asyncrl.model.recompute.head_logprobs), so no [tokens x vocabulary] tensor outlives one
     block. The same values; what the trainer does for such models.
+
+    `entropy`: also return, token-aligned and detached, the entropy of the distribution each
+    log-prob was taken from (0 where no log-prob is), as a second tensor.
     """
     if input_ids.dim() != 1 or input_ids.shape != position_ids.shape:
         raise ValueError("input_ids and position_ids must be 1-D tensors of the same length")
     if input_ids.numel() == 0:
-        return torch.zeros(0, device=input_ids.device)
+        empty = torch.zeros(0, device=input_ids.device)
+        return (empty, empty.clone()) if entropy else empty
     targets = predicted_positions(input_ids, cu_seqlens, needed, continues)
     sources = source_positions(targets, cu_seqlens, continues)
     if continues is not None and model.config._attn_implementation != PACKED_SDPA:
@@ -312,16 +317,22 @@ def packed_token_logprobs(
                              f"{model.config.model_type!r}")
         hidden = model.get_decoder()(input_ids=input_ids[None], **packing).last_hidden_state[0]
         picked = head_logprobs(hidden[sources], model.get_output_embeddings(),
-                               input_ids[targets], temperature)
-        return torch.zeros(input_ids.shape[0], device=picked.device,
-                           dtype=picked.dtype).index_put((targets,), picked)
-    output = model(input_ids=input_ids[None], logits_to_keep=sources, **packing)
-    logits = output.logits[0].float()
-    if temperature != 1.0:
-        # In place: [tokens x vocab] is the largest tensor of the step, and lm_head's backward
-        # needs its input, not this output.
-        logits = logits.div_(temperature)
-    return logprobs_at(logits, input_ids, targets)
+                               input_ids[targets], temperature, entropy=entropy)
+        picked, entropies = picked if entropy else (picked, None)
+        logprobs = torch.zeros(input_ids.shape[0], device=picked.device,
+                               dtype=picked.dtype).index_put((targets,), picked)
+    else:
+        output = model(input_ids=input_ids[None], logits_to_keep=sources, **packing)
+        logits = output.logits[0].float()
+        if temperature != 1.0:
+            # In place: [tokens x vocab] is the largest tensor of the step, and lm_head's
+            # backward needs its input, not this output.
+            logits = logits.div_(temperature)
+        logprobs = logprobs_at(logits, input_ids, targets)
+        entropies = entropy_of_logits(logits) if entropy else None
+    if not entropy:
+        return logprobs
+    return logprobs, torch.zeros_like(logprobs).index_put((targets,), entropies.to(logprobs.dtype))
 
 
 def predicted_positions(input_ids: torch.Tensor, cu_seqlens: torch.Tensor,

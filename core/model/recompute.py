@@ -63,17 +63,22 @@ def block_rows(vocab_size: int) -> int:
 
 
 def head_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor,
-                  temperature: float = 1.0, rows: int | None = None) -> torch.Tensor:
+                  temperature: float = 1.0, rows: int | None = None, entropy: bool = False):
     """log softmax(head(hidden[i]) / temperature)[targets[i]] for each row i of `hidden`
     ([positions, hidden size]), float32, computed `rows` positions at a time (None:
-    block_rows); backward recomputes each block's logits instead of keeping them."""
+    block_rows); backward recomputes each block's logits instead of keeping them.
+
+    `entropy`: also each row's entropy of that distribution (detached, from the same blocks),
+    returned as a second tensor."""
     if hidden.shape[0] == 0:
-        return hidden.new_zeros(0, dtype=torch.float32)
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return (empty, empty.clone()) if entropy else empty
     device = hidden.device.type
     compute_dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
                      else torch.promote_types(hidden.dtype, head.weight.dtype))
     return _HeadLogprobs.apply(hidden, head.weight, head.bias, targets, float(temperature),
-                               rows or block_rows(head.weight.shape[0]), compute_dtype)
+                               rows or block_rows(head.weight.shape[0]), compute_dtype,
+                               entropy)
 
 
 class _HeadLogprobs(torch.autograd.Function):
@@ -81,21 +86,27 @@ class _HeadLogprobs(torch.autograd.Function):
     states, the targets and each position's log-sum-exp: no logits."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, rows, compute_dtype):
+    def forward(ctx, hidden, weight, bias, targets, temperature, rows, compute_dtype, entropy):
         head = _Head(weight, bias, temperature, compute_dtype)
         picked = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         logsumexp = torch.empty_like(picked)
+        entropies = torch.empty_like(picked) if entropy else None
         with torch.autocast(hidden.device.type, enabled=False):
             for block in _blocks(hidden.shape[0], rows):
                 logits = head.logits(hidden[block])
                 logsumexp[block] = torch.logsumexp(logits, dim=-1)
                 picked[block] = logits.gather(-1, targets[block, None]).squeeze(-1)
+                if entropies is not None:
+                    entropies[block] = entropy_of_logits(logits, logsumexp[block])
         ctx.save_for_backward(hidden, weight, bias, targets, logsumexp)
         ctx.settings = temperature, rows, compute_dtype
-        return picked - logsumexp
+        if entropies is None:
+            return picked - logsumexp
+        ctx.mark_non_differentiable(entropies)
+        return picked - logsumexp, entropies
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output, *_entropy_grad):
         hidden, weight, bias, targets, logsumexp = ctx.saved_tensors
         temperature, rows, compute_dtype = ctx.settings
         head = _Head(weight, bias, temperature, compute_dtype)
@@ -124,7 +135,17 @@ class _HeadLogprobs(torch.autograd.Function):
         return (grad_hidden,
                 None if grad_weight is None else grad_weight.to(weight.dtype),
                 None if grad_bias is None else grad_bias.to(bias.dtype),
-                None, None, None, None)
+                None, None, None, None, None)
+
+
+def entropy_of_logits(logits: torch.Tensor, logsumexp: torch.Tensor | None = None) -> torch.Tensor:
+    """The entropy of softmax(logits) along the last dimension, without gradients:
+    log Z - sum(p * logits)."""
+    with torch.no_grad():
+        if logsumexp is None:
+            logsumexp = torch.logsumexp(logits, dim=-1)
+        probabilities = torch.exp(logits - logsumexp[..., None])
+        return logsumexp - (probabilities * logits).sum(-1)
 
 
 class _Head:

@@ -134,7 +134,9 @@ class TrainerSettings(ServiceSettings):
     metrics_port: int = Field(default=0, ge=0, le=65535,
                               description="Prometheus; 0 = off (pods use the table's).")
     consumer: str = Field(default="trainer-0", description="Stable name (the pod's name).")
-    eval_prompts: int = Field(default=32, ge=0, description="Held-out prompts per evaluation.")
+    eval_prompts: int | None = Field(
+        default=None, ge=0,
+        description="Held-out prompts per evaluation; unset: the job's trainer.evalPrompts.")
     reward_address: str | None = Field(
         default=None, description="Reward service for evaluations; without it, the same "
         "scorer runs in this process."

@@ -313,6 +313,56 @@ class KLSpec(SpecModel):
     )
 
 
+class LearningRateSchedule(SpecModel):
+    """How the learning rate moves over the job's steps (per training step, not per
+    minibatch: every optimizer step of one batch uses one rate)."""
+
+    warmup_steps: int = Field(
+        default=0, ge=0,
+        description="Steps over which the rate rises linearly from learningRate / warmupSteps "
+        "to learningRate.")
+    decay: Literal["constant", "linear", "cosine"] = Field(
+        default="constant",
+        description="After warm-up: constant keeps learningRate; linear and cosine bring it "
+        "down to learningRate x finalFraction at algorithm.maxSteps.")
+    final_fraction: float = Field(
+        default=0.1, ge=0, le=1,
+        description="The last step's rate as a share of learningRate (decay linear or cosine).")
+
+
+class RolloutCorrectionSpec(SpecModel):
+    """Correction of the gap between the policy that sampled a token (the rollout engine, which
+    may hold older weights and computes with other kernels) and the trainer's proximal policy:
+    the weight pi_prox / pi_behav of the decoupled objective formed per token, sequence or as a
+    geometric mean, then truncated or masked (docs/algorithm.md has the formulas)."""
+
+    level: Literal["token", "sequence", "geometric"] = Field(
+        default="token",
+        description="token: each token's own weight; sequence: the product over its response "
+        "(the response's likelihood ratio); geometric: that product's geometric mean, "
+        "independent of length.")
+    truncate: float | None = Field(
+        default=None, gt=0,
+        description="Truncated importance sampling: weights above this are set to it (e.g. 2). "
+        "Unset: no truncation beyond behaviourWeightCap.")
+    mask_low: float | None = Field(
+        default=None, gt=0,
+        description="Masked importance sampling: a token (level token) or response (sequence, "
+        "geometric) whose weight is below this leaves the loss (IcePop: 0.5).")
+    mask_high: float | None = Field(
+        default=None, gt=0,
+        description="... and above this (IcePop: 2).")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> RolloutCorrectionSpec:
+        if (self.mask_low is not None and self.mask_high is not None
+                and self.mask_low >= self.mask_high):
+            raise rule_error(f"maskLow {self.mask_low:g} is not below maskHigh "
+                             f"{self.mask_high:g}: every token would be masked",
+                             field="maskLow", fix="set maskLow below maskHigh, e.g. 0.5 and 2")
+        return self
+
+
 class AlgorithmSpec(SpecModel):
     """Advantages, the decoupled PPO objective, optimiser and staleness bound."""
 
@@ -396,6 +446,24 @@ class AlgorithmSpec(SpecModel):
         "keeps the behaviour log-probs of tokens the current weights generated.",
     )
     learning_rate: float = Field(default=1e-6, gt=0, description="AdamW learning rate.")
+    learning_rate_schedule: LearningRateSchedule = Field(
+        default_factory=LearningRateSchedule,
+        description="Warm-up and decay of the learning rate over maxSteps.")
+    ppo_minibatches: int = Field(
+        default=1, ge=1,
+        description="Optimizer steps per batch: the batch's responses are split into this many "
+        "minibatches in order (batchSize x groupSize / ppoMinibatches responses each; AReaL's "
+        "ppo_n_minibatches, verl's ppo_mini_batch_size in responses), each a token mean and a "
+        "step of its own. Above 1 the PPO clip bounds each step against the weights before "
+        "the batch's first step (the proximal policy, one extra forward pass).")
+    ppo_epochs: int = Field(
+        default=1, ge=1,
+        description="Passes over a batch's minibatches (verl's ppo_epochs): ppoMinibatches x "
+        "ppoEpochs optimizer steps per batch, all clipped against the same proximal policy.")
+    rollout_correction: RolloutCorrectionSpec = Field(
+        default_factory=RolloutCorrectionSpec,
+        description="Truncated or masked importance weights for the engine/trainer mismatch "
+        "and staleness, at token, sequence or geometric-mean level.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(
         default=1.0, gt=0, description="Gradient norm clipping threshold."
@@ -422,6 +490,33 @@ class AlgorithmSpec(SpecModel):
                 fix="set behaviourWeightCap to 1 or more (the default is 5), or "
                 "behaviourCapMode: clamp",
             )
+        return self
+
+    @model_validator(mode="after")
+    def _correction_needs_decoupled(self) -> AlgorithmSpec:
+        # Plain PPO has no proximal policy, so there is no behaviour weight to correct.
+        if not self.decoupled and self.rollout_correction != RolloutCorrectionSpec():
+            raise rule_error(
+                "rolloutCorrection forms and bounds the behaviour weight pi_prox / pi_behav of "
+                "decoupled PPO, and plain PPO (decoupled false) has none",
+                field="rolloutCorrection", fix="remove rolloutCorrection, or set decoupled: true")
+        return self
+
+    @model_validator(mode="after")
+    def _minibatches_fit(self) -> AlgorithmSpec:
+        responses = self.batch_size * self.group_size
+        if self.ppo_minibatches > responses:
+            raise rule_error(
+                f"{self.ppo_minibatches} minibatches of a batch of {responses} responses "
+                f"(batchSize {self.batch_size} x groupSize {self.group_size}) would leave some "
+                "empty", field="ppoMinibatches",
+                fix=f"set ppoMinibatches to at most {responses}")
+        if self.proximal == "loglinear" and self.ppo_minibatches * self.ppo_epochs > 1:
+            raise rule_error(
+                "proximal loglinear saves the proximal forward pass only when a batch makes "
+                "one optimizer step; with several (ppoMinibatches or ppoEpochs above 1) the "
+                "trainer computes the proximal policy before the first",
+                field="proximal", fix="remove proximal, or set ppoMinibatches and ppoEpochs to 1")
         return self
 
     @model_validator(mode="after")
@@ -1025,6 +1120,11 @@ class TrainerSpec(SpecModel):
     )
     checkpoint_every: int = Field(default=10, ge=1, description="Save a checkpoint every N steps.")
     eval_every: int = Field(default=10, ge=1, description="Evaluate every N steps.")
+    eval_prompts: int = Field(
+        default=160, ge=0,
+        description="Held-out prompts per evaluation (greedy, batched), at most the held-out "
+        "set; 0 turns evaluation off. 160 keeps one standard error at or under 4 points "
+        "(sqrt(p(1-p)/n) at p = 0.5).")
     resources: Resources = Field(default_factory=Resources, description="Per-pod resources.")
     placement: Placement = Field(default_factory=Placement, description="Per-pod placement.")
 

@@ -76,3 +76,6 @@ class RLJobStatus(SpecModel):
     eval_accuracy: float | None = Field(
         default=None, description="Latest evaluation accuracy (greedy, held-out prompts)."
     )
+    eval_stderr: float | None = Field(
+        default=None, description="One standard error (binomial) of evalAccuracy."
+    )

@@ -60,6 +60,7 @@ class Command:
     kind: Literal["restore", "step", "state", "checkpoint", "wait", "stop"]
     samples: Sequence[TrainSample] = ()  # step: this rank's share
     version: int | None = None  # step: the policy version of the weights held now
+    step: int | None = None  # step: its index in the job (0 first), for the learning rate
     path: str | None = None  # restore: the checkpoint every rank loads (None: start fresh)
 
 

@@ -2,8 +2,13 @@
 
 Every series carries a constant `rljob` label (the job's name; not `job`, which Prometheus
 sets itself). Names carry their unit: `_total` for counters, `_seconds`, `_versions` for
-staleness, `_ratio` for values in 0..1 (rewards are scores in 0..1). The Grafana dashboard
+staleness, `_ratio` for values in 0..1 (rewards are scores in 0..1), `_tokens` for lengths,
+`_nats` for entropies and log-prob differences (natural log). The Grafana dashboard
 (charts/asyncrl/dashboards/asyncrl.json) queries exactly these names.
+
+A gauge of a figure that a record may lack (the entropy with the Megatron backend, the
+mismatch of a batch holding no token of the trainer's current version, the accuracy before
+the first evaluation) has no series until a record carries it: a 0 would read as measured.
 """
 
 from __future__ import annotations
@@ -12,6 +17,34 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 _STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 _STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
+
+# The last step's figures: (record field, gauge name, help).
+_STEP_GAUGES = (
+    ("entropy", "asyncrl_trainer_entropy_nats",
+     "Mean policy entropy over the last step's trained tokens (nats per token)."),
+    ("response_length_mean", "asyncrl_trainer_response_length_mean_tokens",
+     "Mean length of the last batch's responses (tokens)."),
+    ("truncated_fraction", "asyncrl_trainer_truncated_responses_ratio",
+     "Share of the last batch's responses cut at rollout.maxNewTokens (0 to 1)."),
+    ("clip_fraction", "asyncrl_trainer_clipped_tokens_ratio",
+     "Share of the last step's trained tokens whose PPO ratio was clipped, token-weighted "
+     "over its optimizer steps (0 to 1)."),
+    ("learning_rate", "asyncrl_trainer_learning_rate",
+     "Learning rate of the last step, as scheduled (dimensionless)."),
+)
+# The engine/trainer mismatch over the last step's tokens of the trainer's current version
+# (asyncrl.algorithms.mismatch); set only when it measured some.
+_MISMATCH_GAUGES = (
+    ("mismatch_abs_mean", "asyncrl_trainer_mismatch_logprob_abs_mean_nats",
+     "Mean |trainer - engine log-prob| over the last step's tokens of the current version."),
+    ("mismatch_abs_max", "asyncrl_trainer_mismatch_logprob_abs_max_nats",
+     "Largest |trainer - engine log-prob| over the last step's tokens of the current version."),
+    ("mismatch_k3", "asyncrl_trainer_mismatch_k3_nats",
+     "k3 estimate of KL(engine || trainer) per token of the current version (nats)."),
+    ("mismatch_outside_fraction", "asyncrl_trainer_mismatch_outside_ratio",
+     "Share of the current version's tokens whose trainer/engine probability ratio is "
+     "outside [0.5, 2] (0 to 1)."),
+)
 
 
 class TrainerMetrics:
@@ -54,6 +87,13 @@ class TrainerMetrics:
         self._eval_accuracy = Gauge("asyncrl_trainer_eval_accuracy_ratio",
                                     "Held-out accuracy at the last evaluation (0 to 1).", names,
                                     registry=registry)
+        self._eval_stderr = Gauge("asyncrl_trainer_eval_stderr_ratio",
+                                  "One standard error (binomial) of the last evaluation's "
+                                  "accuracy (0 to 1).", names, registry=registry)
+        self._step_gauges = {field: Gauge(name, help_, names, registry=registry)
+                             for field, name, help_ in _STEP_GAUGES}
+        self._mismatch_gauges = {field: Gauge(name, help_, names, registry=registry)
+                                 for field, name, help_ in _MISMATCH_GAUGES}
         self._labels = labels
 
     def observe_version(self, version: int) -> None:
@@ -62,9 +102,12 @@ class TrainerMetrics:
     def observe_publish(self, seconds: float, transfer: str) -> None:
         self._publish_seconds.labels(transfer=transfer, **self._labels).observe(seconds)
 
-    def observe_eval(self, accuracy: float) -> None:
-        if accuracy >= 0:  # -1 means no held-out prompts
-            self._eval_accuracy.labels(**self._labels).set(accuracy)
+    def observe_eval(self, evaluation: dict) -> None:
+        """An evaluation's record fields ({} without held-out prompts: no series)."""
+        if "eval_accuracy" in evaluation:
+            self._eval_accuracy.labels(**self._labels).set(evaluation["eval_accuracy"])
+        if "eval_stderr" in evaluation:
+            self._eval_stderr.labels(**self._labels).set(evaluation["eval_stderr"])
 
     def observe_step(self, record: dict) -> None:
         self.steps.inc()
@@ -76,8 +119,16 @@ class TrainerMetrics:
             self.staleness.observe(value)
         self.reward_mean.set(record["reward_mean"])
         self.loss.set(record["loss"])
-        if "eval_accuracy" in record:
-            self.observe_eval(record["eval_accuracy"])
+        self._set_present(self._step_gauges, record)
+        if record.get("mismatch_tokens", 0) > 0:
+            self._set_present(self._mismatch_gauges, record)
+        self.observe_eval(record)
+
+    def _set_present(self, gauges: dict[str, Gauge], record: dict) -> None:
+        """Each gauge whose field the record carries with a value."""
+        for field, gauge in gauges.items():
+            if record.get(field) is not None:
+                gauge.labels(**self._labels).set(record[field])
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from asyncrl.algorithms.advantages import aggregation_weights, episode_advantages
+from asyncrl.algorithms.evaluation import accuracy_record
 from asyncrl.algorithms.staleness import staleness
 from asyncrl.clients.buffer import BufferClient
 from asyncrl.platform.devices import local_rank, select_device
@@ -94,6 +95,7 @@ class Status:
     reward_mean: float = 0.0
     staleness_mean: float = 0.0
     eval_accuracy: float = -1.0
+    eval_stderr: float = -1.0
     history: list[dict] = field(default_factory=list)
 
 
@@ -201,7 +203,9 @@ class Trainer:
         self.eval_items, self.reward = [], None
         if self.group.leader:
             _, held_out = build_prompts(spec, self.tokenizer)
-            self.eval_items = PromptSet.of(held_out.head(settings.eval_prompts))
+            count = (spec.trainer.eval_prompts if settings.eval_prompts is None
+                     else settings.eval_prompts)
+            self.eval_items = PromptSet.of(held_out.head(count))
             self.reward = reward_scorer(settings.reward_address, self.job.metadata.name,
                                         spec.reward)
             self.scorer = PromptScorer(self.reward, self.tokenizer)
@@ -223,7 +227,7 @@ class Trainer:
             load_full_state(self.model, self.optimizer, checkpoint.model, checkpoint.optimizer)
             return checkpoint.state
         if command.kind == "step":
-            stats = self.updater.step(command.samples, command.version)
+            stats = self.updater.step(command.samples, command.version, command.step)
             trim_heap()  # the step's activations, back to the system (see asyncrl.platform.heap)
             return stats
         if command.kind == "state":
@@ -303,11 +307,10 @@ class Trainer:
                 state = await self._command(STATE)
                 async with self._alone():
                     self.status.phase = "evaluating"
-                    self.status.eval_accuracy = await self.evaluate(state)
-                    self.metrics.observe_eval(self.status.eval_accuracy)
+                    evaluation = await self.evaluate(state)
+                    self.metrics.observe_eval(evaluation)
                     self._write({"kind": "eval", "step": 0, "version": version,
-                                 "time": time.time(), "elapsed": 0.0,
-                                 "eval_accuracy": self.status.eval_accuracy})
+                                 "time": time.time(), "elapsed": 0.0, **evaluation})
             started = time.perf_counter()  # wall time of training, after the baseline evaluation
             while step < spec.algorithm.max_steps:
                 self.status.phase = "waiting_for_batch"
@@ -321,8 +324,8 @@ class Trainer:
                 samples, rewards = samples_from_groups(batch.groups, spec.algorithm)
                 stale = [staleness(version, _versions(g)) for g in batch.groups]
                 shares = shares_per_rank(samples, self.group.world_size, self.tensor_parallel)
-                stats = await self._command([Command("step", samples=s, version=version)
-                                             for s in shares])
+                stats = await self._command([Command("step", samples=s, version=version,
+                                                     step=step) for s in shares])
                 state = await self._command(STATE)
                 step += 1
                 version += 1
@@ -344,12 +347,12 @@ class Trainer:
                         "staleness_mean": sum(stale) / len(stale),
                         "dropped_stale": batch.dropped_stale, "redelivered": batch.redelivered,
                         "wait_seconds": wait_seconds, "trained_samples": len(samples),
+                        **response_shape(batch.groups),
                         "weight_transfer": transfer, "publish_seconds": publish_seconds, **stats,
                     }
                     if step % spec.trainer.eval_every == 0 or step == spec.algorithm.max_steps:
                         self.status.phase = "evaluating"
-                        record["eval_accuracy"] = await self.evaluate(state)
-                        self.status.eval_accuracy = record["eval_accuracy"]
+                        record.update(await self.evaluate(state))
                     # Written before the checkpoint: a crash in between redoes the step and
                     # forget_records_after drops this record, so no step is recorded twice.
                     self._record(record)
@@ -406,11 +409,11 @@ class Trainer:
             if evaluate:
                 async with self._alone():
                     self.status.phase = "evaluating"
-                    self.status.eval_accuracy = await self.evaluate(state)
-                    self.metrics.observe_eval(self.status.eval_accuracy)
+                    evaluation = await self.evaluate(state)
+                    self.metrics.observe_eval(evaluation)
                     self._write({"kind": "eval", "step": step, "version": version,
                                  "time": time.time(), "elapsed": time.perf_counter() - started,
-                                 "eval_accuracy": self.status.eval_accuracy})
+                                 **evaluation})
             if checkpoint:
                 await self._checkpoint(state, step, version)
         elif step == 0:
@@ -502,15 +505,17 @@ class Trainer:
         self.metrics.observe_publish(seconds, "disk")
         return "disk", seconds
 
-    async def evaluate(self, state: dict[str, torch.Tensor]) -> float:
-        """Greedy accuracy on held-out prompts, with the weights of `state` (the whole model).
+    async def evaluate(self, state: dict[str, torch.Tensor]) -> dict:
+        """Greedy accuracy on held-out prompts, with the weights of `state` (the whole model),
+        and its standard error (asyncrl.algorithms.evaluation.accuracy_record); {} without
+        held-out prompts.
         The evaluation engine takes the weights the way rollout workers do (a weight update)
         and runs on the compute thread (no thread of its own). Where the trainer's weights are
         the published ones (one process holds the whole transformers model, and snapshots are
         float32) it computes with them, sharing their memory (through the model's own layers:
         fused projections would copy them); else it keeps a copy in the model's dtype."""
         if not self.eval_items:
-            return -1.0
+            return {}
         if self._evaluator is None:
             shares = (self.model is self.hf_model and not self.sharded
                       and self.spec.model.dtype == "float32")
@@ -537,7 +542,10 @@ class Trainer:
         scores = await asyncio.gather(*(
             self.scorer.score(item, [r.output_ids]) for item, r in zip(self.eval_items, results)
         ))
-        return sum(score for (score,) in scores) / len(scores)
+        evaluation = accuracy_record([score for (score,) in scores])
+        self.status.eval_accuracy = evaluation["eval_accuracy"]
+        self.status.eval_stderr = evaluation["eval_stderr"]
+        return evaluation
 
     def _record(self, record: dict) -> None:
         status = self.status
@@ -580,6 +588,18 @@ def no_batch_will_come(stats, batch_size: int) -> bool:
             and stats.outstanding_batches == 0)
 
 
+def response_shape(groups) -> dict[str, float]:
+    """The mean length of a batch's responses (their tokens, model's and tools' alike) and
+    the share of them cut at rollout.maxNewTokens (finish reason "length")."""
+    samples = [sample for group in groups for sample in group.samples]
+    if not samples:
+        return {"response_length_mean": 0.0, "truncated_fraction": 0.0}
+    return {
+        "response_length_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+        "truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
+    }
+
+
 def _versions(group) -> list[int]:
     return [v for sample in group.samples for v in sample.token_versions] or [0]
 
@@ -595,7 +615,7 @@ class StatusServicer(trainer_pb2_grpc.TrainerStatusServiceServicer):
             last_step_seconds=s.last_step_seconds,
             trained_tokens_per_second=s.trained_tokens_per_second, loss=s.loss,
             reward_mean=s.reward_mean, staleness_mean=s.staleness_mean,
-            eval_accuracy=s.eval_accuracy,
+            eval_accuracy=s.eval_accuracy, eval_stderr=s.eval_stderr,
         )
 
 

@@ -30,6 +30,9 @@ from torch.distributed.tensor import DTensor
 from asyncrl.algorithms.packing import (
     PackedBatch, balance_sharing_prefixes, pack_sharing_prefixes,
 )
+from asyncrl.algorithms.correction import RolloutCorrection
+from asyncrl.algorithms.mismatch import MISMATCH_SUMS, mismatch_sums, mismatch_summary
+from asyncrl.algorithms.schedule import learning_rate_factor
 from asyncrl.algorithms.ppo import (
     PROXIMAL_MODES,
     decoupled_ppo_loss,
@@ -86,6 +89,15 @@ class UpdateConfig:
     # model allows it (see PolicyUpdater); False: each micro-batch's logits whole, kept for
     # backward (the same update; for comparing the two, as bench/trainer_step.py does).
     logits_in_blocks: bool = True
+    ppo_minibatches: int = 1  # optimizer steps per batch, over its samples split in order
+    ppo_epochs: int = 1  # passes over the minibatches
+    correction: RolloutCorrection = RolloutCorrection()
+    # The schedule's base rate (None: the optimizer's own rate, never changed) and its shape.
+    learning_rate: float | None = None
+    warmup_steps: int = 0
+    lr_decay: str = "constant"
+    lr_final_fraction: float = 0.1
+    max_steps: int = 1
 
     @classmethod
     def from_spec(cls, spec) -> "UpdateConfig":
@@ -105,6 +117,18 @@ class UpdateConfig:
             micro_batch_max_tokens=spec.trainer.micro_batch_max_tokens,
             compute_dtype=spec.trainer_compute_dtype,
             activation_checkpointing=spec.trainer.activation_checkpointing,
+            ppo_minibatches=algorithm.ppo_minibatches,
+            ppo_epochs=algorithm.ppo_epochs,
+            correction=RolloutCorrection(
+                level=algorithm.rollout_correction.level,
+                truncate=algorithm.rollout_correction.truncate,
+                mask_low=algorithm.rollout_correction.mask_low,
+                mask_high=algorithm.rollout_correction.mask_high),
+            learning_rate=algorithm.learning_rate,
+            warmup_steps=algorithm.learning_rate_schedule.warmup_steps,
+            lr_decay=algorithm.learning_rate_schedule.decay,
+            lr_final_fraction=algorithm.learning_rate_schedule.final_fraction,
+            max_steps=algorithm.max_steps,
         )
 
 
@@ -112,7 +136,80 @@ _COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 _TOKEN_MEAN_STATS = (
     "clip_fraction", "approx_kl", "behaviour_weight_mean", "behaviour_capped_fraction",
+    "correction_truncated_fraction", "correction_masked_fraction",
 )
+
+
+@dataclass(frozen=True)
+class _Minibatch:
+    """The micro-batches of one optimizer step, and its loss tokens: this rank's and the
+    global batch's (the denominator of its token mean)."""
+
+    micro_batches: list[PackedBatch]
+    tokens: int
+    global_tokens: Tensor
+
+
+class _Diagnostics:
+    """What the weights before an update say about its batch, summed over micro-batches on
+    the device and read once: the policy's entropy over the loss tokens, and the
+    engine/trainer mismatch over the tokens of the version those weights are
+    (asyncrl.algorithms.mismatch)."""
+
+    def __init__(self, device: torch.device, version: int | None, group=None):
+        self.version, self.group = version, group
+        self.entropy = torch.zeros(2, dtype=torch.float64, device=device)  # sum, tokens
+        self.entropy_measured = False
+        self.mismatch = torch.zeros(len(MISMATCH_SUMS), dtype=torch.float64, device=device)
+        self._largest = MISMATCH_SUMS.index("abs_diff_max")
+
+    def add(self, mb: PackedBatch, logprobs: Tensor, entropy: Tensor | None) -> None:
+        mask = mb.fields["loss_mask"]
+        if entropy is not None:
+            self.entropy_measured = True
+            self.entropy += torch.stack([(entropy.double() * mask).sum(), mask.sum().double()])
+        if self.version is None:
+            return
+        current = mask & (mb.fields["token_versions"] == self.version)
+        sums = mismatch_sums(logprobs, mb.fields["behaviour_logprobs"], current)
+        largest = torch.maximum(self.mismatch[self._largest], sums[self._largest])
+        self.mismatch += sums
+        self.mismatch[self._largest] = largest
+
+    def summary(self) -> dict:
+        """Every rank's sums together: the record's entropy and mismatch figures."""
+        entropy = _all_reduce_sum(self.entropy, self.group).tolist()
+        largest = _all_reduce(self.mismatch[self._largest].clone(), dist.ReduceOp.MAX,
+                              self.group)
+        mismatch = _all_reduce_sum(self.mismatch, self.group)
+        mismatch[self._largest] = largest
+        result = mismatch_summary(mismatch.tolist())
+        if self.entropy_measured:
+            result["entropy"] = entropy[0] / max(entropy[1], 1.0)
+        return result
+
+
+def split_in_order(samples: Sequence[TrainSample], parts: int) -> list[list[TrainSample]]:
+    """`samples` in `parts` consecutive runs of sizes differing by at most one (the first
+    ones larger); the responses to one prompt are consecutive, so they mostly stay together."""
+    size, extra = divmod(len(samples), parts)
+    runs, start = [], 0
+    for index in range(parts):
+        end = start + size + (index < extra)
+        runs.append(list(samples[start:end]))
+        start = end
+    return runs
+
+
+def _split_entropy(output) -> tuple[Tensor, Tensor | None]:
+    return output if isinstance(output, tuple) else (output, None)
+
+
+def _sequence_ids(mb: PackedBatch) -> Tensor:
+    """The sequence each position of a packed row belongs to."""
+    bounds = mb.cu_seqlens.long()
+    return torch.repeat_interleave(torch.arange(len(bounds) - 1, device=bounds.device),
+                                   bounds[1:] - bounds[:-1])
 
 
 class PolicyUpdater:
@@ -190,6 +287,8 @@ class PolicyUpdater:
         self.optimizer = optimizer
         self.config = config
         self.reference_model = reference_model
+        # The entropy comes with the log-probs of a transformers model (not another backend's).
+        self._entropy = not hasattr(model, "packed_token_logprobs")
 
     @classmethod
     def from_spec(cls, spec, model: torch.nn.Module,
@@ -201,15 +300,92 @@ class PolicyUpdater:
                                       **fused_adamw(model))
         return cls(model, optimizer, UpdateConfig.from_spec(spec), reference_model)
 
-    def step(self, samples: Sequence[TrainSample], version: int | None = None) -> dict[str, float]:
+    def step(self, samples: Sequence[TrainSample], version: int | None = None,
+             step: int | None = None) -> dict[str, float]:
         """One update with this rank's `samples`; `version` is the policy version of the
-        weights the model holds now (None: unknown)."""
+        weights the model holds now (None: unknown), `step` the index of this training step
+        in the job (0 first; None: the learning rate is left as it is)."""
         started = time.perf_counter()
-        loglinear = self.config.decoupled and self.config.proximal == "loglinear"
+        config = self.config
+        loglinear = config.decoupled and config.proximal == "loglinear"
+        passes = config.ppo_minibatches * config.ppo_epochs
+        if loglinear and passes > 1:
+            raise ValueError("proximal loglinear needs one optimizer step per batch "
+                             "(ppo_minibatches and ppo_epochs 1)")
         if loglinear and (version is None or any(
                 s.version is None and s.token_versions is None for s in samples)):
             raise ValueError("proximal loglinear needs the version of the weights being updated "
                              "and of every sample's tokens")
+        learning_rate = self._set_learning_rate(step)
+        minibatches = [self._minibatch(part) for part in split_in_order(samples,
+                                                                       config.ppo_minibatches)]
+
+        # The model runs without dropout (eval mode) throughout. The proximal policy of the
+        # decoupled objective is the weights before this batch's first optimizer step. With one
+        # step per batch those are the weights of the training forward, whose log-probs,
+        # detached, are the proximal ones exactly, so no micro-batch needs a pass of its own;
+        # with several steps the later minibatches need them from before the first, so one
+        # pass without gradients computes them up front.
+        self.model.eval()
+        reference = None
+        if config.kl_coef > 0:
+            with torch.no_grad(), self._autocast():
+                reference = [[self._logprobs(self.reference_model, mb) for mb in part.micro_batches]
+                             for part in minibatches]
+        diagnostics = _Diagnostics(self.device, version, self.data_group)
+        before = None
+        if passes > 1:
+            with torch.no_grad(), self._autocast():
+                before = [[self._logprobs(self.model, mb, entropy=self._entropy)
+                           for mb in part.micro_batches] for part in minibatches]
+            for part, outputs in zip(minibatches, before):
+                for mb, output in zip(part.micro_batches, outputs):
+                    diagnostics.add(mb, *_split_entropy(output))
+
+        steps = []
+        for _ in range(config.ppo_epochs):
+            for index, part in enumerate(minibatches):
+                steps.append(self._optimizer_step(
+                    part, version, loglinear,
+                    None if before is None else [lp for lp, _ in map(_split_entropy, before[index])],
+                    None if reference is None else reference[index],
+                    None if before is not None or steps else diagnostics))
+
+        # Each optimizer step's figures are token means over its minibatch; the step's are
+        # token-weighted means over all of them (the loss: the mean of their losses).
+        tokens = sum(part_tokens for part_tokens, _, _ in steps)
+        names = steps[0][1].keys()
+        result = {name: sum(stats[name] * t for t, stats, _ in steps) / max(tokens, 1.0)
+                  for name in names if name != "loss"}
+        result["loss"] = sum(stats["loss"] for _, stats, _ in steps) / len(steps)
+        result.update(diagnostics.summary())
+        result.update(
+            trained_tokens=float(sum(part.tokens for part in minibatches)),
+            micro_batches=float(sum(len(part.micro_batches) for part in minibatches)),  # this rank
+            optimizer_steps=float(len(steps)),
+            clip_fraction_per_minibatch=[stats["clip_fraction"] for _, stats, _ in steps],
+            grad_norm=sum(norm for _, _, norm in steps) / len(steps),
+            step_seconds=time.perf_counter() - started,
+        )
+        if learning_rate is not None:
+            result["learning_rate"] = learning_rate
+        return result
+
+    def _set_learning_rate(self, step: int | None) -> float | None:
+        """The scheduled rate of training step `step`, set on every parameter group."""
+        config = self.config
+        if step is None or config.learning_rate is None:
+            return None
+        rate = config.learning_rate * learning_rate_factor(
+            step, config.max_steps, warmup_steps=config.warmup_steps, decay=config.lr_decay,
+            final_fraction=config.lr_final_fraction)
+        for group in self.optimizer.param_groups:
+            group["lr"] = rate
+        return rate
+
+    def _minibatch(self, samples: Sequence[TrainSample]) -> _Minibatch:
+        """`samples` packed into micro-batches on the device, with the global batch's count of
+        their loss tokens (the token mean's denominator)."""
         prompt_lengths = [_prompt_length(s) if self._share_prompts else 0 for s in samples]
         groups = balance_sharing_prefixes(
             [s.input_ids for s in samples], prompt_lengths, self.config.micro_batch_max_tokens)
@@ -225,57 +401,66 @@ class PolicyUpdater:
         local_tokens = sum(int(s.loss_mask.sum()) for s in samples)
         global_tokens = _all_reduce_sum(
             torch.tensor(float(local_tokens), device=self.device), self.data_group)
+        return _Minibatch(micro_batches, local_tokens, global_tokens)
 
-        # The model runs without dropout (eval mode) throughout: the proximal policy of the
-        # decoupled objective is the weights before this update, and with one optimizer step
-        # per batch those are the weights of the training forward. Its log-probs, detached,
-        # are the proximal ones exactly, so no micro-batch needs a forward pass of its own.
-        self.model.eval()
-        reference = None
-        if self.config.kl_coef > 0:
-            with torch.no_grad(), self._autocast():
-                reference = [self._logprobs(self.reference_model, mb) for mb in micro_batches]
-
+    def _optimizer_step(self, part: _Minibatch, version: int | None, loglinear: bool,
+                        proximal: list[Tensor] | None, reference: list[Tensor] | None,
+                        diagnostics: _Diagnostics | None) -> tuple[float, dict, float]:
+        """Forward and backward over one minibatch's micro-batches and one optimizer step.
+        `proximal`: each micro-batch's proximal log-probs (None: the training forward's own);
+        `diagnostics`: where this forward's entropy and mismatch go (None: measured already).
+        Returns the minibatch's global token count, its token-mean stats and the grad norm."""
+        config = self.config
         self.optimizer.zero_grad(set_to_none=True)
+        global_tokens = part.global_tokens
         # Token-weighted sums of the per-micro-batch stats, normalised once at the end.
         # The same keys on every rank (one with no samples too): they are all-reduced together.
         # Summed on the device in float64: reading them each micro-batch would make the host
         # wait for the GPU's backward before queueing the next forward.
         names = sorted(("loss", *_TOKEN_MEAN_STATS, *(("kl",) if reference is not None else ())))
         sums = torch.zeros(len(names), dtype=torch.float64, device=self.device)
-        for index, mb in enumerate(micro_batches):
+        for index, mb in enumerate(part.micro_batches):
             with self._autocast():
-                logprobs = self._logprobs(self.model, mb)
+                output = self._logprobs(self.model, mb,
+                                        entropy=diagnostics is not None and self._entropy)
+            logprobs, entropy = _split_entropy(output)
+            if diagnostics is not None:
+                diagnostics.add(mb, logprobs, entropy)
             mask = mb.fields["loss_mask"]
-            if not self.config.decoupled:
-                proximal = mb.fields["behaviour_logprobs"]  # standard PPO: not used
+            if not config.decoupled:
+                current = mb.fields["behaviour_logprobs"]  # standard PPO: not used
             elif loglinear:
-                # The current version is the proximal one (see above): exact for every token
+                # The current version is the proximal one (see step): exact for every token
                 # older than it, and tokens it generated keep their behaviour log-probs.
-                proximal = loglinear_proximal_logprobs(
+                current = loglinear_proximal_logprobs(
                     mb.fields["behaviour_logprobs"], logprobs, mb.fields["token_versions"],
                     proximal_version=version, current_version=version)
+            elif proximal is not None:
+                current = proximal[index]
             else:
-                proximal = logprobs.detach()
+                current = logprobs.detach()
             loss, stats = decoupled_ppo_loss(
                 logprobs,
-                proximal,
+                current,
                 mb.fields["behaviour_logprobs"],
                 mb.fields["advantages"],
                 mask,
-                clip_eps=self.config.clip_eps,
-                clip_eps_high=self.config.clip_eps_high,
-                dual_clip=self.config.dual_clip,
-                behaviour_weight_cap=self.config.behaviour_weight_cap,
-                behaviour_cap_mode=self.config.behaviour_cap_mode,
-                decoupled=self.config.decoupled,
+                clip_eps=config.clip_eps,
+                clip_eps_high=config.clip_eps_high,
+                dual_clip=config.dual_clip,
+                behaviour_weight_cap=config.behaviour_weight_cap,
+                behaviour_cap_mode=config.behaviour_cap_mode,
+                decoupled=config.decoupled,
                 num_global_tokens=global_tokens,
+                correction=config.correction,
+                sequence_ids=_sequence_ids(mb) if config.correction.per_sequence else None,
+                num_sequences=len(mb.cu_seqlens) - 1,
             )
             values = {name: stats[name].double() * stats["num_tokens"].double()
                       for name in _TOKEN_MEAN_STATS}
             if reference is not None:
-                kl = (kl_penalty(logprobs, reference[index], self.config.kl_estimator) * mask).sum()
-                loss = loss + self.config.kl_coef * kl / global_tokens
+                kl = (kl_penalty(logprobs, reference[index], config.kl_estimator) * mask).sum()
+                loss = loss + config.kl_coef * kl / global_tokens
                 values["kl"] = kl.detach()
             # FSDP averages the gradients across ranks: scaled, the average is the sum.
             (loss * self._gradient_scale).backward()
@@ -287,7 +472,7 @@ class PolicyUpdater:
         # A model split across ranks knows how to take its whole norm.
         clip = getattr(self.model, "clip_grad_norm_", None) or functools.partial(
             torch.nn.utils.clip_grad_norm_, self.model.parameters())
-        grad_norm = clip(self.config.max_grad_norm)
+        grad_norm = clip(config.max_grad_norm)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
@@ -295,17 +480,9 @@ class PolicyUpdater:
         # Sum across ranks so every rank reports the figures of the global batch.
         summed = _all_reduce_sum(sums, self.data_group).tolist()
         tokens = float(global_tokens)
-        result = {
-            name: value if name == "loss" else value / max(tokens, 1.0)
-            for name, value in zip(names, summed)
-        }
-        result.update(
-            trained_tokens=tokens,
-            micro_batches=float(len(micro_batches)),  # on this rank
-            grad_norm=float(grad_norm),
-            step_seconds=time.perf_counter() - started,
-        )
-        return result
+        stats = {name: value if name == "loss" else value / max(tokens, 1.0)
+                 for name, value in zip(names, summed)}
+        return tokens, stats, float(grad_norm)
 
     def _autocast(self):
         dtype = _COMPUTE_DTYPES[self.config.compute_dtype]
@@ -313,14 +490,16 @@ class PolicyUpdater:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def _logprobs(self, model: torch.nn.Module, mb: PackedBatch) -> Tensor:
+    def _logprobs(self, model: torch.nn.Module, mb: PackedBatch, entropy: bool = False):
         """Per-token log-probs of a micro-batch: a transformers model's through
         asyncrl.model.policy, another backend's model (the Megatron-Core one) through its own
-        `packed_token_logprobs`, which computes the same thing."""
+        `packed_token_logprobs`, which computes the same thing. `entropy` (a transformers
+        model only): (log-probs, entropies)."""
         # In blocks without gradients too (the reference model's pass): a micro-batch's
         # whole logits would be the largest tensor of the step even when not kept.
         compute = getattr(model, "packed_token_logprobs", None) or functools.partial(
-            packed_token_logprobs, model, recompute_logits=self._recompute_logits)
+            packed_token_logprobs, model, recompute_logits=self._recompute_logits,
+            **({"entropy": True} if entropy else {}))
         shared = {} if mb.continues is None else {"continues": mb.continues}
         return compute(mb.input_ids, mb.position_ids, mb.cu_seqlens, self.config.temperature,
                        needed=mb.fields["loss_mask"], **shared)

@@ -220,7 +220,7 @@ def test_run_trains_writes_a_complete_run_folder_and_resumes(tmp_path):
     assert first.returncode == 0, first.stdout + first.stderr
     for path in ["config.yaml", "metrics.jsonl", "report.md", "logs/buffer.log", "logs/trainer.log",
                  "logs/rollout.log", "plots/reward_vs_step.png", "plots/reward_vs_time.png",
-                 "plots/throughput.png", "plots/staleness.png"]:
+                 "plots/throughput.png", "plots/staleness.png", "plots/signals.png"]:
         assert (run_dir / path).is_file(), path
     assert list((run_dir / "checkpoints").glob("step-*"))
     records = metrics(run_dir)
@@ -230,7 +230,10 @@ def test_run_trains_writes_a_complete_run_folder_and_resumes(tmp_path):
     assert all(s <= eta for r in records for s in r["staleness"])
     assert any("eval_accuracy" in r for r in records)
     assert [r["step"] for r in metrics(run_dir, "eval")] == [0]  # the starting point
-    assert "Run report: tiny" in (run_dir / "report.md").read_text()
+    report = (run_dir / "report.md").read_text()
+    assert "Run report: tiny" in report
+    assert "step 0: " in report and "±" in report  # accuracies with their standard errors
+    assert "- policy entropy: " in report and "plots/signals.png" in report
 
     # The same command with a larger budget continues from the checkpoint at step 3.
     second = run(run_dir, "--steps", "5")

@@ -69,3 +69,54 @@ def test_an_episode_job_counts_episodes_per_second():
     view = _rendered(RunProgress("job", max_steps=10, group_size=8, unit="episodes")
                      .table(None, _stats()))
     assert "episodes/s (rollout)" in view and "samples/s" not in view
+
+
+def _status(**fields) -> SimpleNamespace:
+    values = dict(phase="training", step=3, version=3, trained_tokens_per_second=1.0,
+                  reward_mean=0.5, staleness_mean=0.5, eval_accuracy=0.8125,
+                  eval_stderr=0.0309) | fields
+    return SimpleNamespace(**values)
+
+
+def test_eval_accuracy_shows_its_standard_error_once_evaluated():
+    progress = RunProgress("job", max_steps=10, group_size=8)
+    row = _row(_rendered(progress.table(_status(), _stats())), "eval accuracy")
+    assert "0.812 ± 0.031" in row and "problems" not in row  # the live status has no count
+    assert "±" not in _row(_rendered(progress.table(_status(eval_stderr=-1.0), _stats())),
+                           "eval accuracy")
+    view = _rendered(progress.table(_status(eval_accuracy=-1.0, eval_stderr=-1.0), _stats()))
+    assert "eval accuracy" not in view  # not evaluated yet
+
+
+def _train(step: int, **fields) -> dict:
+    return {"kind": "train", "step": step, "version": step, "trained_tokens": 100,
+            "step_seconds": 0.5, "reward_mean": 0.25, "staleness_mean": 1.0,
+            "clip_fraction": 0.0625} | fields
+
+
+def test_the_last_frame_shows_the_records_evaluation_and_signals():
+    records = [
+        _train(1, entropy=1.5, mismatch_tokens=40, mismatch_abs_mean=0.002,
+               mismatch_abs_max=0.25),
+        {"kind": "eval", "step": 2, "eval_accuracy": 0.8125, "eval_stderr": 0.0309,
+         "eval_problems": 160},
+        _train(2, entropy=1.25, mismatch_tokens=0, mismatch_abs_mean=None,
+               mismatch_abs_max=None),
+    ]
+    view = _rendered(RunProgress("job", max_steps=2, group_size=8)
+                     .table(RunProgress.finished(None, records), _stats()))
+    assert "0.812 ± 0.031 (160 problems)" in _row(view, "eval accuracy")
+    assert "1.250 nats/token" in _row(view, "policy entropy (last step)")
+    assert "0.062" in _row(view, "clip fraction (last step)")
+    assert "|Δ log-prob|" not in view  # the last step measured no mismatch
+    view = _rendered(RunProgress("job", max_steps=2, group_size=8)
+                     .table(RunProgress.finished(None, records[:1]), _stats()))
+    assert "mean 0.002, max 0.25" in _row(view, "engine/trainer |Δ log-prob|")
+
+
+def test_the_last_frame_of_an_old_run_shows_accuracy_without_an_error():
+    records = [_train(1, eval_accuracy=0.5)]  # before eval_stderr and the signals
+    view = _rendered(RunProgress("job", max_steps=1, group_size=8)
+                     .table(RunProgress.finished(None, records), _stats()))
+    assert _row(view, "eval accuracy").strip(" │") == "0.500"
+    assert "entropy" not in view and "|Δ log-prob|" not in view

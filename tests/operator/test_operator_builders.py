@@ -899,10 +899,10 @@ def test_buffer_stats_says_why_when_unreachable(tiny):
 
 def test_trainer_figures_are_written_from_its_status():
     trainer = TrainerStatus(step=12, phase="waiting_for_batch", tokens_per_second=812.54,
-                            reward_mean=0.62512, eval_accuracy=0.40625)
+                            reward_mean=0.62512, eval_accuracy=0.40625, eval_stderr=0.038815)
     status = compute_status(observation(trainer=trainer), None)
     assert (status["trainerStep"], status["tokensPerSecond"], status["rewardMean"],
-            status["evalAccuracy"]) == (12, 812.5, 0.6251, 0.4062)
+            status["evalAccuracy"], status["evalStderr"]) == (12, 812.5, 0.6251, 0.4062, 0.0388)
     reachable = condition(status, "TrainerReachable")
     assert (reachable["status"], reachable["reason"]) == ("True", "GetStatusAnswered")
     assert reachable["message"] == "Step 12 of 10 (waiting for batch)."
@@ -912,16 +912,16 @@ def test_trainer_figures_wait_for_the_first_step_and_evaluation():
     starting = TrainerStatus(step=0, phase="evaluating")
     status = compute_status(observation(trainer=starting), None)
     assert status["trainerStep"] == 0
-    assert not {"tokensPerSecond", "rewardMean", "evalAccuracy"} & set(status)
+    assert not {"tokensPerSecond", "rewardMean", "evalAccuracy", "evalStderr"} & set(status)
 
 
 def test_an_unreachable_trainer_keeps_the_figures_and_says_why():
     trainer = TrainerStatus(step=3, phase="training", tokens_per_second=100.0, reward_mean=0.5,
-                            eval_accuracy=0.25)
+                            eval_accuracy=0.25, eval_stderr=0.05)
     first = compute_status(observation(trainer=trainer), None)
     later = compute_status(observation(trainer_error="tiny-trainer-0...:50071: UNAVAILABLE"),
                            copy.deepcopy(first))
-    for key in ("trainerStep", "tokensPerSecond", "rewardMean", "evalAccuracy"):
+    for key in ("trainerStep", "tokensPerSecond", "rewardMean", "evalAccuracy", "evalStderr"):
         assert later[key] == first[key], key
     unreachable = condition(later, "TrainerReachable")
     assert (unreachable["status"], unreachable["reason"]) == ("False", "GetStatusFailed")
@@ -942,9 +942,10 @@ def test_trainer_status_from_a_real_trainer_status_server(tiny):
         found, error = trainer_status(tiny, [server.address])
         assert error is None
         assert found == TrainerStatus(step=4, phase="training", tokens_per_second=250.0,
-                                      reward_mean=0.75, eval_accuracy=None)
-        served.eval_accuracy = 0.5  # the trainer evaluated
-        assert trainer_status(tiny, [server.address])[0].eval_accuracy == 0.5
+                                      reward_mean=0.75, eval_accuracy=None, eval_stderr=None)
+        served.eval_accuracy, served.eval_stderr = 0.5, 0.0395  # the trainer evaluated
+        evaluated = trainer_status(tiny, [server.address])[0]
+        assert (evaluated.eval_accuracy, evaluated.eval_stderr) == (0.5, 0.0395)
     status = compute_status(observation(trainer=found), None)
     assert (status["trainerStep"], status["tokensPerSecond"], status["rewardMean"]) == \
         (4, 250.0, 0.75)

@@ -72,3 +72,31 @@ def test_a_cuda_process_attends_without_cudnn_and_a_cpu_one_is_left_alone(fake_c
     assert torch.backends.cuda.cudnn_sdp_enabled()
     select_device(1)
     assert not torch.backends.cuda.cudnn_sdp_enabled()
+
+
+@pytest.mark.parametrize("flags, native", [
+    ("fpu avx512f avx512bw avx512_vnni", False),   # Ice Lake: oneDNN emulates bf16
+    ("fpu avx512f avx512_bf16", True),             # Cooper Lake, Zen 4
+    ("fpu avx512f amx_bf16 amx_tile", True),       # Sapphire Rapids
+])
+def test_a_cpu_computes_bf16_natively_only_with_the_instructions(tmp_path, monkeypatch, flags,
+                                                                 native):
+    from asyncrl.platform import devices
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: a CPU\nflags\t\t: {flags}\n\n"
+                       f"processor\t: 1\nflags\t\t: {flags}\n")
+    real = devices.cpu_flags
+    monkeypatch.setattr(devices, "cpu_flags", lambda: real(cpuinfo))
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True,
+                        raising=False)
+    assert devices.native_bf16(torch.device("cpu")) is native
+
+
+def test_cpu_flags_are_none_without_cpuinfo(tmp_path):
+    from asyncrl.platform.devices import cpu_flags
+
+    assert cpu_flags(tmp_path / "missing") is None
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")
+    assert cpu_flags(arm) == frozenset({"fp", "asimd", "bf16"})
