@@ -144,8 +144,9 @@ def entropy_of_logits(logits: torch.Tensor, logsumexp: torch.Tensor | None = Non
     with torch.no_grad():
         if logsumexp is None:
             logsumexp = torch.logsumexp(logits, dim=-1)
-        probabilities = torch.exp(logits - logsumexp[..., None])
-        return logsumexp - (probabilities * logits).sum(-1)
+        # In place on one temporary: the logits are the step's largest tensor.
+        weighted = (logits - logsumexp[..., None]).exp_().mul_(logits)
+        return logsumexp - weighted.sum(-1)
 
 
 class _Head:
