@@ -31,6 +31,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import yaml  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+#: Per-step fields of metrics.jsonl drawn in signals.png, with their axis labels.
+SIGNALS = {"reward_mean": "batch reward", "entropy": "policy entropy (nats/token)",
+           "truncated_fraction": "share cut at maxNewTokens", "staleness_mean": "staleness"}
 
 
 def parse_setting(text: str) -> tuple[str, dict]:
@@ -94,6 +97,8 @@ def summarise(run_dir: Path, target: float) -> dict:
         "minutes_to_target": reached, "wall_minutes": (timing["ended"] - timing["started"]) / 60,
         "staleness_mean": sum(r["staleness_mean"] for r in train) / max(len(train), 1),
         "clip_fraction_mean": sum(r.get("clip_fraction", 0.0) for r in train) / max(len(train), 1),
+        "signals": {key: [[r["step"], r[key]] for r in train if r.get(key) is not None]
+                    for key in SIGNALS},
     }
 
 
@@ -146,6 +151,32 @@ def plot(summaries: dict[str, list[dict]], path: Path, target: float) -> None:
     plt.close(figure)
 
 
+def plot_signals(summaries: dict[str, list[dict]], path: Path) -> None:
+    """Each signal against the step, every run (a moving mean of 5 steps: one step of two
+    prompts is noisy)."""
+    figure, axes = plt.subplots(1, len(SIGNALS), figsize=(4 * len(SIGNALS), 3.5))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, (name, runs) in enumerate(summaries.items()):
+        for number, summary in enumerate(runs):
+            for axis, key in zip(axes, SIGNALS):
+                points = summary["signals"].get(key, [])
+                if not points:
+                    continue
+                steps, values = zip(*points)
+                smooth = [sum(values[max(0, i - 4):i + 1]) / len(values[max(0, i - 4):i + 1])
+                          for i in range(len(values))]
+                axis.plot(steps, smooth, color=colours[index % len(colours)], alpha=0.75,
+                          label=name if number == 0 else None)
+    for axis, label in zip(axes, SIGNALS.values()):
+        axis.set_xlabel("step")
+        axis.set_title(label, fontsize=10)
+        axis.grid(alpha=0.3)
+    axes[0].legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", type=Path, default=ROOT / "examples/arith.yaml")
@@ -175,8 +206,9 @@ def main() -> None:
     (args.out / "summary.md").write_text(text + "\n")
     (args.out / "summary.json").write_text(json.dumps(summaries, indent=1))
     plot(summaries, args.out / "accuracy.png", args.target)
+    plot_signals(summaries, args.out / "signals.png")
     print(text)
-    print(f"\n{args.out / 'accuracy.png'}")
+    print(f"\n{args.out / 'accuracy.png'}, {args.out / 'signals.png'}")
 
 
 if __name__ == "__main__":
