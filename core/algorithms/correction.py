@@ -34,6 +34,9 @@ from torch import Tensor
 __all__ = ["CORRECTION_LEVELS", "RolloutCorrection", "behaviour_weights"]
 
 CORRECTION_LEVELS = ("token", "sequence", "geometric")
+#: The largest log weight turned into a weight: e^30 is about 1e13, finite in float32 even
+#: times a large advantage and summed over a batch.
+_LOG_WEIGHT_BOUND = 30.0
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,9 @@ def behaviour_weights(
     if correction.mask_high is not None:
         outside = outside | (log_rho > math.log(correction.mask_high))
     masked = kept & outside
-    weight = torch.where(kept & ~masked, torch.exp(log_rho), 0.0)
+    # A sequence's product is unbounded (the spec asks for truncate or maskHigh with it); the
+    # bound keeps exp finite so that a zero advantage never meets an infinite weight (NaN).
+    weight = torch.where(kept & ~masked, torch.exp(log_rho.clamp(max=_LOG_WEIGHT_BOUND)), 0.0)
     return BehaviourWeights(weight=weight, raw=raw, capped=capped, truncated=truncated,
                             masked=masked)
 

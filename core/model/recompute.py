@@ -144,9 +144,14 @@ def entropy_of_logits(logits: torch.Tensor, logsumexp: torch.Tensor | None = Non
     with torch.no_grad():
         if logsumexp is None:
             logsumexp = torch.logsumexp(logits, dim=-1)
-        # In place on one temporary: the logits are the step's largest tensor.
-        weighted = (logits - logsumexp[..., None]).exp_().mul_(logits)
-        return logsumexp - weighted.sum(-1)
+        if logits.dim() == 2 and logits.shape[0] > (rows := block_rows(logits.shape[-1])):
+            # A block of rows at a time: one temporary of the logits' size would double the
+            # largest tensor of the step.
+            return torch.cat([entropy_of_logits(logits[block], logsumexp[block])
+                              for block in _blocks(logits.shape[0], rows)])
+        probabilities = (logits - logsumexp[..., None]).exp_()
+        # A logit of -inf (a masked token) has probability 0 and adds 0, not 0 x -inf = NaN.
+        return logsumexp - torch.where(probabilities > 0, probabilities.mul_(logits), 0.0).sum(-1)
 
 
 class _Head:

@@ -354,6 +354,16 @@ class RolloutCorrectionSpec(SpecModel):
         description="... and above this (IcePop: 2).")
 
     @model_validator(mode="after")
+    def _sequence_product_bounded(self) -> RolloutCorrectionSpec:
+        # A response's likelihood ratio is a product over its tokens: unbounded without one.
+        if self.level == "sequence" and self.truncate is None and self.mask_high is None:
+            raise rule_error(
+                "level sequence weighs each response by the product of its tokens' weights, "
+                "which grows without bound on long or stale responses",
+                field="level", fix="set truncate (e.g. 2) or maskHigh, or level geometric")
+        return self
+
+    @model_validator(mode="after")
     def _bounds(self) -> RolloutCorrectionSpec:
         if (self.mask_low is not None and self.mask_high is not None
                 and self.mask_low >= self.mask_high):

@@ -208,8 +208,9 @@ def _split_entropy(output) -> tuple[Tensor, Tensor | None]:
 def _sequence_ids(mb: PackedBatch) -> Tensor:
     """The sequence each position of a packed row belongs to."""
     bounds = mb.cu_seqlens.long()
+    # output_size: no read-back of the total on a GPU.
     return torch.repeat_interleave(torch.arange(len(bounds) - 1, device=bounds.device),
-                                   bounds[1:] - bounds[:-1])
+                                   bounds[1:] - bounds[:-1], output_size=mb.input_ids.numel())
 
 
 class PolicyUpdater:
@@ -360,7 +361,7 @@ class PolicyUpdater:
         result["loss"] = sum(stats["loss"] for _, stats, _ in steps) / len(steps)
         result.update(diagnostics.summary())
         result.update(
-            trained_tokens=float(sum(part.tokens for part in minibatches)),
+            trained_tokens=float(sum(float(part.global_tokens) for part in minibatches)),
             micro_batches=float(sum(len(part.micro_batches) for part in minibatches)),  # this rank
             optimizer_steps=float(len(steps)),
             clip_fraction_per_minibatch=[stats["clip_fraction"] for _, stats, _ in steps],
@@ -467,6 +468,7 @@ class PolicyUpdater:
             values["loss"] = loss.detach()  # already divided by the global token count
             sums += torch.stack([values[name].double() for name in names])
 
+        tokens = float(global_tokens)  # the same on every rank (all-reduced)
         if not self.sharded:  # FSDP reduced them (summed, see distributed.shard_model)
             _all_reduce_gradients(self.model, self.data_group)
         # A model split across ranks knows how to take its whole norm.
@@ -475,11 +477,13 @@ class PolicyUpdater:
         grad_norm = clip(config.max_grad_norm)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
+        if tokens > 0:
+            # A minibatch with no tokens on any rank (more minibatches than a small batch's
+            # samples) steps nothing: AdamW would move the weights on momentum alone.
+            self.optimizer.step()
 
         # Sum across ranks so every rank reports the figures of the global batch.
         summed = _all_reduce_sum(sums, self.data_group).tolist()
-        tokens = float(global_tokens)
         stats = {name: value if name == "loss" else value / max(tokens, 1.0)
                  for name, value in zip(names, summed)}
         return tokens, stats, float(grad_norm)

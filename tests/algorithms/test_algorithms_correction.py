@@ -152,3 +152,18 @@ def test_identical_log_probs_have_no_mismatch_and_no_tokens_no_figures():
     none = mismatch_summary(mismatch_sums(logprobs, logprobs, torch.zeros(2).bool()))
     assert none == {"mismatch_tokens": 0, "mismatch_abs_mean": None, "mismatch_abs_max": None,
                     "mismatch_k3": None, "mismatch_outside_fraction": None}
+
+
+def test_an_unbounded_sequence_product_stays_finite_in_the_loss():
+    """400 tokens of weight e^0.25: the product e^100 would overflow float32; with a zero
+    advantage it must not turn the loss into NaN."""
+    count = 400
+    proximal = torch.full((count,), -1.0)
+    behaviour = proximal - 0.25
+    logprobs = proximal.clone().requires_grad_(True)
+    loss, _ = decoupled_ppo_loss(
+        logprobs, proximal, behaviour, torch.zeros(count), torch.ones(count, dtype=torch.bool),
+        behaviour_weight_cap=None, correction=RolloutCorrection(level="sequence"),
+        sequence_ids=torch.zeros(count, dtype=torch.long), num_sequences=1)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()

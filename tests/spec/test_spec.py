@@ -203,6 +203,8 @@ def test_operator_may_parse_whole_objects_from_the_api_server():
          "spec.algorithm.rolloutCorrection", "remove rolloutCorrection, or set decoupled: true"),
         ({"algorithm": {"rolloutCorrection": {"maskLow": 2, "maskHigh": 0.5}}},
          "spec.algorithm.rolloutCorrection.maskLow", "set maskLow below maskHigh"),
+        ({"algorithm": {"rolloutCorrection": {"level": "sequence"}}},
+         "spec.algorithm.rolloutCorrection.level", "set truncate (e.g. 2) or maskHigh"),
         ({"rollout": {"workflow": {"kind": "episode"}}}, "spec.rollout.workflow.function",
          "set function to 'package.module:name' of your async def episode(client, row)"),
         ({"rollout": {"workflow": {"function": "mine.episode:run"}}},

@@ -111,7 +111,7 @@ def test_mismatch_is_measured_on_tokens_of_the_trainers_version():
     """Behaviour log-probs equal to the trainer's own: no mismatch; shifted by 0.1: 0.1 per
     token. Tokens of another version are not counted."""
     model = tiny_model()
-    updater = _updater(model, lr=0.0)
+    updater = _updater(model, lr=0.0, micro_batch_max_tokens=16)  # several micro-batches
     samples = make_samples(4)
     exact = []
     for sample in samples:
@@ -126,6 +126,41 @@ def test_mismatch_is_measured_on_tokens_of_the_trainers_version():
                for s in exact]
     stats = updater.step(shifted, 3)
     assert stats["mismatch_abs_mean"] == pytest.approx(0.1, abs=1e-5)
+    assert stats["mismatch_abs_max"] == pytest.approx(0.1, abs=1e-5)  # a max, not a sum
+    assert stats["micro_batches"] > 1
     assert stats["mismatch_outside_fraction"] == 0.0
     older = updater.step(_with_versions(shifted, 2), 3)
     assert older["mismatch_tokens"] == 0 and older["mismatch_abs_mean"] is None
+
+
+def test_a_minibatch_with_no_samples_steps_nothing():
+    """More minibatches than samples: the empty one makes no optimizer step (AdamW would
+    move the weights on momentum and decay alone)."""
+    sample = make_samples(1)
+    split, whole = tiny_model(), tiny_model()
+    for model, minibatches in ((split, 2), (whole, 1)):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        PolicyUpdater(model, optimizer, UpdateConfig(ppo_minibatches=minibatches)).step(sample, 0)
+    for a, b in zip(split.parameters(), whole.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_entropy_in_blocks_is_the_whole_rows(monkeypatch):
+    from asyncrl.model import recompute
+
+    logits = torch.randn(10, 50) * 3
+    logits[0, 5] = float("-inf")  # a masked token adds nothing, not NaN
+    whole = recompute.entropy_of_logits(logits)
+    monkeypatch.setattr(recompute, "LOGIT_ROWS", 3)
+    torch.testing.assert_close(recompute.entropy_of_logits(logits), whole)
+    assert torch.isfinite(whole).all()
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_entropy_comes_from_the_weights_before_the_update(minibatches):
+    """One step: from the training forward; several: from the pass before the first. The
+    same weights, the same figure."""
+    samples = make_groups(2, 4)
+    stats = _updater(tiny_model(), lr=5.0, ppo_minibatches=minibatches).step(samples, 0)
+    reference = _updater(tiny_model(), lr=0.0).step(samples, 0)
+    assert stats["entropy"] == pytest.approx(reference["entropy"], rel=1e-5)
