@@ -111,8 +111,10 @@ def test_an_engine_decoding_padded_buckets_gives_the_same_tokens_and_logprobs():
         outputs.append(results)
     for plain, padded in zip(*outputs):
         assert padded.output_ids == plain.output_ids
+        # Padded rows change the matmuls' shapes, so their float32 sums round differently:
+        # 1.4e-5 apart in one of 150 log-probs of about -6 on an Ice Lake Xeon.
         torch.testing.assert_close(torch.tensor(padded.output_logprobs),
-                                   torch.tensor(plain.output_logprobs), atol=1e-5, rtol=0)
+                                   torch.tensor(plain.output_logprobs), atol=5e-5, rtol=0)
 
 
 def test_a_step_that_cannot_be_captured_leaves_the_engine_decoding_eagerly(caplog):
