@@ -142,11 +142,10 @@ _TOKEN_MEAN_STATS = (
 
 @dataclass(frozen=True)
 class _Minibatch:
-    """The micro-batches of one optimizer step, and its loss tokens: this rank's and the
-    global batch's (the denominator of its token mean)."""
+    """The micro-batches of one optimizer step, and the global batch's count of its loss
+    tokens (the denominator of its token mean)."""
 
     micro_batches: list[PackedBatch]
-    tokens: int
     global_tokens: Tensor
 
 
@@ -334,23 +333,26 @@ class PolicyUpdater:
                 reference = [[self._logprobs(self.reference_model, mb) for mb in part.micro_batches]
                              for part in minibatches]
         diagnostics = _Diagnostics(self.device, version, self.data_group)
-        before = None
+        proximal = None  # per minibatch, per micro-batch; None: the training forward's
         if passes > 1:
+            proximal = []
             with torch.no_grad(), self._autocast():
-                before = [[self._logprobs(self.model, mb, entropy=self._entropy)
-                           for mb in part.micro_batches] for part in minibatches]
-            for part, outputs in zip(minibatches, before):
-                for mb, output in zip(part.micro_batches, outputs):
-                    diagnostics.add(mb, *_split_entropy(output))
+                for part in minibatches:
+                    proximal.append([])
+                    for mb in part.micro_batches:
+                        logprobs, entropy = _split_entropy(
+                            self._logprobs(self.model, mb, entropy=self._entropy))
+                        diagnostics.add(mb, logprobs, entropy)
+                        proximal[-1].append(logprobs)
 
         steps = []
         for _ in range(config.ppo_epochs):
             for index, part in enumerate(minibatches):
                 steps.append(self._optimizer_step(
                     part, version, loglinear,
-                    None if before is None else [lp for lp, _ in map(_split_entropy, before[index])],
+                    None if proximal is None else proximal[index],
                     None if reference is None else reference[index],
-                    None if before is not None or steps else diagnostics))
+                    None if proximal is not None or steps else diagnostics))
 
         # Each optimizer step's figures are token means over its minibatch; the step's are
         # token-weighted means over all of them (the loss: the mean of their losses).
@@ -402,7 +404,7 @@ class PolicyUpdater:
         local_tokens = sum(int(s.loss_mask.sum()) for s in samples)
         global_tokens = _all_reduce_sum(
             torch.tensor(float(local_tokens), device=self.device), self.data_group)
-        return _Minibatch(micro_batches, local_tokens, global_tokens)
+        return _Minibatch(micro_batches, global_tokens)
 
     def _optimizer_step(self, part: _Minibatch, version: int | None, loglinear: bool,
                         proximal: list[Tensor] | None, reference: list[Tensor] | None,
