@@ -27,6 +27,7 @@ from support.operator_cluster import (  # noqa: F401 - kube is a fixture
     OperatorProcess,
     _exists,
     children,
+    events_about,
     expected,
     kube,
     manifest,
@@ -190,8 +191,7 @@ def test_the_installed_operator_reconciles_an_rljob_with_leader_election(
         assert "Running" in out.stdout
         # Each phase transition is announced once, though handlers and watches race (kwok's
         # pods can be Ready before the first status is written: Starting may be skipped).
-        events = kube.core.list_namespaced_event(
-            namespace, field_selector="involvedObject.name=one").items
+        events = events_about(kube, namespace, "one", "Running", first)
         reasons = sorted(e.reason for e in events if e.reason in ("Starting", "Running"))
         assert reasons in (["Running"], ["Running", "Starting"]), reasons
         # The follower campaigns and waits; it does not lead.

@@ -31,6 +31,7 @@ from support.operator_cluster import (  # noqa: F401 - fixtures among them
     OperatorProcess,
     operator,
     namespace,
+    events_about,
     wait_for,
     _exists,
     manifest,
@@ -133,8 +134,7 @@ def test_operator_rejects_what_only_the_model_checks_and_creates_nothing(kube, o
         kube.apps.delete_namespaced_deployment("valid-buffer", namespace)
         wait_for(valid_buffer, 60, "valid-buffer to be recreated by a resync pass", operator)
     assert all(not names for names in children(kube, namespace, "mixed").values())
-    events = kube.core.list_namespaced_event(
-        namespace, field_selector="involvedObject.name=mixed").items
+    events = events_about(kube, namespace, "mixed", "InvalidSpec", operator)
     assert any(e.type == "Warning" and e.reason == "InvalidSpec" for e in events)
 
 
@@ -180,8 +180,7 @@ def test_apply_creates_owned_children_and_runs_gpu_pods_on_gpu_nodes(kube, opera
     assert (trainer["status"], trainer["reason"]) == ("False", "GetStatusFailed")
     assert trainer["message"].startswith(f"tiny-trainer-0.tiny-trainer-headless.{namespace}"
                                          f".svc:50071: "), trainer
-    events = kube.core.list_namespaced_event(
-        namespace, field_selector="involvedObject.name=tiny").items
+    events = events_about(kube, namespace, "tiny", "Running", operator)
     # One event per phase transition. Starting is skipped when kwok made every pod ready
     # before the operator's first look (a loaded machine); Running is announced either way.
     messages = {e.reason: e.message for e in events}
@@ -454,8 +453,7 @@ def test_a_crash_looping_trainer_fails_the_job(kube, operator, namespace):
     failed = next(c for c in status["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "TrainerFailed"
     assert "CrashLoopBackOff after 7 restarts (last exit: Error, code 1)" in failed["message"]
-    events = kube.core.list_namespaced_event(
-        namespace, field_selector="involvedObject.name=tiny").items
+    events = events_about(kube, namespace, "tiny", "TrainerFailed", operator)
     assert any(e.type == "Warning" and e.reason == "TrainerFailed" for e in events)
 
 

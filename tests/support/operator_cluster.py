@@ -223,6 +223,19 @@ def phase_is(kube, namespace, name, phase):
     return check
 
 
+def events_about(kube, namespace: str, name: str, reason: str, operator=None) -> list:
+    """The Events about RLJob `name`, once one with `reason` is there: the operator patches
+    the status first and posts the Event after it, so a test that saw the phase may still be
+    a moment early for the Event."""
+
+    def posted():
+        events = posted.seen = kube.core.list_namespaced_event(
+            namespace, field_selector=f"involvedObject.name={name}").items
+        return any(e.reason == reason for e in events) and events
+    posted.seen = None
+    return wait_for(posted, 30, f"an Event {reason} about {name}", operator)
+
+
 def children(kube, namespace: str, job: str) -> dict[str, list[str]]:
     selector = f"asyncrl.io/job={job}"
     return {
