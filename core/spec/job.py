@@ -330,6 +330,22 @@ class LearningRateSchedule(SpecModel):
         description="The last step's rate as a share of learningRate (decay linear or cosine).")
 
 
+class OverlongPenaltySpec(SpecModel):
+    """DAPO's soft overlong punishment: a response's reward is lowered linearly over the last
+    bufferTokens tokens of rollout.maxNewTokens, by up to `factor` at the cut, before its
+    advantage is computed (docs/algorithm.md)."""
+
+    buffer_tokens: int = Field(
+        default=0, ge=0,
+        description="Tokens before rollout.maxNewTokens over which the penalty rises from 0 to "
+        "factor; 0 turns it off. A response of L tokens loses factor x (L - (maxNewTokens - "
+        "bufferTokens)) / bufferTokens when positive.")
+    factor: float = Field(
+        default=1.0, gt=0,
+        description="The penalty at maxNewTokens, in reward units (a right answer scores 1 "
+        "with reward kind math).")
+
+
 class RolloutCorrectionSpec(SpecModel):
     """Correction of the gap between the policy that sampled a token (the rollout engine, which
     may hold older weights and computes with other kernels) and the trainer's proximal policy:
@@ -479,6 +495,10 @@ class AlgorithmSpec(SpecModel):
         default=1.0, gt=0, description="Gradient norm clipping threshold."
     )
     kl: KLSpec = Field(default_factory=KLSpec, description="KL penalty to the reference policy.")
+    overlong_penalty: OverlongPenaltySpec = Field(
+        default_factory=OverlongPenaltySpec,
+        description="Lower the reward of responses that come close to rollout.maxNewTokens, so "
+        "that among right answers the shorter wins and answers stay clear of the cut.")
     max_steps: int = Field(default=100, ge=1, description="Training steps (policy updates).")
 
     @property
@@ -1249,6 +1269,22 @@ class RLJobSpec(SpecModel):
                 field="trainer.microBatchMaxTokens",
                 fix=f"raise trainer.microBatchMaxTokens to {workflow.max_context_tokens} or "
                 "more, or lower rollout.workflow.maxContextTokens")
+        overlong = self.algorithm.overlong_penalty
+        if overlong.buffer_tokens > 0 and workflow.kind == "episode":
+            raise rule_error(
+                "overlongPenalty measures a response against rollout.maxNewTokens, and an "
+                "episode's turns each have their own (its length is the conversation's)",
+                field="algorithm.overlongPenalty",
+                fix="remove algorithm.overlongPenalty, or shape the length in the episode's own "
+                "reward")
+        if overlong.buffer_tokens > self.rollout.max_new_tokens:
+            raise rule_error(
+                f"a buffer of {overlong.buffer_tokens} tokens is longer than the "
+                f"{self.rollout.max_new_tokens} tokens a response may have "
+                "(rollout.maxNewTokens)",
+                field="algorithm.overlongPenalty.bufferTokens",
+                fix=f"set bufferTokens to at most {self.rollout.max_new_tokens}, e.g. a quarter "
+                f"of it ({self.rollout.max_new_tokens // 4})")
         if self.trainer.micro_batch_max_tokens < self.rollout.max_new_tokens:
             raise rule_error(
                 f"a micro-batch of {self.trainer.micro_batch_max_tokens} tokens cannot hold one "

@@ -32,6 +32,7 @@ import torch
 
 from asyncrl.algorithms.advantages import aggregation_weights, episode_advantages
 from asyncrl.algorithms.evaluation import accuracy_record
+from asyncrl.algorithms.shaping import overlong_penalties
 from asyncrl.algorithms.staleness import staleness
 from asyncrl.clients.buffer import BufferClient
 from asyncrl.platform.devices import local_rank, select_device
@@ -99,17 +100,26 @@ class Status:
     history: list[dict] = field(default_factory=list)
 
 
-def samples_from_groups(groups, algorithm) -> tuple[list[TrainSample], torch.Tensor]:
+def samples_from_groups(groups, algorithm, max_new_tokens: int = 0,
+                        ) -> tuple[list[TrainSample], torch.Tensor]:
     """Token-aligned training samples and the [groups, groupSize] episode-reward matrix of a
     batch of groups (common_pb2.Group, or asyncrl.data.samples.Group). An episode is one
     sample, or several when its turns did not merge (continues_episode), so groups may hold
-    different numbers of samples; an episode's reward is its last sample's."""
+    different numbers of samples; an episode's reward is its last sample's.
+    With algorithm.overlongPenalty (single-turn jobs: one sample an episode) the advantages
+    are those of the rewards less each response's penalty against `max_new_tokens`
+    (rollout.maxNewTokens); the matrix returned holds the rewards as scored."""
     flat = [sample for group in groups for sample in group.samples]
     episode_of_sample, episode_rewards = _episodes(groups)
     masks = [torch.tensor(loss_mask(sample), dtype=torch.bool) for sample in flat]
+    rewards, shaped_episodes = torch.tensor([s.reward for s in flat]), episode_rewards
+    if algorithm.overlong_penalty.buffer_tokens:
+        rewards = rewards - length_penalties(flat, algorithm, max_new_tokens)
+        shaped_episodes = episode_rewards.flatten().index_put(
+            (episode_of_sample,), rewards).view_as(episode_rewards)
     advantages = episode_advantages(
-        torch.tensor([s.reward for s in flat], dtype=torch.float32), episode_of_sample,
-        episode_rewards, algorithm.advantage_estimator, algorithm.batch_norm_advantages,
+        rewards, episode_of_sample, shaped_episodes, algorithm.advantage_estimator,
+        algorithm.batch_norm_advantages,
     ) * aggregation_weights(torch.tensor([int(m.sum()) for m in masks]),
                             algorithm.loss_aggregation)
     samples = []
@@ -128,6 +138,13 @@ def samples_from_groups(groups, algorithm) -> tuple[list[TrainSample], torch.Ten
                                    versions.pop() if len(versions) == 1 else None,
                                    token_versions))
     return samples, episode_rewards
+
+
+def length_penalties(samples, algorithm, max_new_tokens: int) -> torch.Tensor:
+    """Each response's algorithm.overlongPenalty (asyncrl.algorithms.shaping)."""
+    shaping = algorithm.overlong_penalty
+    return overlong_penalties(torch.tensor([len(s.response_ids) for s in samples]),
+                              max_new_tokens, shaping.buffer_tokens, shaping.factor)
 
 
 def _episodes(groups) -> tuple[torch.Tensor, torch.Tensor]:
@@ -321,7 +338,8 @@ class Trainer:
                     break
                 wait_seconds = time.perf_counter() - waiting
                 self.status.phase = "training"
-                samples, rewards = samples_from_groups(batch.groups, spec.algorithm)
+                samples, rewards = samples_from_groups(batch.groups, spec.algorithm,
+                                                       spec.rollout.max_new_tokens)
                 stale = [staleness(version, _versions(g)) for g in batch.groups]
                 shares = shares_per_rank(samples, self.group.world_size, self.tensor_parallel)
                 stats = await self._command([Command("step", samples=s, version=version,
@@ -348,6 +366,7 @@ class Trainer:
                         "dropped_stale": batch.dropped_stale, "redelivered": batch.redelivered,
                         "wait_seconds": wait_seconds, "trained_samples": len(samples),
                         **response_shape(batch.groups),
+                        **self._overlong_penalty(batch.groups),
                         "weight_transfer": transfer, "publish_seconds": publish_seconds, **stats,
                     }
                     if step % spec.trainer.eval_every == 0 or step == spec.algorithm.max_steps:
@@ -507,8 +526,8 @@ class Trainer:
 
     async def evaluate(self, state: dict[str, torch.Tensor]) -> dict:
         """Greedy accuracy on held-out prompts, with the weights of `state` (the whole model),
-        and its standard error (asyncrl.algorithms.evaluation.accuracy_record); {} without
-        held-out prompts.
+        its standard error (asyncrl.algorithms.evaluation.accuracy_record) and the seconds it
+        took; {} without held-out prompts.
         The evaluation engine takes the weights the way rollout workers do (a weight update)
         and runs on the compute thread (no thread of its own). Where the trainer's weights are
         the published ones (one process holds the whole transformers model, and snapshots are
@@ -538,14 +557,26 @@ class Trainer:
             engine.run_until_idle()
             return [f.result() for f in futures]
 
+        started = time.perf_counter()
         results = await self._on_compute(generate)
         scores = await asyncio.gather(*(
             self.scorer.score(item, [r.output_ids]) for item, r in zip(self.eval_items, results)
         ))
-        evaluation = accuracy_record([score for (score,) in scores])
+        # What the evaluation cost the run (training waits for it): a user weighs it against
+        # the standard error it buys when choosing trainer.evalPrompts and evalEvery.
+        evaluation = {**accuracy_record([score for (score,) in scores]),
+                      "eval_seconds": time.perf_counter() - started}
         self.status.eval_accuracy = evaluation["eval_accuracy"]
         self.status.eval_stderr = evaluation["eval_stderr"]
         return evaluation
+
+    def _overlong_penalty(self, groups) -> dict[str, float]:
+        """The batch's mean algorithm.overlongPenalty, where the job asks for one."""
+        if not self.spec.algorithm.overlong_penalty.buffer_tokens:
+            return {}
+        flat = [sample for group in groups for sample in group.samples]
+        penalties = length_penalties(flat, self.spec.algorithm, self.spec.rollout.max_new_tokens)
+        return {"overlong_penalty_mean": float(penalties.mean()) if flat else 0.0}
 
     def _record(self, record: dict) -> None:
         status = self.status

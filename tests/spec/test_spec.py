@@ -205,6 +205,12 @@ def test_operator_may_parse_whole_objects_from_the_api_server():
          "spec.algorithm.rolloutCorrection.maskLow", "set maskLow below maskHigh"),
         ({"algorithm": {"rolloutCorrection": {"level": "sequence"}}},
          "spec.algorithm.rolloutCorrection.level", "set truncate (e.g. 2) or maskHigh"),
+        ({"algorithm": {"overlongPenalty": {"bufferTokens": 300}}, "rollout": {
+            "maxNewTokens": 256}}, "spec.algorithm.overlongPenalty.bufferTokens",
+         "set bufferTokens to at most 256, e.g. a quarter of it (64)"),
+        ({"algorithm": {"overlongPenalty": {"bufferTokens": 16}}, "rollout": {"workflow": {
+            "kind": "episode", "function": "mine:run"}}}, "spec.algorithm.overlongPenalty",
+         "remove algorithm.overlongPenalty, or shape the length in the episode's own reward"),
         ({"rollout": {"workflow": {"kind": "episode"}}}, "spec.rollout.workflow.function",
          "set function to 'package.module:name' of your async def episode(client, row)"),
         ({"rollout": {"workflow": {"function": "mine.episode:run"}}},

@@ -13,9 +13,10 @@ from asyncrl.data.samples import Group, Trajectory
 from asyncrl.trainer.service import samples_from_groups
 
 
-def algorithm(estimator="grpo", batch_norm=False, aggregation="token_mean"):
+def algorithm(estimator="grpo", batch_norm=False, aggregation="token_mean", overlong=0):
     return SimpleNamespace(advantage_estimator=estimator, batch_norm_advantages=batch_norm,
-                           loss_aggregation=aggregation)
+                           loss_aggregation=aggregation,
+                           overlong_penalty=SimpleNamespace(buffer_tokens=overlong, factor=1.0))
 
 
 def sample(response: int, reward: float, mask=(), continues=False, version=3) -> Trajectory:
@@ -96,3 +97,17 @@ def test_groups_of_different_episode_counts_are_refused():
               Group("b", "p", [sample(1, 1.0)], 0)]
     with pytest.raises(ValueError, match=r"different numbers of episodes \(\[2, 1\]\)"):
         samples_from_groups(groups, algorithm())
+
+
+def test_the_overlong_penalty_shapes_the_advantages_not_the_rewards_reported():
+    """maxNewTokens 8, a buffer of 4: responses of 2, 6 and 8 tokens lose 0, 0.5 and 1. Two
+    right answers (1, 1) and a cut one (0) become 1, 0.5 and -1 (mean 1/6) for dr_grpo; the
+    reward matrix stays as scored."""
+    groups = [Group("g", "p", [sample(2, 1.0), sample(6, 1.0), sample(8, 0.0)], 0)]
+    samples, rewards = samples_from_groups(groups, algorithm("dr_grpo", overlong=4), 8)
+    assert rewards.tolist() == [[1.0, 1.0, 0.0]]
+    assert [s.advantage for s in samples] == pytest.approx([1 - 1 / 6, 0.5 - 1 / 6, -1 - 1 / 6])
+    # A group the buffer would call uniform (all right) still ranks its answers by length.
+    groups = [Group("g", "p", [sample(2, 1.0), sample(7, 1.0)], 0)]
+    samples, _ = samples_from_groups(groups, algorithm("dr_grpo", overlong=4), 8)
+    assert [s.advantage for s in samples] == pytest.approx([0.375, -0.375])

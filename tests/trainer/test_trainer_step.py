@@ -435,7 +435,8 @@ def test_a_batchs_advantages_carry_the_loss_aggregation(aggregation):
 
     groups = [Group("g", "p", [response(2, 1.0), response(10, 0.0)], 0)]
     algorithm = SimpleNamespace(advantage_estimator="grpo", batch_norm_advantages=False,
-                                loss_aggregation=aggregation)
+                                loss_aggregation=aggregation,
+                                overlong_penalty=SimpleNamespace(buffer_tokens=0, factor=1.0))
     samples, _ = samples_from_groups(groups, algorithm)
     per_response = [s.advantage * int(s.loss_mask.sum()) for s in samples]
     if aggregation == "token_mean":
