@@ -366,7 +366,8 @@ class Trainer:
                         "dropped_stale": batch.dropped_stale, "redelivered": batch.redelivered,
                         "wait_seconds": wait_seconds, "trained_samples": len(samples),
                         **response_shape(batch.groups),
-                        **self._overlong_penalty(batch.groups),
+                        **overlong_penalty_record(batch.groups, spec.algorithm,
+                                                  spec.rollout.max_new_tokens),
                         "weight_transfer": transfer, "publish_seconds": publish_seconds, **stats,
                     }
                     if step % spec.trainer.eval_every == 0 or step == spec.algorithm.max_steps:
@@ -570,14 +571,6 @@ class Trainer:
         self.status.eval_stderr = evaluation["eval_stderr"]
         return evaluation
 
-    def _overlong_penalty(self, groups) -> dict[str, float]:
-        """The batch's mean algorithm.overlongPenalty, where the job asks for one."""
-        if not self.spec.algorithm.overlong_penalty.buffer_tokens:
-            return {}
-        flat = [sample for group in groups for sample in group.samples]
-        penalties = length_penalties(flat, self.spec.algorithm, self.spec.rollout.max_new_tokens)
-        return {"overlong_penalty_mean": float(penalties.mean()) if flat else 0.0}
-
     def _record(self, record: dict) -> None:
         status = self.status
         status.step, status.last_step_seconds = record["step"], record["step_seconds"]
@@ -629,6 +622,15 @@ def response_shape(groups) -> dict[str, float]:
         "response_length_mean": sum(len(s.response_ids) for s in samples) / len(samples),
         "truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
     }
+
+
+def overlong_penalty_record(groups, algorithm, max_new_tokens: int) -> dict[str, float]:
+    """The batch's mean algorithm.overlongPenalty, where the job asks for one ({} if not)."""
+    if not algorithm.overlong_penalty.buffer_tokens:
+        return {}
+    samples = [sample for group in groups for sample in group.samples]
+    penalties = length_penalties(samples, algorithm, max_new_tokens)
+    return {"overlong_penalty_mean": float(penalties.mean()) if samples else 0.0}
 
 
 def _versions(group) -> list[int]:

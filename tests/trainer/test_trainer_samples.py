@@ -10,7 +10,7 @@ import torch
 
 from asyncrl.algorithms.advantages import aggregation_weights, compute_advantages
 from asyncrl.data.samples import Group, Trajectory
-from asyncrl.trainer.service import samples_from_groups
+from asyncrl.trainer.service import overlong_penalty_record, samples_from_groups
 
 
 def algorithm(estimator="grpo", batch_norm=False, aggregation="token_mean", overlong=0):
@@ -111,3 +111,7 @@ def test_the_overlong_penalty_shapes_the_advantages_not_the_rewards_reported():
     groups = [Group("g", "p", [sample(2, 1.0), sample(7, 1.0)], 0)]
     samples, _ = samples_from_groups(groups, algorithm("dr_grpo", overlong=4), 8)
     assert [s.advantage for s in samples] == pytest.approx([0.375, -0.375])
+    # The step's record: the batch's mean penalty, (0 + 0.75) / 2; nothing when it is off.
+    assert overlong_penalty_record(groups, algorithm(overlong=4), 8) == {
+        "overlong_penalty_mean": 0.375}
+    assert overlong_penalty_record(groups, algorithm(), 8) == {}
