@@ -11,7 +11,8 @@ from __future__ import annotations
 
 #: suffix -> what it holds. `<slot>`, `<id>`: filled in per slot or batch.
 LAYOUT: dict[str, str] = {
-    "config": "hash: max_staleness, batch_size, max_concurrent (0 = unlimited), lease_ms, "
+    "config": "hash: max_staleness, batch_size, max_concurrent (0 = unlimited), oversample (groups "
+              "the gate may start beyond its bound), lease_ms, "
               "ack_timeout_ms, epochs (0 = unlimited), prompts (training prompts per epoch, as "
               "the first rollout worker told it)",
     "state": "hash: trainer_version, trainer_step, trainer_finished, accepted, consumed, "

@@ -433,6 +433,17 @@ class AlgorithmSpec(SpecModel):
         description="Staleness bound eta: a rollout may start only while it would be trained "
         "at most this many policy versions after the version that began it. 0 is synchronous.",
     )
+    oversample_groups: int = Field(
+        default=0,
+        ge=0,
+        description="Groups the staleness gate may start beyond its bound (DAPO's "
+        "over-generation). With skipUniformGroups, each skipped group is otherwise replaced "
+        "only after it finished, one round after another; at maxStaleness 0 a step then waits "
+        "for several rounds of generation. The extra groups run beside the batch instead; one "
+        "accepted after its version's batch is complete is older than the bound when the "
+        "trainer reaches it and is dropped there (dropped stale), so every trained sample "
+        "still keeps the bound. Costs generation, not correctness: 0 (the default) starts none.",
+    )
     clip_eps: float = Field(
         default=0.2, gt=0, lt=1, description="PPO clip epsilon: ratio clipped to [1-eps, 1+eps]."
     )

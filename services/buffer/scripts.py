@@ -64,7 +64,7 @@ end
 _GRANT = _CURSOR + """
 local function grant(p, slot, prompts)
   local cfg = redis.call('HMGET', p .. 'config', 'max_staleness', 'batch_size', 'max_concurrent',
-                         'lease_ms', 'prompts')
+                         'lease_ms', 'prompts', 'oversample')
   if not cfg[1] then return {-1} end
   local told = tonumber(prompts) or 0
   if told > 0 then
@@ -86,7 +86,10 @@ local function grant(p, slot, prompts)
   -- Groups dropped as too stale are never trained: their budget is given back, or a job whose
   -- every slot went to a dropped group would wait forever.
   local kept = tonumber(st[2] or '0') - tonumber(st[3] or '0')
-  local capacity = (tonumber(cfg[1]) + version + 1) * tonumber(cfg[2]) - (kept + running)
+  -- Over-generation (algorithm.oversampleGroups) widens admission only: an extra group that
+  -- ends up staler than the bound is dropped when consumed, as any other.
+  local capacity = (tonumber(cfg[1]) + version + 1) * tonumber(cfg[2]) + tonumber(cfg[6] or '0')
+                   - (kept + running)
   if capacity <= 0 then return {0, 'staleness'} end
   local max_concurrent = tonumber(cfg[3])
   if max_concurrent > 0 and running >= max_concurrent then return {0, 'concurrency'} end

@@ -66,6 +66,7 @@ class JobConfig:
     batch_size: int
     group_size: int
     max_concurrent: int | None = None
+    oversample_groups: int = 0
     lease_seconds: float = 30.0
     ack_timeout_seconds: float = 300.0
     max_group_bytes: int = 32 << 20
@@ -82,6 +83,7 @@ class JobConfig:
             batch_size=spec.algorithm.batch_size,
             group_size=spec.algorithm.group_size,
             max_concurrent=spec.rollout.max_concurrent_rollouts,
+            oversample_groups=spec.algorithm.oversample_groups,
             lease_seconds=spec.buffer.lease_seconds,
             ack_timeout_seconds=spec.buffer.ack_timeout_seconds,
             epochs=spec.dataset.epochs,
@@ -188,6 +190,7 @@ class BufferStore:
                 "max_staleness": job.max_staleness,
                 "batch_size": job.batch_size,
                 "max_concurrent": job.max_concurrent or 0,
+                "oversample": job.oversample_groups,
                 "lease_ms": int(job.lease_seconds * 1000),
                 "ack_timeout_ms": int(job.ack_timeout_seconds * 1000),
                 "epochs": job.epochs or 0,

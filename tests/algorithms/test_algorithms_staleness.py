@@ -55,6 +55,21 @@ def test_groups_dropped_as_too_stale_give_their_places_back():
         rollout_capacity(dropped_stale=9, **args)
 
 
+def test_oversampled_groups_start_beside_the_batch_at_eta_0():
+    # eta 0, two groups a step: without over-generation a skipped group is replaced only
+    # after it finishes; with 6 extra, 8 start at once, still capped by max_concurrent.
+    args = dict(max_staleness=0, trainer_version=3, batch_size=2, accepted=6, running=2)
+    assert rollout_capacity(**args) == 0
+    assert rollout_capacity(oversample=6, **args) == 6
+    assert rollout_capacity(oversample=6, max_concurrent=5, **args) == 3
+    # an extra group accepted at version 3 is dropped stale at version 4: its place comes back
+    assert rollout_capacity(oversample=6, **{**args, "accepted": 9, "running": 5}) == 0
+    assert rollout_capacity(oversample=6, dropped_stale=1,
+                            **{**args, "trainer_version": 4, "accepted": 9, "running": 5}) == 3
+    with pytest.raises(ValueError, match="oversample"):
+        rollout_capacity(oversample=-1, **args)
+
+
 def test_bumping_the_version_opens_one_batch_of_slots():
     args = dict(max_staleness=1, batch_size=4, accepted=5, running=3)
     assert rollout_capacity(trainer_version=0, **args) == 0

@@ -25,7 +25,9 @@ def buffer(redis_server):
                    lease_seconds=2.0), JobConfig(name="capped", max_staleness=4, batch_size=2,
                                                  group_size=GROUP, max_concurrent=3),
          JobConfig(name="tiny-records", max_staleness=1, batch_size=1, group_size=GROUP,
-                   max_group_bytes=200)]
+                   max_group_bytes=200),
+         JobConfig(name="oversampled", max_staleness=0, batch_size=BATCH, group_size=GROUP,
+                   oversample_groups=2)]
     server = BufferThread(redis_server.url, jobs).start()
     yield server
     server.stop()
@@ -237,6 +239,31 @@ def test_dropped_groups_give_their_budget_back(stub):
     assert not wait.groups and wait.dropped_stale == BATCH
     regenerated = [acquire(stub, job) for _ in range(BATCH + 1)]
     assert [slot.granted for slot in regenerated] == [True] * BATCH + [False]
+
+
+def test_oversampled_groups_run_beside_the_batch_and_extras_are_dropped_stale(stub):
+    """algorithm.oversampleGroups widens admission, never the bound: at η = 0 the extras start
+    with the batch, and one accepted after its version's batch was taken is dropped as stale,
+    giving its place back."""
+    job = "oversampled"  # bound (0 + 0 + 1) * 3 = 3 groups, plus 2 extra
+    slots = [acquire(stub, job) for _ in range(BATCH + 3)]
+    assert [s.granted for s in slots] == [True] * (BATCH + 2) + [False]
+    assert slots[-1].reason == "staleness"
+    for index, slot in enumerate(slots[:BATCH + 1]):
+        put(stub, job, slot.slot_id, f"g{index}", version=0)
+    batch = get_batch(stub, job, "t")
+    assert [g.group_id for g in batch.groups] == ["g0", "g1", "g2"]
+    stub.AckBatch(buffer_pb2.AckBatchRequest(job=job, batch_id=batch.batch_id), timeout=10)
+    stub.SetVersion(buffer_pb2.SetVersionRequest(job=job, version=1, weights_uri="/w/1"), timeout=10)
+    put(stub, job, slots[BATCH + 1].slot_id, "g4", version=0)  # was running at the change
+    # kept 5 against (0 + 1 + 1) * 3 + 2: three start on version 1
+    fresh = [acquire(stub, job) for _ in range(BATCH + 1)]
+    assert [s.granted for s in fresh] == [True] * BATCH + [False]
+    put(stub, job, fresh[0].slot_id, "n0", version=1)
+    wait = get_batch(stub, job, "t", wait_ms=100)
+    assert not wait.groups and wait.dropped_stale == 2  # g3 and g4, never trained
+    # their places come back: kept 4, running 2 against 8
+    assert [acquire(stub, job).granted for _ in range(3)] == [True, True, False]
 
 
 def test_lease_expiry_frees_a_dead_workers_slot(stub):

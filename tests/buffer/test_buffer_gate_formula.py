@@ -24,13 +24,15 @@ def random_state(rng: random.Random) -> dict[str, int]:
         "accepted": accepted, "dropped_stale": rng.choice([0, rng.randint(0, accepted)]),
         "running": rng.randint(0, 12), "expired": rng.randint(0, 3),
         "max_concurrent": rng.choice([0, rng.randint(1, 12)]),
+        "oversample": rng.choice([0, rng.randint(1, 6)]),
     }
 
 
 def lua_grants(client: redis.Redis, acquire, job: str, state: dict[str, int]) -> tuple[bool, str]:
     client.hset(key(job, "config"), mapping={
         "max_staleness": state["max_staleness"], "batch_size": state["batch_size"],
-        "max_concurrent": state["max_concurrent"], "lease_ms": 30_000, "ack_timeout_ms": 60_000})
+        "max_concurrent": state["max_concurrent"], "oversample": state["oversample"],
+        "lease_ms": 30_000, "ack_timeout_ms": 60_000})
     client.hset(key(job, "state"), mapping={
         "trainer_version": state["trainer_version"], "accepted": state["accepted"],
         "dropped_stale": state["dropped_stale"]})

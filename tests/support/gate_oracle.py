@@ -9,7 +9,9 @@ to a hand-computed table, and the workflow's in-process test gate (support.rollo
 
 With staleness bound η, every sample the trainer consumes at version v must have been started by a
 policy no older than v − η. AReaL enforces this at admission: a new rollout may start only while
-``(η + trainer_version + 1) · batch_size − (accepted − dropped_stale + running) > 0``.
+``(η + trainer_version + 1) · batch_size − (accepted − dropped_stale + running) > 0``;
+``oversample`` (algorithm.oversampleGroups) adds to the left side: admission only, the bound is
+kept where the trainer consumes.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def rollout_capacity(
     running: int,
     dropped_stale: int = 0,
     max_concurrent: int = 0,
+    oversample: int = 0,
 ) -> int:
     """How many new rollouts (groups) may start now; never negative.
 
@@ -33,11 +36,12 @@ def rollout_capacity(
     buffer, ``dropped_stale`` those of them the trainer dropped as too stale (never trained:
     their places are given back, or a job whose every slot went to a dropped group would wait
     forever), ``running`` counts granted slots whose group has not been put yet, and
-    ``max_concurrent`` caps how many may run at once (0: no cap).
+    ``max_concurrent`` caps how many may run at once (0: no cap), and ``oversample`` groups may
+    start beyond the bound.
     """
     for name, value in dict(max_staleness=max_staleness, trainer_version=trainer_version,
                             accepted=accepted, running=running, dropped_stale=dropped_stale,
-                            max_concurrent=max_concurrent).items():
+                            max_concurrent=max_concurrent, oversample=oversample).items():
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
     if batch_size < 1:
@@ -45,7 +49,7 @@ def rollout_capacity(
     if dropped_stale > accepted:
         raise ValueError(f"dropped_stale ({dropped_stale}) cannot exceed accepted ({accepted})")
     kept = accepted - dropped_stale
-    capacity = (max_staleness + trainer_version + 1) * batch_size - (kept + running)
+    capacity = (max_staleness + trainer_version + 1) * batch_size + oversample - (kept + running)
     if max_concurrent:
         capacity = min(capacity, max_concurrent - running)
     return max(capacity, 0)
