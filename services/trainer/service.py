@@ -114,6 +114,12 @@ def samples_from_groups(groups, algorithm, max_new_tokens: int = 0,
     masks = [torch.tensor(loss_mask(sample), dtype=torch.bool) for sample in flat]
     rewards, shaped_episodes = torch.tensor([s.reward for s in flat]), episode_rewards
     if algorithm.overlong_penalty.buffer_tokens:
+        # A response's penalty becomes its episode's reward: only whole single-turn episodes
+        # have one response to judge (the spec refuses the penalty for episode workflows).
+        if len(flat) != episode_rewards.numel():
+            raise ValueError("algorithm.overlongPenalty shapes single-turn jobs only, and this "
+                             "batch holds episodes of several samples: turn it off "
+                             "(overlongPenalty.bufferTokens: 0) for episode workflows")
         rewards = rewards - length_penalties(flat, algorithm, max_new_tokens)
         shaped_episodes = episode_rewards.flatten().index_put(
             (episode_of_sample,), rewards).view_as(episode_rewards)

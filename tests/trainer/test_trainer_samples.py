@@ -115,3 +115,8 @@ def test_the_overlong_penalty_shapes_the_advantages_not_the_rewards_reported():
     assert overlong_penalty_record(groups, algorithm(overlong=4), 8) == {
         "overlong_penalty_mean": 0.375}
     assert overlong_penalty_record(groups, algorithm(), 8) == {}
+
+
+def test_the_overlong_penalty_refuses_episodes_of_several_samples():
+    with pytest.raises(ValueError, match="overlongPenalty shapes single-turn jobs only"):
+        samples_from_groups(EPISODES, algorithm(overlong=4), 8)
