@@ -151,6 +151,8 @@ def run(
                   f"{local.rollout_threads} threads); logs in {options.run_dir / 'logs'}")
     for line in local.device_lines():
         console.print(line, markup=False)
+    for line in local.gate_lines():
+        console.print(line, style="yellow", markup=False, soft_wrap=True)
     if metrics:
         console.print(f"metrics: Prometheus targets in {local.prometheus_dir / 'targets.json'}; "
                       f"scrape them with: prometheus --config.file="

@@ -285,6 +285,18 @@ class LocalJob:
             lines.append(f"weights: ipc (CUDA IPC on {devices.trainer.device})")
         return lines
 
+    def gate_lines(self) -> list[str]:
+        """A line when the job will wait on its own gate: at η = 0 (--sync) a group skipped as
+        uniform is replaced only once it has finished, one round of generation after another."""
+        algorithm = self.job.spec.algorithm
+        if algorithm.max_staleness or not algorithm.skip_uniform_groups \
+                or algorithm.oversample_groups:
+            return []
+        room = self.job.spec.rollout.max_concurrent_rollouts - algorithm.batch_size
+        return [f"η = 0 with skipUniformGroups: each skipped group is generated again after it, "
+                f"so a step may wait for several rounds; algorithm.oversampleGroups: {room} "
+                f"would generate them beside the batch"] if room > 0 else []
+
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:

@@ -145,6 +145,24 @@ def test_the_runs_first_lines_on_this_machine(tmp_path):
     assert local.job.spec.trainer.weight_transfer == "disk"
 
 
+def test_a_sync_run_that_skips_uniform_groups_is_told_to_oversample(tmp_path):
+    manifest = yaml.safe_load((ROOT / "examples/arith.yaml").read_text())
+    assert manifest["spec"]["algorithm"]["skipUniformGroups"]
+
+    def lines(sync, **algorithm):
+        job = {**manifest, "spec": {**manifest["spec"],
+                                    "algorithm": {**manifest["spec"]["algorithm"], **algorithm}}}
+        return LocalJob(parse_manifest(job), RunOptions(run_dir=tmp_path, sync=sync)).gate_lines()
+
+    # maxConcurrentRollouts 8, batchSize 2: six groups can run beside the batch
+    assert lines(True) == [
+        "η = 0 with skipUniformGroups: each skipped group is generated again after it, so a "
+        "step may wait for several rounds; algorithm.oversampleGroups: 6 would generate them "
+        "beside the batch"]
+    assert lines(False) == lines(True, oversampleGroups=2) == []
+    assert lines(True, skipUniformGroups=False) == []
+
+
 def test_asyncrl_run_refuses_gpus_it_does_not_have_before_starting_anything(tmp_path):
     import torch
 
