@@ -442,7 +442,8 @@ class AlgorithmSpec(SpecModel):
         "for several rounds of generation. The extra groups run beside the batch instead; one "
         "accepted after its version's batch is complete is older than the bound when the "
         "trainer reaches it and is dropped there (dropped stale), so every trained sample "
-        "still keeps the bound. Costs generation, not correctness: 0 (the default) starts none.",
+        "still keeps the bound. Costs generation, not correctness, and is for a small bound: at a "
+        "large one the extras mostly end up dropped. 0 (the default) starts none.",
     )
     clip_eps: float = Field(
         default=0.2, gt=0, lt=1, description="PPO clip epsilon: ratio clipped to [1-eps, 1+eps]."
