@@ -7,7 +7,7 @@ machine. A run folder that already holds a finished run is read, not run again, 
 be extended a setting or a seed at a time and re-plotted with --plot-only.
 
     .venv/bin/python bench/learning_study.py --setting "eta4=" --setting \\
-        "eta0=algorithm.maxStaleness=0" --seeds 0 1 2 --out runs/study
+        "eta0=algorithm.maxStaleness=0,algorithm.oversampleGroups=6" --seeds 0 1 2 --out runs/study
 
 A setting is NAME=OVERRIDES, the overrides comma-separated dotted paths under the job's spec
 (values in YAML: `algorithm.ppoMinibatches=2,trainer.evalEvery=5`). The table gives, per run,
