@@ -42,6 +42,7 @@ from asyncrl.platform.devices import use_planless_attention
 from asyncrl.platform.openmp import release_idle_thread_pools
 from asyncrl.engine.decode_graphs import DecodeGraphs
 from asyncrl.engine.fused_decode import FusedDecoder
+from asyncrl.model.lora import AdapterError, MergedAdapter
 from asyncrl.engine.kv_cache import SlotKVCache, head_dim
 from asyncrl.engine.sampling import BatchShape, apply_penalties, sample_tokens
 from asyncrl.engine.types import (
@@ -80,7 +81,7 @@ def _refused():
     with asyncrl.weights.disk's message."""
     try:
         yield
-    except SnapshotError as exc:
+    except (SnapshotError, AdapterError) as exc:
         raise RequestError(str(exc)) from exc
 
 
@@ -138,9 +139,14 @@ class TorchEngine:
         seed: int | None = None,
         fused_decode: bool = True,
         cuda_graphs: bool | None = None,
+        lora=None,
     ):
+        """`lora`: the job's model.lora section, when versions are a LoRA adapter's tensors
+        (asyncrl.model.lora.MergedAdapter applies them); None: every version is the whole
+        model's."""
         config = model.config
         self._model = model.eval().requires_grad_(False)
+        self._adapter = MergedAdapter(self._model, lora) if lora is not None else None
         parameter = next(model.parameters())
         self._device = parameter.device
         if self._device.type == "cuda":
@@ -343,6 +349,20 @@ class TorchEngine:
         started = time.perf_counter()
         if version is not None:
             self._check_version(version)
+        if self._adapter is not None:
+            with _refused():
+                self._adapter.check({m.name: torch.empty(m.shape, device="meta")
+                                     for m in tensors}, "weight transfer", complete=False)
+
+            def receive_adapter(current: dict[str, Tensor]) -> None:
+                received = {}
+                for meta in tensors:
+                    received[meta.name] = torch.empty(meta.shape, dtype=meta.dtype,
+                                                      device=self._device)
+                    broadcast(group, received[meta.name])
+                self._adapter.write(current, received)
+
+            return self._on_loop(lambda: self._install(receive_adapter, version, started))
         current = self._model.state_dict()
         for meta in tensors:
             if meta.name not in current or tuple(current[meta.name].shape) != meta.shape:
@@ -413,8 +433,11 @@ class TorchEngine:
             )
 
     def _check_tensors(self, state: dict[str, Tensor], what: str) -> dict[str, Tensor]:
-        """Every parameter must be present (tied weights may appear once) with its shape."""
+        """Every parameter must be present (tied weights may appear once) with its shape;
+        with an adapter, every adapter tensor."""
         with _refused():
+            if self._adapter is not None:
+                return self._adapter.check(state, what)
             return check_snapshot(state, self._model.state_dict(), what)
 
     def _swap_weights(self, state: dict[str, Tensor], version: int, started: float) -> WeightUpdate:
@@ -422,6 +445,9 @@ class TorchEngine:
 
     def _swap_now(self, state: dict[str, Tensor], version: int, started: float) -> WeightUpdate:
         def copy_in(current: dict[str, Tensor]) -> None:
+            if self._adapter is not None:
+                self._adapter.write(current, state)
+                return
             for name, tensor in state.items():
                 current[name].copy_(tensor)
 

@@ -49,6 +49,34 @@ class TinyModel(SpecModel):
         return self
 
 
+#: What a LoRA adapter adapts unless model.lora.targetModules says otherwise: every
+#: projection of the attention and the MLP (Llama, Qwen, Mistral names), not the embeddings
+#: or the head.
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                        "down_proj")
+
+
+class LoraSpec(SpecModel):
+    """A LoRA adapter trained instead of the whole model (the `peft` library's LoRA): the base
+    weights stay frozen, the optimizer holds the adapter only, and each policy version moves
+    the adapter's tensors only."""
+
+    rank: int = Field(default=16, ge=1, le=1024, description="The adapter's rank r.")
+    alpha: float = Field(
+        default=32.0, gt=0,
+        description="The scale's numerator: the adapter adds (alpha / rank) * B @ A to each "
+        "adapted weight.")
+    dropout: float = Field(
+        default=0.0, ge=0.0, lt=1.0,
+        description="Dropout on the adapter's input in the training passes that take "
+        "gradients (never in generation, evaluation or the log-probs the update compares "
+        "against).")
+    target_modules: list[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$")]] = Field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGETS), min_length=1,
+        description="Names (or dotted name endings) of the linear layers that get an "
+        "adapter, as peft's target_modules; default: the attention and MLP projections.")
+
+
 class ModelSpec(SpecModel):
     """The policy model that is trained and served."""
 
@@ -65,6 +93,13 @@ class ModelSpec(SpecModel):
     )
     tiny: TinyModel = Field(
         default_factory=TinyModel, description="Sizes used when source is tiny-random."
+    )
+    lora: LoraSpec | None = Field(
+        default=None,
+        description="Train a LoRA adapter instead of every weight (unset: full fine-tuning). "
+        "The base weights are frozen in the trainer's compute dtype, the KL reference is the "
+        "base with the adapter off, checkpoints hold the adapter (a peft directory) and its "
+        "optimizer state, and each version sends the rollout engines the adapter only.",
     )
 
     @property
@@ -1264,6 +1299,8 @@ class RLJobSpec(SpecModel):
             )
         if self.trainer.backend == "megatron":
             _check_megatron(self.model, self.trainer, self.trainer_compute_dtype)
+        if self.model.lora is not None:
+            _check_lora(self)
         if self.trainer.weight_transfer == "ipc" and self.rollout.engine != "torch":
             raise rule_error(
                 f"weightTransfer ipc hands the trainer's GPU buffer to the torch engine; "
@@ -1306,6 +1343,22 @@ class RLJobSpec(SpecModel):
                 "(prompt plus response)",
             )
         return self
+
+
+def _check_lora(spec: RLJobSpec) -> None:
+    """Where a LoRA job cannot run yet, refused naming the field."""
+    if spec.trainer.backend != "pytorch":
+        raise rule_error("model.lora trains an adapter with the pytorch backend (peft); "
+                         "Megatron-Core's adapters are not implemented",
+                         field="trainer.backend", fix="set trainer.backend: pytorch")
+    if spec.trainer.sharding != "none":
+        raise rule_error("model.lora with sharding fsdp is not implemented yet: the frozen "
+                         "base and the small adapter are held whole by every process",
+                         field="trainer.sharding", fix="set trainer.sharding: none")
+    if spec.rollout.engine != "torch":
+        raise rule_error("model.lora with rollout.engine sglang is not implemented yet "
+                         "(its adapters would be loaded through SGLang's LoRA API)",
+                         field="rollout.engine", fix="set rollout.engine: torch")
 
 
 def _check_rollout_mounts(dataset: DatasetSpec, workflow: WorkflowSpec) -> None:

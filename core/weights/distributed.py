@@ -40,6 +40,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from asyncrl.model.lora import adapter_shapes
 from asyncrl.model.policy import tied_aliases
 from asyncrl.launch.sglang import tensor_parallel_size
 
@@ -165,6 +166,20 @@ def model_manifest(model: torch.nn.Module, dtype: torch.dtype) -> list[TensorMet
     aliases = tied_aliases(model)
     return manifest({name: tensor.shape for name, tensor in model.state_dict().items()
                      if name not in aliases}, dtype)
+
+
+#: The dtype of a LoRA version's tensors on every path: the adapter is small, and its float32
+#: values are what the trainer holds (the engine merges in float32 too).
+ADAPTER_DTYPE = torch.float32
+
+
+def version_manifest(model: torch.nn.Module, model_spec) -> list[TensorMeta]:
+    """What one policy version carries for the job's `spec.model`: the adapter's tensors with
+    model.lora (asyncrl.model.lora), else the whole model's in model.dtype. `model` is the
+    base model (its config and names), on either side."""
+    if model_spec.lora is not None:
+        return manifest(adapter_shapes(model.config, model_spec.lora), ADAPTER_DTYPE)
+    return model_manifest(model, getattr(torch, model_spec.dtype))
 
 
 def directory_manifest(directory: Path, dtype: torch.dtype) -> list[TensorMeta]:

@@ -3,7 +3,15 @@
     <run>/checkpoints/step-000010/{config.json, model.safetensors, optimizer.pt, state.json}
     <run>/weights/v000010/{config.json, model.safetensors}     (what rollout workers load)
 
-Both hold the model as a snapshot in asyncrl.weights.disk's format (a Hugging Face model
+With model.lora both hold the adapter instead, as a peft adapter directory
+(adapter_config.json, adapter_model.safetensors: asyncrl.model.lora's format), which
+`peft.PeftModel.from_pretrained(base, directory)` loads:
+
+    <run>/checkpoints/step-000010/{adapter_config.json, adapter_model.safetensors,
+                                   optimizer.pt, state.json}
+    <run>/weights/v000010/{adapter_config.json, adapter_model.safetensors}
+
+Without it both hold the model as a snapshot in asyncrl.weights.disk's format (a Hugging Face model
 directory, tied weights once; that module owns it, for the engines that read it too): this
 module owns where they go in the run folder and how many are kept. A published snapshot is in
 the model's dtype (`model.dtype`: bf16 tensors for bfloat16); a checkpoint keeps the float32
@@ -25,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.model.lora import is_adapter_directory, read_adapter, write_adapter
 from asyncrl.weights.disk import read_state_dict, write_snapshot
 
 
@@ -56,14 +65,15 @@ def _atomic_dir(target: Path, write) -> Path:
 
 def publish_weights(
     model: torch.nn.Module, state: dict[str, torch.Tensor], run_dir: Path, version: int,
-    dtype: torch.dtype, keep: int = 3,
+    dtype: torch.dtype, keep: int = 3, lora=None,
 ) -> Path:
-    """Writes the policy of `version` (the whole `state` of `model`, cast to `dtype`) for
-    rollout workers; returns its directory. Keeps the newest `keep` snapshots (a worker may
-    still be loading the previous one)."""
+    """Writes the policy of `version` (the whole `state` of `model`, cast to `dtype`; with
+    `lora`, the model.lora section, the adapter's state) for rollout workers; returns its
+    directory. Keeps the newest `keep` snapshots (a worker may still be loading the previous
+    one)."""
     root = run_dir / "weights"
     target = _atomic_dir(root / f"v{version:06d}",
-                         lambda d: write_snapshot(d, model, state, dtype))
+                         lambda d: _write_policy(d, model, state, dtype, lora))
     for old in sorted(root.glob("v*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return target
@@ -71,12 +81,13 @@ def publish_weights(
 
 def save_checkpoint(
     model: torch.nn.Module, model_state: dict[str, torch.Tensor], optimizer_state: dict,
-    run_dir: Path, state: TrainerState, keep: int = 2,
+    run_dir: Path, state: TrainerState, keep: int = 2, lora=None,
 ) -> Path:
-    """Writes a checkpoint of the float32 master weights, the optimizer state (keyed by
-    parameter name) and the step/version; keeps the newest `keep`."""
+    """Writes a checkpoint of the float32 master weights (with `lora`, the model.lora
+    section: the adapter's), the optimizer state (keyed by parameter name) and the
+    step/version; keeps the newest `keep`."""
     def write(directory: Path) -> None:
-        write_snapshot(directory, model, model_state, torch.float32)
+        _write_policy(directory, model, model_state, torch.float32, lora)
         torch.save(optimizer_state, directory / "optimizer.pt")
         (directory / "state.json").write_text(json.dumps(asdict(state)))
 
@@ -87,6 +98,14 @@ def save_checkpoint(
     return target
 
 
+def _write_policy(directory: Path, model: torch.nn.Module, state: dict[str, torch.Tensor],
+                  dtype: torch.dtype, lora) -> None:
+    if lora is not None:
+        write_adapter(directory, state, lora)
+    else:
+        write_snapshot(directory, model, state, dtype)
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete checkpoint's directory, if there is one."""
     candidates = sorted((run_dir / "checkpoints").glob("step-*"))
@@ -94,9 +113,11 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def read_checkpoint(directory: Path, model: torch.nn.Module) -> Checkpoint:
-    """A checkpoint's whole state dicts (for asyncrl.trainer.distributed.load_full_state)."""
+    """A checkpoint's whole state dicts (for asyncrl.trainer.distributed.load_full_state;
+    an adapter checkpoint's model is the adapter's)."""
     return Checkpoint(
-        model=read_state_dict(directory, model),
+        model=(read_adapter(directory) if is_adapter_directory(directory)
+               else read_state_dict(directory, model)),
         optimizer=torch.load(directory / "optimizer.pt", weights_only=True),
         state=TrainerState(**json.loads((directory / "state.json").read_text())),
     )

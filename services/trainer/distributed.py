@@ -184,14 +184,16 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 
 def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    model_state: dict, optimizer_state: dict) -> None:
+                    model_state: dict | None, optimizer_state: dict) -> None:
     """Loads whole state dicts (as full_model_state/full_optimizer_state give them, or
-    read from a checkpoint) into a model that may be sharded; every rank calls it."""
+    read from a checkpoint) into a model that may be sharded; every rank calls it.
+    `model_state` None: the weights are loaded already (a LoRA adapter, by peft)."""
     if hasattr(model, "load_hf_state_dict"):  # the Megatron-Core model
         model.load_hf_state_dict(model_state)
         model.load_hf_optimizer_state(optimizer, optimizer_state)
         return
-    set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
+    if model_state is not None:
+        set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
     if optimizer_state["state"] and isinstance(next(iter(optimizer_state["state"])), int):
         # Written by optimizer.state_dict() (parameter indices), before checkpoints used names.
         optimizer.load_state_dict(optimizer_state)

@@ -35,8 +35,14 @@ from asyncrl.algorithms.evaluation import accuracy_record
 from asyncrl.algorithms.shaping import overlong_penalties
 from asyncrl.algorithms.staleness import staleness
 from asyncrl.clients.buffer import BufferClient
-from asyncrl.platform.devices import local_rank, select_device
+from asyncrl.platform.devices import auto_compute_dtype, local_rank, select_device
 from asyncrl.platform.grpc_service import start_server
+from asyncrl.model.lora import (
+    adapter_state,
+    load_adapter_state,
+    trained_model,
+    with_adapter,
+)
 from asyncrl.model.policy import load_policy, model_skeleton, sharing_weights
 from asyncrl.platform.heap import trim_heap
 from asyncrl.platform.openmp import release_idle_thread_pools
@@ -70,7 +76,7 @@ from asyncrl.trainer.metrics import TrainerMetrics
 from asyncrl.trainer.weights_broadcast import WeightBroadcaster
 from asyncrl.trainer.step import PolicyUpdater, TrainSample, reference_policy
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
-from asyncrl.weights.distributed import announcement_uri, model_manifest
+from asyncrl.weights.distributed import announcement_uri, version_manifest
 from asyncrl.weights.distributed import backend as transfer_backend
 from asyncrl.weights.distributed import world_size as transfer_world_size
 from asyncrl.weights.ipc import SharedWeights, transfer_path
@@ -182,6 +188,15 @@ class Trainer:
         self.device = device or select_device(spec.trainer.placement.gpus, self.group.local_rank)
         # float32 master weights whatever model.dtype says; bf16 is autocast (see step.py).
         self.model, self.tokenizer = load_policy(spec.model, dtype="float32", device=self.device)
+        # With model.lora: peft's wrapper, whose adapter is all that is trained, saved and
+        # published; its base is frozen in the compute dtype (no float32 copy, no casts).
+        self.adapted = None
+        if spec.model.lora is not None:
+            compute = spec.trainer_compute_dtype
+            if compute == "auto":
+                compute = auto_compute_dtype(self.device)
+            self.adapted = with_adapter(self.model, spec.model.lora, getattr(torch, compute))
+            self.model = trained_model(self.adapted)
         # The Hugging Face model whose config and parameter names every snapshot and
         # checkpoint is written with, whichever backend trains (both read and write its
         # state dicts).
@@ -202,7 +217,7 @@ class Trainer:
             self.broadcaster = WeightBroadcaster(
                 settings.weights_port, self._transfer_world_size,
                 transfer_backend(spec),
-                model_manifest(self.hf_model, getattr(torch, spec.model.dtype)))
+                version_manifest(self.hf_model, spec.model))
         self.shared_weights = self._shared_weights() if self.group.leader else None
         self.sharded = spec.trainer.sharding == "fsdp" and self.group.distributed
         if self.sharded:
@@ -210,7 +225,9 @@ class Trainer:
                 shard_model(model, self.device, self.group.world_size)
         elif spec.trainer.sharding == "fsdp":
             log.info("trainer.sharding fsdp with one process: nothing to shard")
-        self.updater = PolicyUpdater.from_spec(spec, self.model, reference)
+        self.updater = PolicyUpdater.from_spec(
+            spec, self.model, reference,
+            reference_off=self.adapted.disable_adapter if self.adapted is not None else None)
         self.optimizer = self.updater.optimizer
         self.status = Status(max_steps=spec.algorithm.max_steps,
                              phase="starting" if self.group.leader else "following")
@@ -247,13 +264,20 @@ class Trainer:
             if command.path is None:
                 return None
             checkpoint = read_checkpoint(Path(command.path), self.hf_model)
-            load_full_state(self.model, self.optimizer, checkpoint.model, checkpoint.optimizer)
+            if self.adapted is not None:
+                load_adapter_state(self.adapted, checkpoint.model)
+                load_full_state(self.model, self.optimizer, None, checkpoint.optimizer)
+            else:
+                load_full_state(self.model, self.optimizer, checkpoint.model,
+                                checkpoint.optimizer)
             return checkpoint.state
         if command.kind == "step":
             stats = self.updater.step(command.samples, command.version, command.step)
             trim_heap()  # the step's activations, back to the system (see asyncrl.platform.heap)
             return stats
         if command.kind == "state":
+            if self.adapted is not None:  # a copy: the next step updates the adapter in place
+                return {name: t.clone() for name, t in adapter_state(self.adapted).items()}
             return full_model_state(self.model)
         if command.kind == "checkpoint":
             return full_optimizer_state(self.model, self.optimizer)
@@ -452,7 +476,8 @@ class Trainer:
         optimizer_state = await self._command(Command("checkpoint"))
         async with self._alone():
             await self._on_compute(save_checkpoint, self.hf_model, state, optimizer_state,
-                                   self.settings.run_dir, TrainerState(step, version))
+                                   self.settings.run_dir, TrainerState(step, version),
+                                   lora=self.spec.model.lora)
 
     def _shared_weights(self) -> SharedWeights | None:
         """The GPU buffer an engine on this GPU copies each version from, when the job asks
@@ -465,9 +490,9 @@ class Trainer:
         if path != "ipc":
             log.warning("trainer.weightTransfer is ipc but %s: versions go to disk", reason)
             return None
-        return SharedWeights(self.settings.run_dir / "weights" / "ipc",
-                             model_manifest(self.hf_model, getattr(torch, spec.model.dtype)),
-                             getattr(torch, spec.model.dtype), self.device)
+        metas = version_manifest(self.hf_model, spec.model)
+        return SharedWeights(self.settings.run_dir / "weights" / "ipc", metas, metas[0].dtype,
+                             self.device)
 
     def _transfer_world_size(self) -> int:
         """The weight transfer group's size as the job says now: scaling the rollout changes
@@ -523,7 +548,7 @@ class Trainer:
         started = time.perf_counter()
         dtype = getattr(torch, self.spec.model.dtype)
         path = await self._on_compute(publish_weights, self.hf_model, state, self.settings.run_dir,
-                                      version, dtype)
+                                      version, dtype, lora=self.spec.model.lora)
         self._published_uri = str(path.resolve())
         await client.set_version(version, self._published_uri, announced)
         self.status.version = version
@@ -544,7 +569,7 @@ class Trainer:
             return {}
         if self._evaluator is None:
             shares = (self.model is self.hf_model and not self.sharded
-                      and self.spec.model.dtype == "float32")
+                      and self.spec.model.dtype == "float32" and self.adapted is None)
             if shares:
                 model = await self._on_compute(sharing_weights, self.model)
             else:
@@ -554,6 +579,7 @@ class Trainer:
                 model, max_running_requests=len(self.eval_items),
                 max_sequence_length=max_sequence_length(self.spec, self.eval_items),
                 eos_token_ids=(self.tokenizer.eos_token_id,), seed=0, fused_decode=not shares,
+                lora=self.spec.model.lora,
             )
         engine = self._evaluator
         params = SamplingParams.from_spec(self.spec, greedy=True)

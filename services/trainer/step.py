@@ -19,7 +19,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from asyncrl.algorithms.ppo import (
     loglinear_proximal_logprobs,
 )
 from asyncrl.platform.devices import AUTOCAST_DEVICES, auto_compute_dtype, native_bf16
+from asyncrl.model.lora import adapter_dropout
 from asyncrl.model.policy import RECOMPUTED_HEADS, load_policy, packed_token_logprobs
 from asyncrl.model.packed_attention import use_packed_attention
 from asyncrl.model.recompute import checkpoint_decoder_layers
@@ -231,7 +232,12 @@ class PolicyUpdater:
         optimizer: torch.optim.Optimizer,
         config: UpdateConfig,
         reference_model: torch.nn.Module | None = None,
+        reference_off: Callable[[], contextlib.AbstractContextManager] | None = None,
     ):
+        """`reference_off`: a context in which `model` computes the reference policy (a LoRA
+        model's adapter off: peft's `disable_adapter`), instead of a `reference_model`."""
+        if reference_off is not None:
+            reference_model = model
         if config.kl_coef > 0 and reference_model is None:
             raise ValueError("algorithm.kl.coef > 0 needs a reference model")
         if config.compute_dtype not in (*_COMPUTE_DTYPES, "auto"):
@@ -287,18 +293,24 @@ class PolicyUpdater:
         self.optimizer = optimizer
         self.config = config
         self.reference_model = reference_model
+        self._reference_off = reference_off or contextlib.nullcontext
         # The entropy comes with the log-probs of a transformers model (not another backend's).
         self._entropy = not hasattr(model, "packed_token_logprobs")
 
     @classmethod
     def from_spec(cls, spec, model: torch.nn.Module,
-                  reference_model: torch.nn.Module | None = None) -> PolicyUpdater:
-        """The job's optimizer (AdamW over `model`, already sharded if it is to be) and
-        update rule; what the trainer service and train-demo both train with."""
-        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.algorithm.learning_rate,
+                  reference_model: torch.nn.Module | None = None,
+                  reference_off: Callable[[], contextlib.AbstractContextManager] | None = None,
+                  ) -> PolicyUpdater:
+        """The job's optimizer (AdamW over the trainable parameters of `model`, already
+        sharded if it is to be: a LoRA model's adapter) and update rule; what the trainer
+        service and train-demo both train with."""
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                      lr=spec.algorithm.learning_rate,
                                       weight_decay=spec.algorithm.weight_decay,
                                       **fused_adamw(model))
-        return cls(model, optimizer, UpdateConfig.from_spec(spec), reference_model)
+        return cls(model, optimizer, UpdateConfig.from_spec(spec), reference_model,
+                   reference_off)
 
     def step(self, samples: Sequence[TrainSample], version: int | None = None,
              step: int | None = None) -> dict[str, float]:
@@ -329,7 +341,7 @@ class PolicyUpdater:
         self.model.eval()
         reference = None
         if config.kl_coef > 0:
-            with torch.no_grad(), self._autocast():
+            with torch.no_grad(), self._autocast(), self._reference_off():
                 reference = [[self._logprobs(self.reference_model, mb) for mb in part.micro_batches]
                              for part in minibatches]
         diagnostics = _Diagnostics(self.device, version, self.data_group)
@@ -423,7 +435,9 @@ class PolicyUpdater:
         names = sorted(("loss", *_TOKEN_MEAN_STATS, *(("kl",) if reference is not None else ())))
         sums = torch.zeros(len(names), dtype=torch.float64, device=self.device)
         for index, mb in enumerate(part.micro_batches):
-            with self._autocast():
+            # The passes that take gradients are the only ones with the adapter's dropout
+            # (model.lora.dropout; the model runs in eval mode, see step).
+            with self._autocast(), adapter_dropout(self.model, True):
                 output = self._logprobs(self.model, mb,
                                         entropy=diagnostics is not None and self._entropy)
             logprobs, entropy = _split_entropy(output)
@@ -586,6 +600,8 @@ def _all_reduce_gradients(model: torch.nn.Module, group=None) -> None:
     if not _distributed(group):
         return
     for param in model.parameters():
+        if not param.requires_grad:
+            continue  # frozen (a LoRA model's base)
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
@@ -593,8 +609,9 @@ def _all_reduce_gradients(model: torch.nn.Module, group=None) -> None:
 
 def reference_policy(spec, device: torch.device | str = "cpu") -> torch.nn.Module | None:
     """The frozen reference model of the KL penalty (float32, like the trained weights), or
-    None when algorithm.kl.coef is 0."""
-    if spec.algorithm.kl.coef <= 0:
+    None when algorithm.kl.coef is 0 or the model trains a LoRA adapter (whose reference is
+    its own base, the adapter off)."""
+    if spec.algorithm.kl.coef <= 0 or spec.model.lora is not None:
         return None
     reference, _ = load_policy(spec.model, dtype="float32", device=device)
     return reference.eval().requires_grad_(False)
