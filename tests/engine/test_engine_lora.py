@@ -9,21 +9,10 @@ from asyncrl.engine.types import RequestError, SamplingParams
 from asyncrl.model.lora import adapter_state, trained_model, with_adapter, write_adapter
 from asyncrl.model.policy import packed_token_logprobs
 from asyncrl.spec.job import LoraSpec
+from support.lora import LORA, trained_adapter
 from support.tiny_model import tiny_model
 
-LORA = LoraSpec(rank=4, alpha=8)
 LOGPROB_TOLERANCE = 1e-4  # the engine's tolerance against the trainer without an adapter too
-
-
-def trained_adapter(seed: int, base_seed: int = 1):
-    """The trainer's side: the base with an adapter of random (trained-looking) values."""
-    wrapped = with_adapter(tiny_model(base_seed), LORA, torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in wrapped.named_parameters():
-            if ".lora_" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
-    return wrapped
 
 
 def trainer_logprobs(wrapped, prompt, output):

@@ -20,21 +20,8 @@ from asyncrl.model.lora import (
 )
 from asyncrl.model.policy import packed_token_logprobs
 from asyncrl.spec.job import LoraSpec
+from support.lora import LORA, trained_adapter
 from support.tiny_model import tiny_model
-
-LORA = LoraSpec(rank=4, alpha=8)
-
-
-def adapted(seed=1, lora=LORA, dtype=torch.float32):
-    """A tiny model with an adapter whose B is not zero (as after training)."""
-    wrapped = with_adapter(tiny_model(seed), lora, dtype)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in wrapped.named_parameters():
-            if ".lora_" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
-    return wrapped
-
 
 def logprobs(model, ids):
     with torch.no_grad():
@@ -53,7 +40,7 @@ def test_the_base_is_frozen_in_the_compute_dtype_and_only_the_adapter_trains():
 
 
 def test_the_adapter_state_has_peft_names_and_the_shapes_an_engine_expects():
-    wrapped = adapted()
+    wrapped = trained_adapter(seed=1)
     state = adapter_state(wrapped)
     assert {n: tuple(t.shape) for n, t in state.items()} == adapter_shapes(
         trained_model(wrapped).config, LORA)
@@ -67,7 +54,7 @@ def test_target_modules_that_match_nothing_are_refused_naming_the_field():
 
 
 def test_a_written_adapter_loads_with_peft_and_computes_the_same_policy(tmp_path):
-    wrapped = adapted(seed=2)
+    wrapped = trained_adapter(seed=2, base_seed=2)
     write_adapter(tmp_path, adapter_state(wrapped), LORA)
     loaded = PeftModel.from_pretrained(tiny_model(2), str(tmp_path)).eval()
     ids = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(0))
@@ -80,7 +67,7 @@ def test_a_written_adapter_loads_with_peft_and_computes_the_same_policy(tmp_path
 
 
 def test_a_checkpointed_adapter_loads_back_exactly(tmp_path):
-    source = adapted(seed=3)
+    source = trained_adapter(seed=3, base_seed=3)
     write_adapter(tmp_path, adapter_state(source), LORA)
     target = with_adapter(tiny_model(3), LORA, torch.float32)
     load_adapter_state(target, read_adapter(tmp_path))
@@ -118,7 +105,7 @@ def test_the_adapter_dropout_acts_only_inside_its_context():
 
 
 def test_the_merged_weights_are_the_base_plus_the_scaled_product():
-    wrapped = adapted(seed=4)
+    wrapped = trained_adapter(seed=4, base_seed=4)
     plain = tiny_model(4)
     merger = MergedAdapter(plain, LORA)
     weights = plain.state_dict()

@@ -17,7 +17,10 @@ from asyncrl.rollout.http_api import create_app
 from asyncrl.rollout.metrics import RolloutMetrics
 from asyncrl.rollout.sglang_client import SGLangClient
 from asyncrl.rollout.sglang_engine import SGLangEngine
+from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.engine.types import SamplingParams
+from asyncrl.model.lora import adapter_state
+from asyncrl.spec.job import RLJobSpec
 from asyncrl.rollout.weights_receiver import (
     TransferMember,
     VersionSkipped,
@@ -34,8 +37,10 @@ from asyncrl.weights.distributed import (
     directory_manifest,
     host_store,
     model_manifest,
+    version_manifest,
 )
 from asyncrl.weights.announcements import WeightVersion, weights_channel, weights_key
+from support.lora import trained_adapter
 from support.ports import free_port
 from support.rollout import recomputed_logprobs, tiny_engine
 from support.servers import HttpServer
@@ -546,3 +551,34 @@ def test_scaling_the_rollout_up_forms_a_larger_generation_that_every_engine_join
     finally:
         for engine in engines:
             engine.stop()
+
+
+def test_a_lora_version_is_the_adapter_broadcast_and_merged_from_the_base():
+    """model.lora: both ends list the adapter's tensors (version_manifest), the broadcast
+    carries those only, and the engine's weights become base + scale * B @ A."""
+    spec = RLJobSpec.model_validate({"model": {"source": "tiny-random",
+                                               "lora": {"rank": 4, "alpha": 8}}})
+    base = tiny(1)
+    tensors = version_manifest(base, spec.model)
+    trained = trained_adapter(seed=3, base_seed=1, lora=spec.model.lora)
+    adapter = adapter_state(trained)
+    assert [t.name for t in tensors] == sorted(adapter)  # nothing but the adapter
+    assert sum(t.bytes for t in tensors) == sum(t.numel() * 4 for t in adapter.values())
+    torch_engine = TorchEngine(base, max_running_requests=2, max_sequence_length=32,
+                               lora=spec.model.lora)
+    engine = TorchInferenceEngine(torch_engine)
+    port = free_port()
+    broadcaster = WeightBroadcaster(port, world_size=2, backend="gloo", tensors=tensors)
+    member = TransferMember(engine, f"127.0.0.1:{port}", ranks=1, backend="gloo",
+                            tensors=tensors)
+
+    async def scenario():
+        await _join(member, broadcaster)
+        return await asyncio.gather(member.receive(1, broadcaster.address.group_name),
+                                    asyncio.to_thread(broadcaster.send, adapter))
+
+    (update, _), = [run(scenario())]
+    assert update.version == 1 == engine.version
+    merged = trained.merge_and_unload().state_dict()
+    for name, tensor in torch_engine._model.state_dict().items():
+        torch.testing.assert_close(tensor, merged[name], atol=1e-6, rtol=0)
