@@ -50,7 +50,7 @@ from asyncrl.local.devices import (
     visible_gpus,
 )
 from asyncrl.spec import RLJob, parse_manifest
-from asyncrl.weights.ipc import transfer_path
+from asyncrl.weights.paths import transfer_path
 from asyncrl.v1 import (
     buffer_pb2,
     buffer_pb2_grpc,
@@ -299,9 +299,13 @@ class LocalJob:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> None:
+    def write_job_file(self) -> None:
+        """The job as this run executes it, where every service reads it (config.yaml)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(yaml.safe_dump(self.job.resolved(), sort_keys=False))
+
+    def start(self) -> None:
+        self.write_job_file()
         if self.options.metrics:
             self.write_prometheus_config()
         redis_url = self.start_redis()

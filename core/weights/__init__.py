@@ -9,7 +9,8 @@ in Redis.
     weights.announcements       both     either       the newest version, announced in Redis
     weights.disk                both     disk         the snapshot format: written, read, checked
     weights.distributed         both     distributed  the transfer group, its manifest, a broadcast
-    weights.ipc                 both     ipc          path choice, the shared buffer, its manifest
+    weights.paths               both     any          the path a job takes (auto resolved), and why
+    weights.ipc                 both     ipc          the shared buffer, its manifest
     trainer.checkpoints         trainer  disk         where snapshots go in the run folder
     trainer.weights_broadcast   trainer  distributed  rank 0: forms each generation, broadcasts
     trainer.megatron.hf_layout  trainer  either       Megatron-Core <-> Hugging Face tensor layout

@@ -27,8 +27,8 @@ checks: if the trainer has already written the next version, the engine takes th
 it is announced, a moment later, rather than label it with the older number.
 
 Both processes must be on one machine, and an engine must compute on the buffer's GPU:
-`transfer_path` says which path a job takes and why (the runner and the trainer use it),
-and `IpcReader` refuses a buffer on another device, naming it.
+`asyncrl.weights.paths` says which path a job takes and why, and `IpcReader` refuses a
+buffer on another device, naming it.
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ import torch
 from torch import Tensor
 
 from asyncrl.weights.distributed import TensorMeta
+# The trainer service imports it from here until it resolves the job with
+# asyncrl.weights.paths.with_transfer_path; then this line goes.
+from asyncrl.weights.paths import transfer_path  # noqa: F401
 
 T = TypeVar("T")
 
@@ -66,41 +69,6 @@ class NotThisVersion(Exception):
 class IpcUnavailable(RuntimeError):
     """A buffer this process cannot open (another device, another machine, a trainer gone):
     the message names why and the fix."""
-
-
-# ------------------------------------------------------------------ which path a job takes
-
-
-def ipc_refusal(trainer_device: str, rollout_device: str | None) -> str | None:
-    """Why ipc cannot carry the weights between a trainer on `trainer_device` and an engine
-    on `rollout_device` (each "cpu" or a GPU's identity such as "cuda:0" as one process sees
-    every GPU; None: not known here), or None when it can."""
-    if not trainer_device.startswith("cuda"):
-        return f"the trainer computes on {trainer_device}, and ipc shares GPU memory"
-    if rollout_device is None:
-        return None
-    if not rollout_device.startswith("cuda"):
-        return f"the rollout engine computes on {rollout_device}, and ipc shares GPU memory"
-    if rollout_device != trainer_device:
-        return (f"the trainer computes on {trainer_device} and the rollout engine on "
-                f"{rollout_device}: ipc needs both on one GPU")
-    return None
-
-
-def transfer_path(requested: str, trainer_device: str, rollout_device: str | None = None,
-                  engine: str = "torch") -> tuple[str, str]:
-    """(the path versions take, why when it is not the requested one) for
-    trainer.weightTransfer `requested`: ipc falls back to disk when the two are not on one
-    GPU; auto is ipc where a torch engine is known to share the trainer's GPU, else disk;
-    disk and distributed are as requested (distributed falls back by itself)."""
-    if requested == "auto":
-        shared = (engine == "torch" and rollout_device is not None
-                  and ipc_refusal(trainer_device, rollout_device) is None)
-        return ("ipc" if shared else "disk"), ""
-    if requested != "ipc":
-        return requested, ""
-    reason = ipc_refusal(trainer_device, rollout_device)
-    return ("disk", reason) if reason else ("ipc", "")
 
 
 # ------------------------------------------------------------------ announcements

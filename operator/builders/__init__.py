@@ -8,8 +8,8 @@ owner references (`kopf.adopt`) and applies what `build_children` returns. Names
 
 What runs where, and which module builds it:
 
-    <job>-config    ConfigMap        the resolved job (every default filled in), job.yaml
-                                     (config)
+    <job>-config    ConfigMap        the resolved job (every default filled in, the weight
+                                     transfer path taken: auto is disk), job.yaml (config)
     <job>-redis     Secret           generated Redis password (managed Redis without a secret)
     <job>-redis     StatefulSet+Svc  managed Redis (absent when spec.buffer.redis.url is set)
                                      (redis)

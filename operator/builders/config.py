@@ -11,14 +11,24 @@ import yaml
 
 from asyncrl.operator.builders.common import object_meta
 from asyncrl.spec import RLJob
+from asyncrl.weights.paths import with_transfer_path
 
 CONFIG_HASH = "asyncrl.io/config-hash"
+
+#: Why a cluster never shares a GPU between trainer and rollout (trainer.weightTransfer auto
+#: is disk here; the API server refuses ipc).
+DIFFERENT_PODS = "in a cluster trainer and rollout are different pods"
+
+
+def job_as_run(job: RLJob) -> dict[str, Any]:
+    """The job as the pods read it: resolved, with the weight transfer path they take."""
+    return with_transfer_path(job, apart=DIFFERENT_PODS)[0].resolved()
 
 
 def config_hash(job: RLJob) -> str:
     """Changes when what the pods run changes, but not for replicas or suspend: scaling and
     suspending must not restart the pods that keep running."""
-    manifest = job.resolved()
+    manifest = job_as_run(job)
     spec = manifest["spec"]
     spec["suspend"] = False
     for section in ("rollout", "reward", "trainer", "buffer"):
@@ -29,5 +39,5 @@ def config_hash(job: RLJob) -> str:
 def config_map(job: RLJob) -> dict[str, Any]:
     return {
         "apiVersion": "v1", "kind": "ConfigMap", "metadata": object_meta(job, "config"),
-        "data": {"job.yaml": yaml.safe_dump(job.resolved(), sort_keys=False)},
+        "data": {"job.yaml": yaml.safe_dump(job_as_run(job), sort_keys=False)},
     }

@@ -54,6 +54,7 @@ from asyncrl.rollout.weights_receiver import (
 )
 from asyncrl.weights.distributed import backend as transfer_backend
 from asyncrl.weights.distributed import directory_manifest, engine_ranks, model_manifest
+from asyncrl.weights.paths import with_transfer_path
 from asyncrl.rollout.workflow import EngineGenerator, RolloutWorkflow, SingleTurnGroups
 from asyncrl.rollout.episode_record import EpisodeBook
 from asyncrl.rollout.episodes import (
@@ -71,7 +72,9 @@ log = logging.getLogger(__name__)
 def serve(settings: RolloutSettings) -> None:
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    job = load_manifest(settings.job_file)
+    # The runner and the operator write the weight transfer path taken; a job file written
+    # by hand may still say auto, which knowing nothing of the trainer here is disk.
+    job, _ = with_transfer_path(load_manifest(settings.job_file))
     spec = job.spec
     tokenizer = load_tokenizer(spec.model.source)
     train, _ = build_prompts(spec, tokenizer)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from asyncrl.local import runner
 from asyncrl.local.devices import DevicesError, parse_devices, plan_devices
 from asyncrl.local.runner import LOCAL_NODE_SELECTOR, LocalJob, RunOptions, resolve_manifest
 from asyncrl.spec import load_manifest, parse_manifest
@@ -143,6 +144,31 @@ def test_the_runs_first_lines_on_this_machine(tmp_path):
         "trainer: cpu (no CUDA here)", "rollout: cpu (no CUDA here)",
         "weights: disk, not ipc (the trainer computes on cpu, and ipc shares GPU memory)"]
     assert local.job.spec.trainer.weight_transfer == "disk"
+
+
+@pytest.mark.parametrize(("gpus", "asked", "taken", "line"), [
+    ([H200], "auto", "ipc", "weights: ipc (CUDA IPC on cuda:0)"),
+    ([H200] * 2, "auto", "disk", None),
+    ([H200] * 2, "ipc", "disk", "weights: disk, not ipc (the trainer computes on cuda:0 and "
+                                "the rollout engine on cuda:1: ipc needs both on one GPU)"),
+    ([], "auto", "disk", None),
+    ([], "distributed", "distributed", None),
+])
+def test_the_job_file_says_the_path_taken_as_the_first_lines_do(tmp_path, monkeypatch, gpus,
+                                                                asked, taken, line):
+    """What every service reads is a path, never auto: the runner resolves it with the GPUs
+    it placed the services on, before it writes the file."""
+    monkeypatch.setattr(runner, "visible_gpus", lambda: gpus)
+    monkeypatch.setattr(runner, "runner_cuda_visible", lambda: None)
+    manifest = yaml.safe_load(TINY.read_text())
+    manifest["spec"]["trainer"]["weightTransfer"] = asked
+    local = LocalJob(parse_manifest(manifest), RunOptions(run_dir=tmp_path / "run"))
+    local.write_job_file()
+    written = yaml.safe_load(local.config_path.read_text())
+    assert written["spec"]["trainer"]["weightTransfer"] == taken
+    assert load_manifest(local.config_path) == local.job
+    assert [text for text in local.device_lines() if text.startswith("weights:")] == \
+        ([line] if line else [])
 
 
 def test_a_sync_run_that_skips_uniform_groups_is_told_to_oversample(tmp_path):

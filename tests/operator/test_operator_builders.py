@@ -297,7 +297,23 @@ def test_config_map_holds_the_resolved_job(tiny):
     resolved = yaml.safe_load(data)
     assert resolved["metadata"] == {"name": "tiny", "namespace": "ml"}
     assert resolved["spec"]["algorithm"]["clipEps"] == 0.2  # a default, filled in
-    assert parse_manifest(resolved).spec == tiny.spec
+    # The job as written, with the weight transfer path its pods take.
+    assert tiny.spec.trainer.weight_transfer == "auto"
+    assert parse_manifest(resolved).spec == tiny.spec.model_copy(update={
+        "trainer": tiny.spec.trainer.model_copy(update={"weight_transfer": "disk"})})
+
+
+@pytest.mark.parametrize(("asked", "taken"), [
+    ("auto", "disk"), ("disk", "disk"), ("distributed", "distributed"),
+    ("ipc", "disk"),  # which the API server refuses before the operator sees it
+])
+def test_config_map_says_the_weight_transfer_path_the_pods_take(asked, taken):
+    job = job_from(trainer__weightTransfer=asked)
+    data = yaml.safe_load(builders.config_map(job)["data"]["job.yaml"])
+    assert data["spec"]["trainer"]["weightTransfer"] == taken
+    # The pods run the same job whether it says auto or disk: no restart between the two.
+    assert builders.config_hash(job) == builders.config_hash(
+        job_from(trainer__weightTransfer=taken))
 
 
 def test_pods_run_the_serve_commands_with_the_job_file(tiny):

@@ -1,8 +1,8 @@
-"""The ipc weight transfer (asyncrl.weights.ipc) on the CPU: which path a job takes, the
-manifest, and the buffer shared for real with an unrelated process through torch's own tensor
-sharing (file_system shared memory here; a CUDA IPC handle on a GPU, the only difference),
-read into a torch engine's weights, under the lock that keeps the trainer from writing while
-an engine copies."""
+"""The ipc weight transfer (asyncrl.weights.ipc) on the CPU: the announcement, the manifest,
+and the buffer shared for real with an unrelated process through torch's own tensor sharing
+(file_system shared memory here; a CUDA IPC handle on a GPU, the only difference), read into
+a torch engine's weights, under the lock that keeps the trainer from writing while an engine
+copies."""
 
 from __future__ import annotations
 
@@ -32,46 +32,10 @@ from asyncrl.weights.ipc import (
     is_ipc_uri,
     manifest_path,
     open_handle,
-    transfer_path,
 )
 from support.tiny_model import tiny_model
 
 CPU = torch.device("cpu")
-
-
-# ------------------------------------------------------------------ path selection
-
-
-@pytest.mark.parametrize(("trainer", "rollout", "path", "why"), [
-    ("cuda:0", "cuda:0", "ipc", ""),
-    ("cuda:0", None, "ipc", ""),  # the trainer alone: the runner placed the rollout
-    ("cuda:0", "cuda:1", "disk", "the trainer computes on cuda:0 and the rollout engine on "
-                                 "cuda:1: ipc needs both on one GPU"),
-    ("cuda:0", "cpu", "disk", "the rollout engine computes on cpu"),
-    ("cpu", "cpu", "disk", "the trainer computes on cpu, and ipc shares GPU memory"),
-    ("cpu", None, "disk", "the trainer computes on cpu"),
-])
-def test_ipc_is_taken_only_on_one_gpu_else_disk_with_the_reason(trainer, rollout, path, why):
-    taken, reason = transfer_path("ipc", trainer, rollout)
-    assert taken == path
-    assert (why in reason) if why else reason == ""
-
-
-@pytest.mark.parametrize(("trainer", "rollout", "engine", "path"), [
-    ("cuda:0", "cuda:0", "torch", "ipc"),
-    ("cuda:0", None, "torch", "disk"),  # a cluster: the rollout is another pod
-    ("cuda:0", "cuda:0", "sglang", "disk"),
-    ("cuda:0", "cuda:1", "torch", "disk"),
-    ("cpu", "cpu", "torch", "disk"),
-])
-def test_auto_is_ipc_only_where_a_torch_engine_is_known_to_share_the_gpu(trainer, rollout,
-                                                                       engine, path):
-    assert transfer_path("auto", trainer, rollout, engine) == (path, "")
-
-
-@pytest.mark.parametrize("requested", ["disk", "distributed"])
-def test_other_transfers_are_taken_as_requested(requested):
-    assert transfer_path(requested, "cpu", "cuda:0") == (requested, "")
 
 
 def test_an_ipc_announcement_names_the_manifest(tmp_path):

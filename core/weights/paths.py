@@ -1,0 +1,70 @@
+"""Which path a job's policy versions take (`trainer.weightTransfer`): the one place that turns
+the value asked for into disk, distributed or ipc, and says why when that is not what was
+asked.
+
+    asked        taken
+    auto         ipc where a torch engine is known to share the trainer's GPU, else disk
+    ipc          ipc, or disk (with the reason) where the two are not on one GPU
+    disk         disk
+    distributed  distributed (which falls back to disk by itself, version by version)
+
+It is applied before any service reads the job, so a job file says what it takes, never
+auto: `asyncrl run` knows the GPUs it gave trainer and rollout; the operator's trainer and
+rollout are different pods. A service started by hand on a file that still says auto applies
+it at load, knowing only its own side (auto is then disk). No torch here: the operator
+imports it.
+"""
+
+from __future__ import annotations
+
+from asyncrl.spec import RLJob
+
+
+def ipc_refusal(trainer_device: str | None, rollout_device: str | None,
+                apart: str | None = None) -> str | None:
+    """Why ipc cannot carry the weights between a trainer on `trainer_device` and an engine
+    on `rollout_device` (each "cpu" or a GPU's identity such as "cuda:0" as one process sees
+    every GPU; None: not known here), or None when it can. `apart`: why the two never share
+    a GPU, whatever their devices (a cluster's different pods)."""
+    if apart:
+        return apart
+    if trainer_device is not None and not trainer_device.startswith("cuda"):
+        return f"the trainer computes on {trainer_device}, and ipc shares GPU memory"
+    if rollout_device is None:
+        return None
+    if not rollout_device.startswith("cuda"):
+        return f"the rollout engine computes on {rollout_device}, and ipc shares GPU memory"
+    if trainer_device is not None and rollout_device != trainer_device:
+        return (f"the trainer computes on {trainer_device} and the rollout engine on "
+                f"{rollout_device}: ipc needs both on one GPU")
+    return None
+
+
+def transfer_path(requested: str, trainer_device: str | None = None,
+                  rollout_device: str | None = None, engine: str = "torch",
+                  apart: str | None = None) -> tuple[str, str]:
+    """(the path versions take, why when it is not the requested one) for
+    trainer.weightTransfer `requested`, by the table above; the arguments as ipc_refusal's."""
+    if requested == "auto":
+        shared = (engine == "torch" and None not in (trainer_device, rollout_device)
+                  and ipc_refusal(trainer_device, rollout_device, apart) is None)
+        return ("ipc" if shared else "disk"), ""
+    if requested != "ipc":
+        return requested, ""
+    reason = ipc_refusal(trainer_device, rollout_device, apart)
+    return ("disk", reason) if reason else ("ipc", "")
+
+
+def with_transfer_path(job: RLJob, trainer_device: str | None = None,
+                       rollout_device: str | None = None,
+                       apart: str | None = None) -> tuple[RLJob, str]:
+    """(`job` with trainer.weightTransfer the path taken, why when it is not the one asked
+    for), for what is known here of the two devices (see transfer_path)."""
+    trainer = job.spec.trainer
+    path, reason = transfer_path(trainer.weight_transfer, trainer_device, rollout_device,
+                                 job.spec.rollout.engine, apart)
+    if path == trainer.weight_transfer:
+        return job, reason
+    spec = job.spec.model_copy(update={
+        "trainer": trainer.model_copy(update={"weight_transfer": path})})
+    return job.model_copy(update={"spec": spec}), reason
