@@ -49,9 +49,6 @@ import torch
 from torch import Tensor
 
 from asyncrl.weights.distributed import TensorMeta
-# The trainer service imports it from here until it resolves the job with
-# asyncrl.weights.paths.with_transfer_path; then this line goes.
-from asyncrl.weights.paths import transfer_path  # noqa: F401
 
 T = TypeVar("T")
 

@@ -53,7 +53,7 @@ from asyncrl.rollout.weights_receiver import (
     engine_applier,
 )
 from asyncrl.weights.distributed import backend as transfer_backend
-from asyncrl.weights.distributed import directory_manifest, engine_ranks, model_manifest
+from asyncrl.weights.distributed import directory_manifest, engine_ranks, version_manifest
 from asyncrl.weights.paths import with_transfer_path
 from asyncrl.rollout.workflow import EngineGenerator, RolloutWorkflow, SingleTurnGroups
 from asyncrl.rollout.episode_record import EpisodeBook
@@ -117,10 +117,11 @@ def serve(settings: RolloutSettings) -> None:
         max_sequence_length=length,
         eos_token_ids=tuple(t for t in (tokenizer.eos_token_id,) if t is not None),
         seed=spec.dataset.seed,
+        lora=spec.model.lora,
     ).start()
     engine = TorchInferenceEngine(torch_engine)
     transfer = transfer_member(settings, spec, engine,
-                               lambda dtype: model_manifest(model, dtype))
+                               lambda dtype: version_manifest(model, spec.model))
     ipc = IpcReceiver(torch_engine, device) if spec.trainer.weight_transfer == "ipc" else None
     control = serve_control(engine, settings.grpc_port, host=settings.host,
                             ready=lambda: redis_outage.available)

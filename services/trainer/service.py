@@ -79,8 +79,9 @@ from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
 from asyncrl.weights.distributed import announcement_uri, version_manifest
 from asyncrl.weights.distributed import backend as transfer_backend
 from asyncrl.weights.distributed import world_size as transfer_world_size
-from asyncrl.weights.ipc import SharedWeights, transfer_path
+from asyncrl.weights.ipc import SharedWeights
 from asyncrl.weights.ipc import announcement_uri as ipc_announcement_uri
+from asyncrl.weights.paths import with_transfer_path
 
 log = logging.getLogger(__name__)
 
@@ -182,10 +183,16 @@ class Trainer:
         """`job`: the manifest of `settings.job_file`, loaded once by the caller."""
         self.settings = settings
         self.group = group or TrainerGroup()
-        self.job = job
-        spec = job.spec
-        self.spec = spec
-        self.device = device or select_device(spec.trainer.placement.gpus, self.group.local_rank)
+        self.device = device or select_device(job.spec.trainer.placement.gpus,
+                                              self.group.local_rank)
+        # The runner and the operator write the path taken; a job file written by hand may
+        # still say auto (disk: the rollout is not known here), and ipc on a trainer without
+        # a GPU is disk.
+        job, reason = with_transfer_path(job, trainer_device=str(self.device))
+        if reason and self.group.leader:
+            log.warning("trainer.weightTransfer is ipc but %s: versions go to disk", reason)
+        self.job, self.spec = job, job.spec
+        spec = self.spec
         # float32 master weights whatever model.dtype says; bf16 is autocast (see step.py).
         self.model, self.tokenizer = load_policy(spec.model, dtype="float32", device=self.device)
         # With model.lora: peft's wrapper, whose adapter is all that is trained, saved and
@@ -212,12 +219,14 @@ class Trainer:
         self.broadcaster = None
         self._waited_for_group = False
         self._published_uri = ""  # where the newest version was published
+        # What each version moves to every engine (the adapter's tensors with model.lora),
+        # listed from the whole model, before any sharding.
+        self.version_tensors = version_manifest(self.hf_model, spec.model)
+        self.version_bytes = sum(t.bytes for t in self.version_tensors)
         if spec.trainer.weight_transfer == "distributed" and self.group.leader:
-            # The manifest from the whole model, before any sharding.
             self.broadcaster = WeightBroadcaster(
                 settings.weights_port, self._transfer_world_size,
-                transfer_backend(spec),
-                version_manifest(self.hf_model, spec.model))
+                transfer_backend(spec), self.version_tensors)
         self.shared_weights = self._shared_weights() if self.group.leader else None
         self.sharded = spec.trainer.sharding == "fsdp" and self.group.distributed
         if self.sharded:
@@ -398,7 +407,8 @@ class Trainer:
                         **response_shape(batch.groups),
                         **overlong_penalty_record(batch.groups, spec.algorithm,
                                                   spec.rollout.max_new_tokens),
-                        "weight_transfer": transfer, "publish_seconds": publish_seconds, **stats,
+                        "weight_transfer": transfer, "publish_seconds": publish_seconds,
+                        "version_bytes": self.version_bytes, **stats,
                     }
                     if step % spec.trainer.eval_every == 0 or step == spec.algorithm.max_steps:
                         self.status.phase = "evaluating"
@@ -480,19 +490,13 @@ class Trainer:
                                    lora=self.spec.model.lora)
 
     def _shared_weights(self) -> SharedWeights | None:
-        """The GPU buffer an engine on this GPU copies each version from, when the job asks
-        for ipc and this trainer computes on a GPU (the runner has put the rollout on the
-        same one); else versions go to disk, and the log says why."""
-        spec = self.spec
-        if spec.trainer.weight_transfer != "ipc":
+        """The GPU buffer an engine on this GPU copies each version from, when the job's path
+        is ipc (resolved at start: this trainer computes on a GPU, and the runner has put the
+        rollout on the same one); else None, and versions go to disk."""
+        if self.spec.trainer.weight_transfer != "ipc":
             return None
-        path, reason = transfer_path("ipc", str(self.device))
-        if path != "ipc":
-            log.warning("trainer.weightTransfer is ipc but %s: versions go to disk", reason)
-            return None
-        metas = version_manifest(self.hf_model, spec.model)
-        return SharedWeights(self.settings.run_dir / "weights" / "ipc", metas, metas[0].dtype,
-                             self.device)
+        return SharedWeights(self.settings.run_dir / "weights" / "ipc", self.version_tensors,
+                             self.version_tensors[0].dtype, self.device)
 
     def _transfer_world_size(self) -> int:
         """The weight transfer group's size as the job says now: scaling the rollout changes

@@ -509,7 +509,8 @@ def test_an_episode_job_runs_the_users_code_from_their_claim_to_succeeded(instal
                                                                           tmp_path_factory):
     # rollout.workflow.kind: episode, the episode function on a claim of the user's
     # (workflow.volume), mounted read-only in the rollout pod; its calls go to the worker's
-    # own OpenAI-compatible API inside the pod.
+    # own OpenAI-compatible API inside the pod. The model trains a LoRA adapter (model.lora):
+    # each version and checkpoint is the adapter, on the run volume as a peft directory.
     volumes = tmp_path_factory.mktemp("episodes")
     claim = volumes / "claim"  # mounted at /episodes, the first folder of workflow.path
     (claim / "mine").mkdir(parents=True)
@@ -519,6 +520,7 @@ def test_an_episode_job_runs_the_users_code_from_their_claim_to_succeeded(instal
         spec = manifest["spec"]
         spec["algorithm"]["maxSteps"] = 2
         spec["algorithm"]["skipUniformGroups"] = False
+        spec["model"]["lora"] = {"rank": 4, "alpha": 8}
         spec["rollout"]["workflow"] = {
             "kind": "episode", "function": "my_episodes:episode", "path": "/episodes/mine",
             "volume": "episodes", "maxTurns": 2, "maxContextTokens": 512}
@@ -532,6 +534,13 @@ def test_an_episode_job_runs_the_users_code_from_their_claim_to_succeeded(instal
         assert episode_job.steps_recorded() == [1, 2]
         # Each episode's two answers came back as one sample (groupSize 2, batchSize 2).
         assert {r["trained_samples"] for r in episode_job.train_records()} == {4}
+        # Each version moved the adapter only, float32: 2 layers x rank 4 x (in + out) of the
+        # q, k, v, o, gate, up and down projections (hidden 64, key/value 32, MLP 128).
+        adapter_bytes = 2 * 4 * (128 + 96 + 96 + 128 + 192 + 192 + 192) * 4
+        assert {r["version_bytes"] for r in episode_job.train_records()} == {adapter_bytes}
+        (checkpoint,) = (episode_job.run_dir / "checkpoints").glob("step-*")
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= {
+            p.name for p in checkpoint.iterdir()}
         # The user's tools run in the rollout pod: its egress is held to the job's services.
         policy = client.NetworkingV1Api(installed.api_client()).read_namespaced_network_policy(
             f"{JOB}-rollout", episode_job.namespace)

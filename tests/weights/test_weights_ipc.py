@@ -21,7 +21,9 @@ from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.model.policy import tied_aliases
 from asyncrl.rollout.weights_receiver import IpcReceiver, VersionSkipped
 from asyncrl.weights.announcements import WeightVersion
-from asyncrl.weights.distributed import model_manifest
+from asyncrl.model.lora import adapter_state
+from asyncrl.spec.job import RLJobSpec
+from asyncrl.weights.distributed import model_manifest, version_manifest
 from asyncrl.weights.ipc import (
     IpcManifest,
     IpcReader,
@@ -33,6 +35,7 @@ from asyncrl.weights.ipc import (
     manifest_path,
     open_handle,
 )
+from support.lora import trained_adapter
 from support.tiny_model import tiny_model
 
 CPU = torch.device("cpu")
@@ -162,3 +165,24 @@ def test_a_torch_engine_takes_a_version_from_the_buffer_and_refuses_another_devi
     elsewhere = IpcManifest(shared.manifest.tensors, torch.float32, "GPU-1234", b"")
     with pytest.raises(IpcUnavailable, match="trainer.weightTransfer: disk"):
         IpcReader(CPU).tensors(elsewhere)
+
+
+def test_a_lora_engine_takes_the_adapter_from_the_buffer(tmp_path):
+    """model.lora: the buffer holds the adapter's tensors (version_manifest) and the engine
+    merges them into its weights."""
+    import asyncio
+
+    spec = RLJobSpec.model_validate({"model": {"source": "tiny-random",
+                                               "lora": {"rank": 4, "alpha": 8}}})
+    metas = version_manifest(tiny_model(1), spec.model)
+    shared = SharedWeights(tmp_path, metas, metas[0].dtype, CPU)
+    engine = TorchEngine(tiny_model(1), max_running_requests=2, max_sequence_length=32,
+                         lora=spec.model.lora)
+    trained = trained_adapter(seed=2, base_seed=1, lora=spec.model.lora)
+    shared.write(adapter_state(trained), 1)
+    update = asyncio.run(IpcReceiver(engine, CPU).receive(
+        WeightVersion(1, announcement_uri(shared.manifest_path))))
+    assert update.version == 1
+    merged = trained.merge_and_unload().state_dict()
+    for name, tensor in engine._model.state_dict().items():
+        torch.testing.assert_close(tensor, merged[name], atol=1e-6, rtol=0)
