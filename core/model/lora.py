@@ -57,7 +57,11 @@ def with_adapter(model: torch.nn.Module, lora, base_dtype: torch.dtype) -> PeftM
     AdapterError when no layer matches model.lora.targetModules."""
     model.to(base_dtype)
     try:
-        wrapped = get_peft_model(model, lora_config(lora))
+        # peft draws A from the global generator (on the CPU, then moves it): seeded here, so
+        # that data-parallel ranks start from one adapter without exchanging it.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(lora.seed)
+            wrapped = get_peft_model(model, lora_config(lora))
     except ValueError as exc:  # peft: "Target modules ... not found in the base model"
         raise AdapterError(f"model.lora.targetModules {list(lora.target_modules)}: {exc}") from exc
     for name, parameter in wrapped.named_parameters():

@@ -75,6 +75,10 @@ class LoraSpec(SpecModel):
         default_factory=lambda: list(DEFAULT_LORA_TARGETS), min_length=1,
         description="Names (or dotted name endings) of the linear layers that get an "
         "adapter, as peft's target_modules; default: the attention and MLP projections.")
+    seed: int = Field(
+        default=0,
+        description="Seed of the adapter's initialisation (A random, B zero, as peft does): "
+        "every trainer process, and a rerun, starts from the same adapter.")
 
 
 class ModelSpec(SpecModel):

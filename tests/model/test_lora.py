@@ -115,3 +115,16 @@ def test_the_merged_weights_are_the_base_plus_the_scaled_product():
                                atol=1e-4, rtol=0)
     assert merger.bytes_per_version == sum(
         t.numel() * 4 for t in adapter_state(wrapped).values())
+
+
+def test_the_adapter_starts_the_same_in_every_process():
+    """Seeded by model.lora.seed, whatever the global generator's state (data-parallel ranks
+    must start from one adapter)."""
+    torch.manual_seed(123)
+    first = adapter_state(with_adapter(tiny_model(1), LORA, torch.float32))
+    torch.manual_seed(456)
+    second = adapter_state(with_adapter(tiny_model(1), LORA, torch.float32))
+    other = adapter_state(with_adapter(tiny_model(1), LORA.model_copy(update={"seed": 1}),
+                                       torch.float32))
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert torch.equal(first[name], second[name]) and not torch.equal(first[name], other[name])

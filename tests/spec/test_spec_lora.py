@@ -59,5 +59,5 @@ def test_the_crd_carries_the_lora_section():
     model = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"][
         "spec"]["properties"]["model"]
     lora = model["properties"]["lora"]["properties"]
-    assert set(lora) == {"rank", "alpha", "dropout", "targetModules"}
+    assert set(lora) == {"rank", "alpha", "dropout", "targetModules", "seed"}
     assert lora["rank"]["minimum"] == 1
