@@ -29,6 +29,17 @@ computes every sequence whole: on the batch whose prompts are each their own, be
         [--response 128] [--bf16] [--megatron] [--shape smollm2-135m]
     .venv/bin/python bench/trainer_step.py --device cuda --shape qwen2.5-0.5b --sequences 64 \
         --group-size 8 --prompt 256 --response 512 --bf16
+
+With --lora RANK it compares, on the same batch, full fine-tuning (float32 master weights, AdamW
+over every weight) with a LoRA adapter of that rank on every projection (model.lora: the base
+frozen in the compute dtype, AdamW over the adapter): each one's step time, MFU (6 x parameters
+x tokens for full fine-tuning; 4 x for LoRA, whose base takes no weight gradients) and peak
+memory (GPU memory on CUDA; the process's peak RSS on the CPU, where LoRA runs first). A
+configuration that does not fit says so (Qwen2.5-7B's full fine-tuning needs ~120 GB of
+weights, gradients and AdamW state alone).
+
+    .venv/bin/python bench/trainer_step.py --device cuda --shape qwen2.5-7b --sequences 64 \
+        --group-size 8 --prompt 256 --response 512 --bf16 --lora 16
 """
 
 from __future__ import annotations
@@ -46,7 +57,9 @@ from asyncrl.algorithms.packing import pack_sequences, pack_sharing_prefixes
 from asyncrl.platform.devices import native_bf16, use_planless_attention
 from asyncrl.model.policy import SMOLLM2, load_model, packed_token_logprobs
 from asyncrl.model.packed_attention import PACKED_SDPA
+from asyncrl.model.lora import trained_model, with_adapter
 from asyncrl.model.shapes import SHAPES, parameter_count, random_model
+from asyncrl.spec.job import LoraSpec
 from asyncrl.trainer.step import PolicyUpdater, TrainSample, UpdateConfig, fused_adamw
 
 #: Tokens per micro-batch by device: a GPU runs fewer, larger micro-batches faster (fewer
@@ -83,6 +96,8 @@ def main() -> None:
                         help="with --device cuda: also profile one step (logits in blocks)")
     parser.add_argument("--peak-tflops", type=float, default=790.0,
                         help="the GPU's dense peak for MFU (default 790: H100/H200 bf16)")
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                        help="compare full fine-tuning with a LoRA adapter of this rank")
     args = parser.parse_args()
     if args.micro_batch_max_tokens is None:
         args.micro_batch_max_tokens = MICRO_BATCH_TOKENS[args.device]
@@ -90,6 +105,9 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda":
         use_planless_attention()  # as every CUDA service process (select_device)
+    if args.lora:
+        lora_report(device, args)
+        return
     # float32 master weights, as the trainer keeps them.
     model = (load_model(SMOLLM2, device=device) if args.shape is None
              else random_model(args.shape, device, torch.float32))
@@ -189,6 +207,67 @@ def gpu_steps(model, samples, dtype: str, blocks: bool, args) -> tuple[float, in
     finally:
         updater.optimizer.zero_grad(set_to_none=True)
         updater.optimizer.state.clear()
+
+
+def lora_report(device: torch.device, args) -> None:
+    """Full fine-tuning and a LoRA adapter of rank --lora, one after the other on one batch."""
+    dtype = "bfloat16" if args.bf16 else "float32"
+    name = args.shape or "SmolLM2-135M"
+
+    def model_in(parameter_dtype: torch.dtype) -> torch.nn.Module:
+        return (load_model(SMOLLM2, dtype=str(parameter_dtype).removeprefix("torch."),
+                           device=device) if args.shape is None
+                else random_model(args.shape, device, parameter_dtype))
+
+    # LoRA first: on the CPU the peak RSS only grows, so full fine-tuning's comes after.
+    for lora in (True, False):
+        label = f"LoRA rank {args.lora}" if lora else "full fine-tuning"
+        try:
+            if lora:
+                base = model_in(getattr(torch, dtype))
+                model = trained_model(with_adapter(base, LoraSpec(rank=args.lora,
+                                                                  alpha=2 * args.lora),
+                                                   getattr(torch, dtype)))
+            else:
+                model = model_in(torch.float32)
+            samples, _ = make_batch(model.config.vocab_size, args)
+            through = pack_sharing_prefixes([s.input_ids for s in samples],
+                                            [args.prompt] * len(samples)).num_tokens
+            trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            total = parameter_count(model)
+            updater = PolicyUpdater(
+                model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                         lr=1e-6, **fused_adamw(model)),
+                UpdateConfig(micro_batch_max_tokens=args.micro_batch_max_tokens,
+                             compute_dtype=dtype))
+            updater.step(samples)  # warm-up: kernels chosen, optimizer state made
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            times = []
+            for _ in range(args.repeats):
+                started = time.perf_counter()
+                updater.step(samples)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - started)
+            seconds = statistics.median(times)
+            peak = (torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda"
+                    else peak_rss_gb())
+            flops = (4 if lora else 6) * total * through
+            mfu = (f", MFU {flops / seconds / (args.peak_tflops * 1e12):.1%}"
+                   if device.type == "cuda" else "")
+            print(f"RESULT {name} {label}: {trained / 1e6:.1f}M of {total / 1e6:.0f}M "
+                  f"parameters trained, {dtype}; step {seconds:.3f} s, "
+                  f"{through / seconds:,.0f} tokens/s through the model{mfu}, peak "
+                  f"{'GPU memory' if device.type == 'cuda' else 'RSS'} {peak:.2f} GiB")
+        except torch.cuda.OutOfMemoryError:
+            print(f"RESULT {name} {label}: out of GPU memory")
+        finally:
+            model = base = updater = None
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
 
 def cpu_report(model: torch.nn.Module, name: str, samples: list[TrainSample],

@@ -21,6 +21,12 @@ SHAPES: dict[str, dict] = {
     "qwen2.5-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536,
                          intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6),
+    "qwen2.5-3b": dict(model_type="qwen2", vocab_size=151936, hidden_size=2048,
+                       intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                       num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6),
+    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584,
+                       intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, tie_word_embeddings=False, rope_theta=1e6),
 }
 
 
