@@ -555,6 +555,39 @@ class OutputFormat(str, enum.Enum):
 
 
 @app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="The run's folder (runs/<job> by default).")],
+    out: Annotated[Path, typer.Argument(help="A new folder for the model.")],
+    step: Annotated[Optional[int], typer.Option(
+        help="The checkpoint of this step (default: the newest).")] = None,
+    merge: Annotated[bool, typer.Option(
+        "--merge", help="LoRA: write the base with the adapter merged, a plain model "
+        "(default: the adapter as a peft directory).")] = False,
+    job: Annotated[Optional[Path], typer.Option(
+        help="The job's manifest (default: RUN_DIR/config.yaml, which `asyncrl run` "
+        "writes).")] = None,
+) -> None:
+    """Write a run's checkpoint as a Hugging Face model directory (weights, config,
+    tokenizer, generation config) that transformers, vLLM and SGLang load."""
+    from asyncrl.trainer.export import ExportError, checkpoint_of
+    from asyncrl.trainer.export import export as write_export
+
+    manifest = job or run_dir / "config.yaml"
+    if not manifest.is_file():
+        typer.secho(f"{manifest} not found: name the job's manifest with --job",
+                    fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=1)
+    spec = _load_or_exit(manifest).spec
+    try:
+        checkpoint = checkpoint_of(run_dir, step)
+        written = write_export(checkpoint, spec.model, out, merge=merge)
+    except ExportError as exc:
+        typer.secho(str(exc), fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=1) from None
+    typer.echo(f"{out}: {written}, from {checkpoint}")
+
+
+@app.command()
 def crd(
     output: Annotated[
         OutputFormat, typer.Option("--output", "-o", help="Output format.")

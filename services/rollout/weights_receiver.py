@@ -287,5 +287,9 @@ def engine_applier(engine: InferenceEngine, cache_dir: Path, metrics=None,
             raise
         if metrics is not None:
             metrics.observe_weight_update(update)
+        # One line a version: what a user (and bench/lora_job.py) reads a sync's cost from.
+        log.info("version %d applied in %.1f ms (%s)", update.version, update.seconds * 1e3,
+                 "ipc" if is_ipc_uri(announced.uri)
+                 else "distributed" if is_distributed_uri(announced.uri) else "disk")
 
     return apply
