@@ -194,19 +194,28 @@ def gpu_steps(model, samples, dtype: str, blocks: bool, args) -> tuple[float, in
     allocated during them (model, gradients and optimizer state included)."""
     updater = gpu_updater(model, dtype, blocks, args)
     try:
-        updater.step(samples)  # warm-up: kernels chosen, optimizer state made
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(args.repeats):
-            started = time.perf_counter()
-            updater.step(samples)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - started)
-        return statistics.median(times), torch.cuda.max_memory_allocated()
+        return timed_steps_on(updater, samples, args.repeats)
     finally:
         updater.optimizer.zero_grad(set_to_none=True)
         updater.optimizer.state.clear()
+
+
+def timed_steps_on(updater: PolicyUpdater, samples, repeats: int) -> tuple[float, int]:
+    """Median step time over `repeats` steps after one warm-up (kernels chosen, optimizer
+    state made), and on CUDA the peak memory allocated during them (0 on the CPU)."""
+    cuda = updater.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    updater.step(samples)
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        updater.step(samples)
+        sync()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times), torch.cuda.max_memory_allocated() if cuda else 0
 
 
 def lora_report(device: torch.device, args) -> None:
@@ -240,20 +249,8 @@ def lora_report(device: torch.device, args) -> None:
                                          lr=1e-6, **fused_adamw(model)),
                 UpdateConfig(micro_batch_max_tokens=args.micro_batch_max_tokens,
                              compute_dtype=dtype))
-            updater.step(samples)  # warm-up: kernels chosen, optimizer state made
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            times = []
-            for _ in range(args.repeats):
-                started = time.perf_counter()
-                updater.step(samples)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - started)
-            seconds = statistics.median(times)
-            peak = (torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda"
-                    else peak_rss_gb())
+            seconds, peak_bytes = timed_steps_on(updater, samples, args.repeats)
+            peak = peak_bytes / 2**30 if device.type == "cuda" else peak_rss_gb()
             flops = (4 if lora else 6) * total * through
             mfu = (f", MFU {flops / seconds / (args.peak_tflops * 1e12):.1%}"
                    if device.type == "cuda" else "")
