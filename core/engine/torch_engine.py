@@ -214,6 +214,11 @@ class TorchEngine:
         return self._version
 
     @property
+    def has_adapter(self) -> bool:
+        """Whether versions are a LoRA adapter's tensors (model.lora), merged as they come."""
+        return self._adapter is not None
+
+    @property
     def fused_decode(self) -> bool:
         """Whether decode steps run fused projections (FusedDecoder)."""
         return self._fused is not None

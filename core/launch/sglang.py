@@ -14,7 +14,11 @@
 - `--weight-version`: the policy version of the initial weights, so every response carries
   an integer version from the start (SGLang's default is the string "default");
 - `--random-seed`;
-- `--mem-fraction-static` only when given (otherwise SGLang sizes its KV cache itself).
+- `--mem-fraction-static` only when given (otherwise SGLang sizes its KV cache itself);
+- with `model.lora`: `--enable-lora` (its /load_lora_adapter and /unload_lora_adapter, and
+  `lora_path` in /generate), `--max-lora-rank` and `--lora-target-modules` from the spec (with
+  no adapter at start SGLang needs both to size its adapter memory), and
+  `--max-loras-per-batch` (`MAX_LORAS_PER_BATCH`).
 
 Pausing, continuing, aborting and /update_weights_from_disk need no flag in SGLang 0.5.23.
 """
@@ -42,6 +46,9 @@ from asyncrl.spec import RLJobSpec
 SGLANG_VERSION = "0.5.23"
 #: The interpreter that has SGLang, when it is not this one (set by the GPU image).
 SGLANG_PYTHON_ENV = "ASYNCRL_SGLANG_PYTHON"
+#: Adapters one batch may mix (SGLang counts the base as one): the version served, and during
+#: a swap the one it replaces, whose last requests may still run.
+MAX_LORAS_PER_BATCH = 2
 
 
 def tensor_parallel_size(gpus: int) -> int:
@@ -90,6 +97,10 @@ def sglang_launch_command(
     ]
     if mem_fraction_static is not None:
         command += ["--mem-fraction-static", str(mem_fraction_static)]
+    if (lora := spec.model.lora) is not None:
+        command += ["--enable-lora", "--max-lora-rank", str(lora.rank),
+                    "--lora-target-modules", *lora.target_modules,
+                    "--max-loras-per-batch", str(MAX_LORAS_PER_BATCH)]
     return command + list(extra_args)
 
 

@@ -29,8 +29,10 @@ from torch import Tensor
 
 from asyncrl.model.policy import model_skeleton
 
-#: The tensors of a saved adapter directory (with adapter_config.json), as peft writes it.
+#: The tensors of a saved adapter directory (with ADAPTER_CONFIG), as peft writes it.
 ADAPTER_FILE = "adapter_model.safetensors"
+#: The adapter's rank, alpha and targets in a saved adapter directory (what SGLang reads).
+ADAPTER_CONFIG = "adapter_config.json"
 #: peft's prefix of every adapter tensor's name in a saved adapter.
 PREFIX = "base_model.model."
 _PARTS = {".lora_A.weight": "A", ".lora_B.weight": "B"}

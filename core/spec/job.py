@@ -54,6 +54,11 @@ class TinyModel(SpecModel):
 #: or the head.
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                         "down_proj")
+#: The modules SGLang 0.5.23 can put an adapter on (its --lora-target-modules choices).
+SGLANG_LORA_TARGETS = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj",
+    "kv_b_proj", "wq_b", "wk", "weights_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+    "gate_up_proj", "embed_tokens", "lm_head", "qkvr", "wo_ud")
 
 
 class LoraSpec(SpecModel):
@@ -1359,10 +1364,20 @@ def _check_lora(spec: RLJobSpec) -> None:
         raise rule_error("model.lora with sharding fsdp is not implemented yet: the frozen "
                          "base and the small adapter are held whole by every process",
                          field="trainer.sharding", fix="set trainer.sharding: none")
-    if spec.rollout.engine != "torch":
-        raise rule_error("model.lora with rollout.engine sglang is not implemented yet "
-                         "(its adapters would be loaded through SGLang's LoRA API)",
-                         field="rollout.engine", fix="set rollout.engine: torch")
+    if spec.rollout.engine != "sglang":
+        return
+    if spec.trainer.weight_transfer in ("distributed", "ipc"):
+        raise rule_error("model.lora with rollout.engine sglang loads each version's adapter "
+                         "from disk (/load_lora_adapter): SGLang has no API that receives an "
+                         f"adapter by {spec.trainer.weight_transfer} transfer",
+                         field="trainer.weightTransfer",
+                         fix="set trainer.weightTransfer: disk (or auto, which is disk here)")
+    unknown = [m for m in spec.model.lora.target_modules if m not in SGLANG_LORA_TARGETS]
+    if unknown:
+        raise rule_error(f"SGLang puts no adapter on {', '.join(unknown)}: it adapts modules by "
+                         f"their own name ({', '.join(SGLANG_LORA_TARGETS)})",
+                         field="model.lora.targetModules",
+                         fix="name modules SGLang adapts, or set rollout.engine: torch")
 
 
 def _check_rollout_mounts(dataset: DatasetSpec, workflow: WorkflowSpec) -> None:

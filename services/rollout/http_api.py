@@ -18,6 +18,16 @@ so routes, request bodies and response shapes follow SGLang's native API
   `return_logprob`, `output_token_logprobs` as `[logprob, token_id, null]` triples.
   `output_token_versions` (the integer policy version of each output token) is **our
   extension**: SGLang has no per-token versions, so the SGLang client must not rely on it.
+- LoRA, when the engine's versions are an adapter's (TorchEngine(lora=...)): SGLang's
+  `POST /load_lora_adapter` (`lora_name`, `lora_path`: a peft adapter directory) merges the
+  adapter into the engine's weights as the version its name gives (`v<N>`, as the SGLang client
+  names versions; any other name loads as the next version) and registers the name;
+  `POST /unload_lora_adapter` drops a name; `lora_path` in /generate must name a loaded
+  adapter. Answers are SGLang's `{"success", "error_message", "loaded_adapters"}`, 400 when
+  refused. Unlike SGLang, which runs each request with the adapter it names, the engine holds
+  one adapter merged, the last loaded: a request naming an older one still loaded runs with
+  the last (its `output_token_versions` say so), and one naming none runs with the weights in
+  place (SGLang: the base).
 - `POST /pause_generation`, `POST /continue_generation`, `POST /update_weights_from_disk`,
   `POST /init_weights_update_group`, `POST /update_weights_from_distributed`,
   `POST /destroy_weights_update_group` (weights broadcast by the trainer over torch.distributed:
@@ -42,6 +52,7 @@ import asyncio
 import time
 import uuid
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
 
 import torch
@@ -58,8 +69,10 @@ from pydantic import (
     model_validator,
 )
 
+from asyncrl.model.lora import ADAPTER_CONFIG, ADAPTER_FILE
 from asyncrl.rollout.metrics import RolloutMetrics
 from asyncrl.rollout.openai_api import engine_results, openai_router, submitted
+from asyncrl.rollout.sglang_client import adapter_version
 from asyncrl.engine.types import (
     GenerationResult,
     RequestError,
@@ -196,6 +209,9 @@ class GenerateRequest(BaseModel):
     ] = None
     return_logprob: StrictBool | list[StrictBool] | None = None
     rid: StrictStr | list[StrictStr] | None = None
+    # The LoRA adapter, by its loaded name (SGLang resolves lora_path by name): one for
+    # every prompt, or one per prompt (None: no adapter).
+    lora_path: StrictStr | list[StrictStr | None] | None = None
     stream: StrictBool = False
     # Refused with a message saying what to send instead (the multimodal ones only when they
     # carry data: empty ones are absent).
@@ -256,6 +272,15 @@ class GenerateRequest(BaseModel):
                     "give one per prompt (or a single value for all)"
                 )
         return rids, params, flags
+
+    def adapters(self, n: int) -> list[str | None]:
+        """The adapter named for each of the `n` prompts (None: none)."""
+        if not isinstance(self.lora_path, list):
+            return [self.lora_path] * n
+        if len(self.lora_path) != n:
+            raise RequestError(f"lora_path list length ({len(self.lora_path)}) must match "
+                               f"the batch size ({n})")
+        return list(self.lora_path)
 
 
 class PauseRequest(BaseModel):
@@ -358,6 +383,24 @@ _TRANSFER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                     "float16": torch.float16}
 
 
+class LoadLoraAdapterRequest(BaseModel):
+    """SGLang's LoadLoRAAdapterReqInput."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: StrictStr
+    lora_path: StrictStr
+    pinned: StrictBool = False
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """SGLang's UnloadLoRAAdapterReqInput."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: StrictStr
+
+
 class AbortRequestBody(BaseModel):
     """SGLang's AbortReq: one rid (a list is accepted too), or abort_all."""
 
@@ -428,6 +471,7 @@ def create_app(engine, *, model_path: str, metrics: RolloutMetrics,
     served too, as model `model_path` (`openai_options`: its episodes and their sampling)."""
     app = FastAPI(title="asyncrl rollout (SGLang-compatible)")
     groups: dict[str, Any] = {}  # weight transfer groups joined, by name
+    adapters: dict[str, str] = {}  # LoRA adapters loaded: name -> lora_path
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -452,10 +496,21 @@ def create_app(engine, *, model_path: str, metrics: RolloutMetrics,
         future.add_done_callback(observe)
         return future
 
+    def check_adapters(names: list[str | None]) -> None:
+        """Every adapter a request names must be loaded, as SGLang requires."""
+        for name in dict.fromkeys(n for n in names if n is not None):
+            if not engine.has_adapter:
+                raise RequestError(f"LoRA adapter {name!r} was requested, but LoRA is not "
+                                   "enabled: this engine's job has no model.lora")
+            if name not in adapters:
+                raise RequestError(f"LoRA adapter {name!r} is not loaded (loaded: "
+                                   f"{sorted(adapters)}); load it with /load_lora_adapter")
+
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(body: GenerateRequest):
         prompts = body.prompts()
         rids, bodies, logprob_flags = body.per_prompt(len(prompts))
+        check_adapters(body.adapters(len(prompts)))
         max_length = engine.status().max_sequence_length
         params = [b.to_engine(len(p), max_length) for b, p in zip(bodies, prompts)]
         for index, p in enumerate(params):
@@ -516,6 +571,43 @@ def create_app(engine, *, model_path: str, metrics: RolloutMetrics,
             "weight_version": str(update.version),
             "seconds": update.seconds,
         }
+
+    def adapter_answer(error: str | None = None) -> JSONResponse | dict[str, Any]:
+        """SGLang's LoRAUpdateOutput: 400 with the message when refused."""
+        answer = {"success": error is None, "error_message": error or "",
+                  "loaded_adapters": dict(adapters)}
+        return answer if error is None else JSONResponse(answer, status_code=400)
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraAdapterRequest):
+        name, path = body.lora_name, Path(body.lora_path)
+        if not engine.has_adapter:
+            return adapter_answer("LoRA is not enabled: this engine's job has no model.lora")
+        if name in adapters:
+            return adapter_answer(f"Failed to load LoRA adapter {name} because it is "
+                                  "already loaded")
+        if not ((path / ADAPTER_CONFIG).is_file() and (path / ADAPTER_FILE).is_file()):
+            return adapter_answer(f"lora_path {body.lora_path!r} is not a LoRA adapter "
+                                  f"directory ({ADAPTER_CONFIG} and {ADAPTER_FILE}, as peft "
+                                  "saves one)")
+        version = adapter_version(name)
+        try:
+            update = await asyncio.to_thread(
+                engine.update_weights, path,
+                engine.version + 1 if version is None else version)
+        except RequestError as exc:
+            metrics.observe_weight_update_failure()
+            return adapter_answer(f"Failed to load LoRA adapter {name}: {exc}")
+        adapters[name] = body.lora_path
+        metrics.observe_weight_update(update)
+        return adapter_answer()
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest):
+        if adapters.pop(body.lora_name, None) is None:
+            return adapter_answer(f"LoRA with name {body.lora_name} does not exist. "
+                                  f"Loaded LoRAs: {sorted(adapters)}")
+        return adapter_answer()
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(body: InitWeightsUpdateGroupRequest):

@@ -183,7 +183,8 @@ async def _serve_sglang(settings: RolloutSettings, job, slots: int, length: int,
     control = None
     try:
         async with SGLangClient(server.url) as client:
-            engine = SGLangEngine(client, max_running_requests=slots, max_sequence_length=length)
+            engine = SGLangEngine(client, max_running_requests=slots, max_sequence_length=length,
+                                  lora=job.spec.model.lora is not None)
             control = serve_control(engine, settings.grpc_port, host=settings.host,
                                     ready=lambda: redis_outage.available)
             app = status_app(engine, metrics, ready=lambda: redis_outage.available)

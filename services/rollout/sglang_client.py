@@ -3,10 +3,11 @@
 The rollout service drives a real SGLang server on GPUs and the torch engine's
 SGLang-compatible API (`asyncrl.rollout.http_api`) on CPUs through this one client. The request
 bodies follow SGLang's request models (`sglang.srt.managers.io_struct`: GenerateReqInput,
-PauseGenerationReqInput, ContinueGenerationReqInput, UpdateWeightFromDiskReqInput, AbortReq)
-and its HTTP contract for /generate (`sglang.api.v1.api_types.GenerateRequest`, whose
-`sampling_params` refuses unknown keys). They are built by pure functions
-(`generate_payload`, ...) that `tests/support/sglang_requests.py` feeds to SGLang's own models.
+PauseGenerationReqInput, ContinueGenerationReqInput, UpdateWeightFromDiskReqInput, AbortReq,
+LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput) and its HTTP contract for /generate
+(`sglang.api.v1.api_types.GenerateRequest`, whose `sampling_params` refuses unknown keys).
+They are built by pure functions (`generate_payload`, ...) that
+`tests/support/sglang_requests.py` feeds to SGLang's own models.
 
 Token-in/token-out: prompts go in as `input_ids` and come back as `output_ids` (the server runs
 with `--skip-tokenizer-init`); every request asks for `return_logprob`, so each output token
@@ -25,6 +26,12 @@ The policy version of each output token is read, in this order, from:
 SGLang's weight versions are strings; ours are integers. The client sends `str(version)`
 (start the server with `--weight-version 0`, as `sglang_launch_command` does), and a version
 string that is not an integer (SGLang's default is "default") counts as not reported.
+
+LoRA (model.lora): each version is an adapter, loaded beside the base with /load_lora_adapter
+under its own name (`adapter_name`), and a request names the adapter that generates it
+(`lora_path`, which SGLang resolves by name). SGLang's weight version is then the base model's,
+so the tokens of such a request are the version of the adapter it named (after our per-token
+versions, where a server reports them).
 """
 
 from __future__ import annotations
@@ -88,14 +95,19 @@ def sampling_params_payload(params: SamplingParams) -> dict[str, Any]:
     return body
 
 
-def generate_payload(input_ids: list[int], params: SamplingParams, rid: str) -> dict[str, Any]:
-    """The /generate body for one prompt."""
-    return {
+def generate_payload(input_ids: list[int], params: SamplingParams, rid: str,
+                     adapter: str | None = None) -> dict[str, Any]:
+    """The /generate body for one prompt; `adapter`: the loaded LoRA adapter that generates
+    it (SGLang's lora_path takes the adapter's name), else the base model."""
+    body = {
         "input_ids": list(input_ids),
         "sampling_params": sampling_params_payload(params),
         "return_logprob": True,
         "rid": rid,
     }
+    if adapter is not None:
+        body["lora_path"] = adapter
+    return body
 
 
 def generate_batch_payload(
@@ -128,6 +140,28 @@ def update_weights_payload(model_path: str, version: int) -> dict[str, Any]:
     flushed after the update (SGLang's default, spelled out), so no request continues on keys
     and values computed by the old weights."""
     return {"model_path": model_path, "weight_version": str(version), "flush_cache": True}
+
+
+def adapter_name(version: int) -> str:
+    """The name policy `version`'s LoRA adapter is loaded under: one name per version, so a
+    new version loads beside the one still serving requests that named it."""
+    return f"v{version}"
+
+
+def adapter_version(name: str) -> int | None:
+    """The policy version an `adapter_name` names; None for any other name."""
+    digits = name.removeprefix("v")
+    return int(digits) if name.startswith("v") and digits.isdigit() else None
+
+
+def load_adapter_payload(name: str, path: str) -> dict[str, Any]:
+    """/load_lora_adapter: the peft adapter directory at `path` (on the server's file system)
+    under `name`."""
+    return {"lora_name": name, "lora_path": path}
+
+
+def unload_adapter_payload(name: str) -> dict[str, Any]:
+    return {"lora_name": name}
 
 
 def init_weights_group_payload(address: GroupAddress, rank_offset: int) -> dict[str, Any]:
@@ -232,7 +266,8 @@ def token_versions(meta_info: dict[str, Any], count: int, known: int | None) -> 
 
 
 def parse_generate_response(
-    body: Any, *, prompt_ids: list[int], rid: str, known_version: int | None = None
+    body: Any, *, prompt_ids: list[int], rid: str, known_version: int | None = None,
+    adapter_version: int | None = None,
 ) -> GenerationResult:
     """One /generate output (`{"output_ids": [...], "meta_info": {...}}`) as a
     GenerationResult. Raises ValueError when the body lacks what was asked for.
@@ -242,6 +277,8 @@ def parse_generate_response(
     token trimmed from the output), the logprob ids are used, so every token keeps its
     log-probability. `interruptions` counts the version changes inside the output (a weight
     update during which the request produced no token is not visible there).
+    `adapter_version`: the version of the LoRA adapter the request named, which made every
+    token the server gives no per-token version for.
     """
     if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
         raise ValueError(f"expected an object with output_ids and meta_info, got {body!r:.200}")
@@ -265,7 +302,9 @@ def parse_generate_response(
             )
     logprobs = [float(t[0]) for t in triples]
     reason, matched = parse_finish_reason(meta.get("finish_reason"))
-    if reason == "abort" and "output_token_versions" not in meta and known_version is not None:
+    if adapter_version is not None and "output_token_versions" not in meta:
+        versions = [adapter_version] * len(output_ids)
+    elif reason == "abort" and "output_token_versions" not in meta and known_version is not None:
         # An aborted request's tokens were all generated before the pause that aborted it;
         # the server may report its version only after a weight update has landed, so the
         # version the caller pinned when it sent the request is the true one.
@@ -286,8 +325,8 @@ def parse_generate_response(
 
 def error_message(response: httpx.Response) -> str:
     """The server's own message from an error response: SGLang's `{"error": {"message"}}`,
-    its contract errors `{"error": "..."}`, a weight update's `{"message"}`, FastAPI's
-    `{"detail"}`, or the raw text."""
+    its contract errors `{"error": "..."}`, a weight update's `{"message"}`, an adapter
+    update's `{"error_message"}`, FastAPI's `{"detail"}`, or the raw text."""
     try:
         body = response.json()
     except ValueError:
@@ -298,7 +337,7 @@ def error_message(response: httpx.Response) -> str:
             return str(error["message"])
         if isinstance(error, str):
             return error
-        for key in ("message", "detail"):
+        for key in ("message", "error_message", "detail"):
             if body.get(key):
                 return str(body[key])
     return response.text.strip() or response.reason_phrase
@@ -354,17 +393,20 @@ class SGLangClient:
 
     async def generate(
         self, input_ids: list[int], params: SamplingParams, rid: str | None = None, *,
-        version: int | None = None,
+        version: int | None = None, adapter: str | None = None,
     ) -> GenerationResult:
         """Generates one response. A request aborted by `abort` (or by a pause in mode
         "abort") returns with finish_reason "abort" and the tokens it had. `version` is the
         policy version the caller pinned before sending (default: the client's known one):
         it tags tokens the server reports no version for, and every token of an aborted
-        request (see parse_generate_response)."""
+        request (see parse_generate_response). `adapter`: the LoRA adapter (loaded with
+        `load_lora_adapter`) that generates it, as policy `version`."""
         rid = rid or uuid.uuid4().hex
-        body = generate_payload(input_ids, params, rid)
+        body = generate_payload(input_ids, params, rid, adapter)
         response = await self._request("POST", "/generate", body)
-        return self._parse(self._json(response, "/generate"), input_ids, rid, version)
+        pinned = self.version if version is None else version
+        return self._parse(self._json(response, "/generate"), input_ids, rid, version,
+                           adapter_version=pinned if adapter is not None else None)
 
     async def generate_batch(
         self, prompts: list[list[int]], params: SamplingParams, rids: list[str] | None = None
@@ -380,12 +422,14 @@ class SGLangClient:
         return [self._parse(o, p, r) for o, p, r in zip(outputs, prompts, rids)]
 
     def _parse(
-        self, body: Any, prompt_ids: list[int], rid: str, version: int | None = None
+        self, body: Any, prompt_ids: list[int], rid: str, version: int | None = None,
+        adapter_version: int | None = None,
     ) -> GenerationResult:
         try:
             return parse_generate_response(
                 body, prompt_ids=prompt_ids, rid=rid,
                 known_version=self.version if version is None else version,
+                adapter_version=adapter_version,
             )
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             raise SGLangResponseError("/generate", 200, str(exc)) from exc
@@ -431,12 +475,22 @@ class SGLangClient:
         if version is not None:
             self.version = version
 
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Loads the peft adapter directory at `path` (on the server's file system) beside
+        the base, as adapter `name`; requests name it to be generated by it."""
+        await self._confirmed("/load_lora_adapter", load_adapter_payload(name, path))
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Unloads adapter `name`; SGLang first lets the requests that named it finish."""
+        await self._confirmed("/unload_lora_adapter", unload_adapter_payload(name))
+
     async def _confirmed(self, path: str, body: dict[str, Any], **kwargs) -> dict[str, Any]:
         """POSTs `body`; the answer must say success: true."""
         response = await self._request("POST", path, body, **kwargs)
         answer = self._json(response, path)
         if not isinstance(answer, dict) or answer.get("success") is not True:
-            message = answer.get("message") if isinstance(answer, dict) else None
+            message = (answer.get("message") or answer.get("error_message")
+                       if isinstance(answer, dict) else None)
             raise SGLangError(path, response.status_code,
                               message or f"not confirmed: {answer!r:.200}")
         return answer

@@ -14,18 +14,28 @@ remaining token budget, so one response can span versions. The version is pinned
 send: tokens of an aborted send carry that version (they were generated before the pause), the
 server's own per-token or request version is used otherwise (see `SGLangClient.generate`), so
 an update landing between pinning and sending cannot mislabel a token.
+
+With LoRA (`lora=True`: model.lora), step 3 loads the version's peft adapter directory with
+/load_lora_adapter under a name of its own (`adapter_name`), beside the base, and each send
+names the adapter served when it was pinned: its tokens are that adapter's version whatever
+SGLang reports (its weight version is the base's). The adapter a version replaced is unloaded
+once no send of this engine that named it is in flight (SGLang would keep serving it until
+then). Until the first adapter, sends name none: the base is version 0, since peft starts an
+adapter at B = 0. SGLang 0.5.23 receives no adapter by broadcast, so LoRA versions come from
+disk only (the spec refuses trainer.weightTransfer distributed with them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
 import uuid
 from pathlib import Path
 
-from asyncrl.rollout.sglang_client import SGLangClient
+from asyncrl.rollout.sglang_client import SGLangClient, adapter_name
 from asyncrl.engine.types import EngineStatus, GenerationResult, SamplingParams, WeightUpdate
 from asyncrl.weights.distributed import DEFAULT_BUCKET_BYTES, GroupAddress, TensorMeta, buckets
 
@@ -41,8 +51,16 @@ class SGLangEngine:
         max_sequence_length: int,
         version: int = 0,
         transfer_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        lora: bool = False,
     ):
+        """`lora`: versions are LoRA adapters (the job has model.lora), loaded beside the
+        base through SGLang's adapter API."""
         self._client = client
+        self._lora = lora
+        self._adapter: str | None = None  # the adapter sends name (None: the base)
+        self._senders: collections.Counter[str | None] = collections.Counter()
+        self._replaced: set[str] = set()  # adapters to unload once no send names them
+        self._unloads: set[asyncio.Task] = set()
         self._bucket_bytes = transfer_bucket_bytes
         self._version = version
         client.version = version
@@ -97,18 +115,24 @@ class SGLangEngine:
                 await self._may_send.wait()
             finally:
                 self._waiting -= 1
-            pinned, updates = self._version, self._updates_started
+            pinned, adapter, updates = self._version, self._adapter, self._updates_started
             budget = params.max_new_tokens - len(result.output_ids)
             self._in_flight += 1
+            self._senders[adapter] += 1
             try:
                 part = await self._client.generate(
                     list(prompt_ids) + result.output_ids,
                     dataclasses.replace(params, max_new_tokens=budget),
                     rid=f"{result.request_id}-{attempt}",
-                    version=pinned,
+                    version=pinned, adapter=adapter,
                 )
             finally:
                 self._in_flight -= 1
+                self._senders[adapter] -= 1
+                if not self._senders[adapter]:
+                    del self._senders[adapter]
+                    if adapter in self._replaced:
+                        self._unload_later(adapter)
             attempt += 1
             result.output_ids += part.output_ids
             result.output_logprobs += part.output_logprobs
@@ -134,12 +158,44 @@ class SGLangEngine:
         self._paused = False
 
     async def update_weights_from_disk(self, path: Path, version: int) -> WeightUpdate:
-        return await self._update(
-            version, lambda: self._client.update_weights_from_disk(str(path), version))
+        if not self._lora:
+            return await self._update(
+                version, lambda: self._client.update_weights_from_disk(str(path), version))
+        name = adapter_name(version)
+
+        async def load() -> WeightUpdate:
+            started = time.perf_counter()
+            await self._client.load_lora_adapter(name, str(path))
+            return WeightUpdate(version, 0, time.perf_counter() - started)
+
+        update = await self._update(version, load, adapter=name)
+        log.info("version %d serves LoRA adapter %s (%s)", version, name, path)
+        for replaced in [a for a in self._replaced if not self._senders[a]]:
+            await self._unload(replaced)
+        return update
+
+    def _unload_later(self, name: str) -> None:
+        task = asyncio.create_task(self._unload(name))
+        self._unloads.add(task)
+        task.add_done_callback(self._unloads.discard)
+
+    async def _unload(self, name: str) -> None:
+        """Unloads a replaced adapter, once: an adapter left loaded costs the server memory,
+        never a wrong token, so a failure is logged, not raised."""
+        if name not in self._replaced:
+            return
+        self._replaced.discard(name)
+        try:
+            await self._client.unload_lora_adapter(name)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            log.warning("could not unload LoRA adapter %s: %s", name, exc)
 
     async def join_weight_transfer(self, address: GroupAddress, rank_offset: int) -> None:
         """Joins a generation of the group; the server leaves the one it was in first (that
         generation is over), so its communicators do not pile up."""
+        if self._lora:
+            raise RuntimeError("SGLang receives no LoRA adapter by broadcast: with model.lora "
+                               "its versions come from disk (trainer.weightTransfer: disk)")
         if self._group_name is not None and self._group_name != address.group_name:
             left, self._group_name = self._group_name, None
             try:
@@ -165,9 +221,9 @@ class SGLangEngine:
 
         return await self._update(version, receive)
 
-    async def _update(self, version: int, load) -> WeightUpdate:
+    async def _update(self, version: int, load, adapter: str | None = None) -> WeightUpdate:
         """Runs `load()` (which puts policy `version` in place on the server) between pausing
-        the server in mode abort and continuing it."""
+        the server in mode abort and continuing it; sends then name `adapter` when given."""
         async with self._update_lock:
             started = time.perf_counter()
             self._updates_started += 1
@@ -178,6 +234,10 @@ class SGLangEngine:
                 try:
                     update = await load()
                     self._version = version
+                    if adapter is not None:
+                        if self._adapter is not None:
+                            self._replaced.add(self._adapter)
+                        self._adapter = adapter
                 finally:
                     await self._client.resume()
             finally:

@@ -30,10 +30,12 @@ ASYNCRL = str(Path(sys.executable).parent / "asyncrl")
 pytestmark = pytest.mark.slow
 
 
-def sglang_job(path: Path, **rollout) -> Path:
+def sglang_job(path: Path, lora: dict | None = None, **rollout) -> Path:
     """examples/tiny.yaml with SGLang rollout workers (a GPU pool is required by the spec;
-    without a GPU here, everything runs on the CPU)."""
+    without a GPU here, everything runs on the CPU), training a LoRA adapter with `lora`."""
     manifest = yaml.safe_load((ROOT / "examples/tiny.yaml").read_text())
+    if lora is not None:
+        manifest["spec"]["model"]["lora"] = lora
     manifest["spec"]["rollout"].update(
         engine="sglang", placement={"gpus": 1, "nodeSelector": {"pool": "gpu"}}, **rollout)
     path.write_text(yaml.safe_dump(manifest))
@@ -127,3 +129,21 @@ def test_a_tiny_job_runs_to_completion_through_engine_sglang(tmp_path):
     statuses = [json.loads(line) for line in
                 (run_dir / "rollout_status.jsonl").read_text().splitlines()]
     assert max(int(s["version"]) for s in statuses) >= 1
+
+
+def test_a_lora_job_serves_each_version_as_an_sglang_adapter(tmp_path):
+    run_dir = tmp_path / "run"
+    job = sglang_job(tmp_path / "job.yaml", lora={"rank": 4, "alpha": 8})
+    env = {**os.environ, "ASYNCRL_SGLANG_COMMAND": stand_in_command(run_dir / "config.yaml")}
+    done = subprocess.run([ASYNCRL, "run", str(job), "--run-dir", str(run_dir), "--steps", "3"],
+                          capture_output=True, text=True, timeout=900, env=env)
+    rollout_log = (run_dir / "logs/rollout.log").read_text()
+    assert done.returncode == 0, done.stdout[-3000:] + rollout_log[-3000:]
+    # Each version went to the server as an adapter (/load_lora_adapter), not as weights.
+    assert "serves LoRA adapter v1" in rollout_log, rollout_log[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    # The rollout's log-probs, each token tagged with the adapter it named, are the trainer's.
+    measured = [r["mismatch_abs_max"] for r in train if r.get("mismatch_abs_max") is not None]
+    assert measured and max(measured) < 1e-4, measured

@@ -11,7 +11,6 @@ SGLang's per-request `weight_version` must be right on their own).
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 import torch
@@ -22,36 +21,10 @@ from asyncrl.rollout.metrics import RolloutMetrics
 from asyncrl.rollout.sglang_client import SGLangClient
 from asyncrl.rollout.sglang_engine import SGLangEngine
 from asyncrl.engine.types import SamplingParams
-from support.rollout import tiny_engine
+from support.rollout import WithoutPerTokenVersions, tiny_engine
 from support.servers import HttpServer
 from support.tiny_model import tiny_model, write_snapshot
 from support.waiting import wait_for
-
-
-class WithoutPerTokenVersions:
-    """ASGI middleware: removes our `output_token_versions` extension from /generate answers,
-    so the server answers like SGLang (one `weight_version` per request)."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] != "/generate":
-            return await self.app(scope, receive, send)
-        messages = []
-
-        async def capture(message):
-            messages.append(message)
-
-        await self.app(scope, receive, capture)
-        start, *bodies = messages
-        body = json.loads(b"".join(m.get("body", b"") for m in bodies))
-        for output in body if isinstance(body, list) else [body]:
-            output["meta_info"].pop("output_token_versions", None)
-        data = json.dumps(body).encode()
-        headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
-        await send({**start, "headers": headers + [(b"content-length", str(len(data)).encode())]})
-        await send({"type": "http.response.body", "body": data})
 
 
 @pytest.fixture(params=["per-token versions", "sglang-like versions"])

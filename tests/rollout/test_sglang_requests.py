@@ -16,15 +16,19 @@ import pytest
 
 from asyncrl.rollout.sglang_client import (
     abort_payload,
+    adapter_name,
     continue_payload,
     generate_batch_payload,
     generate_payload,
+    load_adapter_payload,
     pause_payload,
+    unload_adapter_payload,
     update_weights_payload,
 )
 from asyncrl.launch.sglang import SGLANG_VERSION, sglang_launch_command
 from asyncrl.engine.types import SamplingParams
 from asyncrl.spec import load_manifest
+from asyncrl.spec.job import DEFAULT_LORA_TARGETS, SGLANG_LORA_TARGETS, LoraSpec
 from support import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -43,10 +47,16 @@ FULL = SamplingParams(max_new_tokens=16, temperature=0.7, top_p=0.9, top_k=20,
                       stop_token_ids=(2, 7))
 
 
-def launch_args(**options) -> list[str]:
-    command = sglang_launch_command(GPU_JOB, model_path="/models/qwen", port=30000, **options)
+def launch_args(spec=GPU_JOB, **options) -> list[str]:
+    command = sglang_launch_command(spec, model_path="/models/qwen", port=30000, **options)
     assert command[1:3] == ["-m", "sglang.launch_server"]
     return command[3:]
+
+
+def with_lora(**lora) -> object:
+    spec = GPU_JOB.model_copy(deep=True)
+    spec.model.lora = LoraSpec(**lora)
+    return spec
 
 
 def with_sampling(body: dict, **changes) -> dict:
@@ -91,6 +101,14 @@ CASES = {
     "update weights": ("update_weights_from_disk", update_weights_payload("/weights/v3", 3)),
     "abort one": ("abort", abort_payload("r-single")),
     "abort all": ("abort", abort_payload()),
+    "generate with an adapter": ("generate", generate_payload([1, 2, 3], FULL, "r-lora",
+                                                              adapter=adapter_name(3))),
+    "load adapter": ("load_lora_adapter",
+                     load_adapter_payload(adapter_name(3), "/run/weights/v000003")),
+    "unload adapter": ("unload_lora_adapter", unload_adapter_payload(adapter_name(3))),
+    "launch lora": ("launch", launch_args(with_lora(rank=8))),
+    "launch lora on every module sglang adapts": (
+        "launch", launch_args(with_lora(target_modules=list(SGLANG_LORA_TARGETS)))),
     "launch": ("launch", launch_args()),
     "launch with options": ("launch", launch_args(mem_fraction_static=0.8, initial_version=7,
                                                   seed=3, host="127.0.0.1")),
@@ -107,6 +125,9 @@ CASES = {
     "unknown pause mode": ("pause", {"mode": "later"}),
     "unknown launch flag": ("launch", launch_args(extra_args=["--enable-weight-sync"])),
     "unsupported dtype": ("launch", launch_args(extra_args=["--dtype", "float64"])),
+    "adapter load without a path": ("load_lora_adapter", {"lora_name": "v3"}),
+    "lora on a module sglang does not adapt": (
+        "launch", launch_args(with_lora(), extra_args=["--lora-target-modules", "c_attn"])),
 }
 
 
@@ -227,10 +248,28 @@ def test_launch_flags_parse_with_sglangs_own_parser(verdict):
         "model_path": "/models/qwen", "host": "0.0.0.0", "port": 30000, "tp_size": 1,
         "dtype": "bfloat16", "max_running_requests": 1024, "skip_tokenizer_init": True,
         "weight_version": "0", "random_seed": 0, "mem_fraction_static": None,
+        "enable_lora": None, "max_lora_rank": None, "lora_target_modules": None,
+        "max_loras_per_batch": 8,
     }
     options = accepted(verdict, "launch with options")
     assert options["mem_fraction_static"] == 0.8 and options["weight_version"] == "7"
     assert options["random_seed"] == 3 and options["host"] == "127.0.0.1"
+
+
+def test_lora_requests_and_flags(verdict):
+    generate = accepted(verdict, "generate with an adapter")
+    assert generate["lora_path"] == "v3" and generate["rid"] == "r-lora"
+    load = accepted(verdict, "load adapter")
+    assert load["lora_name"] == "v3" and load["lora_path"] == "/run/weights/v000003"
+    assert load["pinned"] is False
+    assert accepted(verdict, "unload adapter")["lora_name"] == "v3"
+    launch = accepted(verdict, "launch lora")
+    assert launch["enable_lora"] is True and launch["max_lora_rank"] == 8
+    assert launch["lora_target_modules"] == list(DEFAULT_LORA_TARGETS)
+    assert launch["max_loras_per_batch"] == 2
+    # The spec's list of what SGLang adapts is within SGLang's own choices.
+    every = accepted(verdict, "launch lora on every module sglang adapts")
+    assert every["lora_target_modules"] == list(SGLANG_LORA_TARGETS)
 
 
 @pytest.mark.parametrize(
@@ -247,6 +286,8 @@ def test_launch_flags_parse_with_sglangs_own_parser(verdict):
         ("unknown pause mode", "mode"),
         ("unknown launch flag", "unrecognized arguments: --enable-weight-sync"),
         ("unsupported dtype", "float64"),
+        ("adapter load without a path", "lora_path"),
+        ("lora on a module sglang does not adapt", "invalid choice: 'c_attn'"),
     ],
 )
 def test_sglang_refuses_wrong_requests(verdict, name, reason):

@@ -45,14 +45,28 @@ def test_bad_values_are_refused_naming_the_field(lora, field):
     assert refusal(model={"lora": lora}).startswith(field + ": ")
 
 
-@pytest.mark.parametrize("spec, field, fix", [
-    ({"trainer": {"backend": "megatron"}}, "spec.trainer.backend", "backend: pytorch"),
-    ({"trainer": {"sharding": "fsdp"}}, "spec.trainer.sharding", "sharding: none"),
-    ({"rollout": SGLANG}, "spec.rollout.engine", "engine: torch"),
+@pytest.mark.parametrize("spec, lora, field, fix", [
+    ({"trainer": {"backend": "megatron"}}, {}, "spec.trainer.backend", "backend: pytorch"),
+    ({"trainer": {"sharding": "fsdp"}}, {}, "spec.trainer.sharding", "sharding: none"),
+    # SGLang loads adapters from a directory only, and adapts modules by their own names.
+    ({"rollout": SGLANG, "trainer": {"weightTransfer": "distributed"}}, {},
+     "spec.trainer.weightTransfer", "weightTransfer: disk"),
+    ({"rollout": SGLANG, "trainer": {"weightTransfer": "ipc"}}, {},
+     "spec.trainer.weightTransfer", "weightTransfer: disk"),
+    ({"rollout": SGLANG}, {"targetModules": ["q_proj", "self_attn.v_proj"]},
+     "spec.model.lora.targetModules", "engine: torch"),
 ])
-def test_what_lora_does_not_run_with_is_refused_with_the_fix(spec, field, fix):
-    line = refusal(model={"lora": {}}, **spec)
+def test_what_lora_does_not_run_with_is_refused_with_the_fix(spec, lora, field, fix):
+    line = refusal(model={"lora": lora}, **spec)
     assert line.startswith(field + ": ") and fix in line, line
+
+
+@pytest.mark.parametrize("transfer", [None, "auto", "disk"])
+def test_lora_runs_with_sglang_by_disk(transfer):
+    trainer = {"weightTransfer": transfer} if transfer else {}
+    spec = parse_manifest(manifest(model={"lora": {"rank": 8}}, rollout=SGLANG,
+                                   trainer=trainer)).spec
+    assert spec.rollout.engine == "sglang" and spec.model.lora.rank == 8
 
 
 def test_the_crd_carries_the_lora_section():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 
 import torch
 
@@ -36,6 +37,38 @@ def recomputed_logprobs(models: dict, prompt_ids: list[int], output_ids: list[in
         per_version = {v: packed_token_logprobs(m.eval(), ids, torch.arange(len(ids)), bounds)
                        [len(prompt_ids):] for v, m in models.items()}
     return torch.stack([per_version[v][i] for i, v in enumerate(output_versions)])
+
+
+class WithoutPerTokenVersions:
+    """ASGI middleware: removes our `output_token_versions` extension from /generate answers,
+    so the server answers like SGLang (one `weight_version` per request). `weight_version`
+    replaces the one reported: SGLang serving LoRA adapters reports its base's ("0")."""
+
+    def __init__(self, app, weight_version: str | None = None):
+        self.app = app
+        self.weight_version = weight_version
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/generate":
+            return await self.app(scope, receive, send)
+        messages = []
+
+        async def capture(message):
+            messages.append(message)
+
+        await self.app(scope, receive, capture)
+        start, *bodies = messages
+        body = json.loads(b"".join(m.get("body", b"") for m in bodies))
+        for output in body if isinstance(body, list) else [body]:
+            if "meta_info" not in output:
+                continue  # an error
+            output["meta_info"].pop("output_token_versions", None)
+            if self.weight_version is not None:
+                output["meta_info"]["weight_version"] = self.weight_version
+        data = json.dumps(body).encode()
+        headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
+        await send({**start, "headers": headers + [(b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})
 
 
 def queued(engine) -> int:

@@ -10,8 +10,9 @@ prints one JSON object: `{"sglang_version", "results": {name: {"accepted", "erro
   `contains_mm_input()` (whether SGLang sees multimodal data), then for every request of the
   batch the tokenizer manager's `SamplingParams(**...)`, `.normalize()` and
   `.verify(vocab_size)`;
-- pause, continue, update_weights_from_disk, abort: the FastAPI parse into
-  PauseGenerationReqInput, ContinueGenerationReqInput, UpdateWeightFromDiskReqInput, AbortReq;
+- pause, continue, update_weights_from_disk, abort, load_lora_adapter, unload_lora_adapter:
+  the FastAPI parse into PauseGenerationReqInput, ContinueGenerationReqInput,
+  UpdateWeightFromDiskReqInput, AbortReq, LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput;
 - launch: the body is the argument list after `python -m sglang.launch_server`, parsed by
   the parser `ServerArgs.add_cli_args` builds.
 """
@@ -45,7 +46,9 @@ def check_all(request: dict) -> dict:
         AbortReq,
         ContinueGenerationReqInput,
         GenerateReqInput,
+        LoadLoRAAdapterReqInput,
         PauseGenerationReqInput,
+        UnloadLoRAAdapterReqInput,
         UpdateWeightFromDiskReqInput,
     )
     from sglang.srt.sampling.sampling_params import SamplingParams
@@ -57,6 +60,8 @@ def check_all(request: dict) -> dict:
         "continue": ContinueGenerationReqInput,
         "update_weights_from_disk": UpdateWeightFromDiskReqInput,
         "abort": AbortReq,
+        "load_lora_adapter": LoadLoRAAdapterReqInput,
+        "unload_lora_adapter": UnloadLoRAAdapterReqInput,
     }
 
     def check_generate(body: dict) -> dict:
@@ -86,6 +91,7 @@ def check_all(request: dict) -> dict:
             "batch_size": obj.batch_size,
             "rid": obj.rid,
             "return_logprob": obj.return_logprob,
+            "lora_path": obj.lora_path,
             "contains_mm_input": obj.contains_mm_input(),
             "sampling_params": sampling,
         }
@@ -108,7 +114,8 @@ def check_all(request: dict) -> dict:
             lines = messages.getvalue().strip().splitlines() or ["argument parsing failed"]
             raise ValueError(lines[-1]) from None
         names = ("model_path", "host", "port", "tp_size", "dtype", "max_running_requests",
-                 "skip_tokenizer_init", "weight_version", "random_seed", "mem_fraction_static")
+                 "skip_tokenizer_init", "weight_version", "random_seed", "mem_fraction_static",
+                 "enable_lora", "max_lora_rank", "lora_target_modules", "max_loras_per_batch")
         return {name: getattr(args, name) for name in names}
 
     results = {}
