@@ -11,6 +11,7 @@ in Redis.
     weights.distributed         both     distributed  the transfer group, its manifest, a broadcast
     weights.paths               both     any          the path a job takes (auto resolved), and why
     weights.ipc                 both     ipc          the shared buffer, its manifest
+    trainer.publication         trainer  any          sends each version by its path, announces it
     trainer.checkpoints         trainer  disk         where snapshots go in the run folder
     trainer.weights_broadcast   trainer  distributed  rank 0: forms each generation, broadcasts
     trainer.megatron.hf_layout  trainer  either       Megatron-Core <-> Hugging Face tensor layout

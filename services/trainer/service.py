@@ -13,6 +13,9 @@ Under torchrun (trainer.replicas x processesPerReplica > 1) every process runs t
 rank 0 talks to the buffer, splits each batch across the ranks by tokens and publishes; the
 others follow its commands (asyncrl.trainer.distributed). Any rank that dies takes the group
 down (torchrun stops the rest), and the restart resumes as above.
+
+This module owns the loop; rank 0 hands each version to asyncrl.trainer.publication (which
+path, and its announcements) and each held-out evaluation to asyncrl.trainer.evaluation.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ from pathlib import Path
 import torch
 
 from asyncrl.algorithms.advantages import aggregation_weights, episode_advantages
-from asyncrl.algorithms.evaluation import accuracy_record
 from asyncrl.algorithms.shaping import overlong_penalties
 from asyncrl.algorithms.staleness import staleness
 from asyncrl.clients.buffer import BufferClient
@@ -43,21 +45,16 @@ from asyncrl.model.lora import (
     trained_model,
     with_adapter,
 )
-from asyncrl.model.policy import load_policy, model_skeleton, sharing_weights
+from asyncrl.model.policy import load_policy, model_skeleton
 from asyncrl.platform.heap import trim_heap
 from asyncrl.platform.openmp import release_idle_thread_pools
 from asyncrl.platform.outage import OutageTooLong
-from asyncrl.data.prompts import PromptSet, build_prompts, max_sequence_length
 from asyncrl.data.samples import episode_of_each, episode_rewards, loss_mask
-from asyncrl.clients.reward import PromptScorer, reward_scorer
-from asyncrl.engine.torch_engine import TorchEngine
-from asyncrl.engine.types import SamplingParams
 from asyncrl.platform.settings import TrainerSettings
 from asyncrl.spec import RLJob, load_manifest
 from asyncrl.trainer.checkpoints import (
     TrainerState,
     latest_checkpoint,
-    publish_weights,
     read_checkpoint,
     save_checkpoint,
 )
@@ -72,21 +69,15 @@ from asyncrl.trainer.distributed import (
     shares_per_rank,
     under_torchrun,
 )
+from asyncrl.trainer.evaluation import Evaluator
 from asyncrl.trainer.metrics import TrainerMetrics
-from asyncrl.trainer.weights_broadcast import WeightBroadcaster
+from asyncrl.trainer.publication import Publisher
 from asyncrl.trainer.step import PolicyUpdater, TrainSample, reference_policy
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
-from asyncrl.weights.distributed import announcement_uri, version_manifest
-from asyncrl.weights.distributed import backend as transfer_backend
-from asyncrl.weights.distributed import world_size as transfer_world_size
-from asyncrl.weights.ipc import SharedWeights
-from asyncrl.weights.ipc import announcement_uri as ipc_announcement_uri
+from asyncrl.weights.distributed import version_manifest
 from asyncrl.weights.paths import with_transfer_path
 
 log = logging.getLogger(__name__)
-
-#: How long the first version waits for the rollout engines to form the weight transfer group.
-FIRST_VERSION_WAIT_SECONDS = 30.0
 
 STATE, STOP, WAIT = Command("state"), Command("stop"), Command("wait")
 
@@ -216,18 +207,18 @@ class Trainer:
             self.model = megatron_policy(spec, self.hf_model, self.device)
             self.hf_model = model_skeleton(self.hf_model.config)  # the weights are Megatron's now
         reference = reference_policy(spec, self.device)
-        self.broadcaster = None
-        self._waited_for_group = False
-        self._published_uri = ""  # where the newest version was published
+        self.status = Status(max_steps=spec.algorithm.max_steps,
+                             phase="starting" if self.group.leader else "following")
+        self.metrics = TrainerMetrics(self.job.metadata.name)
         # What each version moves to every engine (the adapter's tensors with model.lora),
         # listed from the whole model, before any sharding.
         self.version_tensors = version_manifest(self.hf_model, spec.model)
         self.version_bytes = sum(t.bytes for t in self.version_tensors)
-        if spec.trainer.weight_transfer == "distributed" and self.group.leader:
-            self.broadcaster = WeightBroadcaster(
-                settings.weights_port, self._transfer_world_size,
-                transfer_backend(spec), self.version_tensors)
-        self.shared_weights = self._shared_weights() if self.group.leader else None
+        # Rank 0's alone, like the evaluator. Made early: the weight transfer group starts
+        # forming in the background while the rest loads (asyncrl.trainer.weights_broadcast).
+        self.publisher = Publisher(
+            settings, spec, self.hf_model, self.device, self.version_tensors, self._on_compute,
+            self.metrics, self.status) if self.group.leader else None
         self.sharded = spec.trainer.sharding == "fsdp" and self.group.distributed
         if self.sharded:
             for model in filter(None, (self.model, reference)):
@@ -238,26 +229,18 @@ class Trainer:
             spec, self.model, reference,
             reference_off=self.adapted.disable_adapter if self.adapted is not None else None)
         self.optimizer = self.updater.optimizer
-        self.status = Status(max_steps=spec.algorithm.max_steps,
-                             phase="starting" if self.group.leader else "following")
-        self.metrics = TrainerMetrics(self.job.metadata.name)
         self.metrics_file = settings.run_dir / "metrics.jsonl"
         self.heartbeat = heartbeat_seconds(settings.collective_timeout)
-        self._evaluator: TorchEngine | None = None
         # Every tensor operation of this process after loading runs on this one thread:
         # on a CPU a second thread doing tensor work would slow every small kernel (see
         # asyncrl.platform.openmp), so the loading thread's OpenMP workers go now.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-compute")
         release_idle_thread_pools()
-        self.eval_items, self.reward = [], None
-        if self.group.leader:
-            _, held_out = build_prompts(spec, self.tokenizer)
-            count = (spec.trainer.eval_prompts if settings.eval_prompts is None
-                     else settings.eval_prompts)
-            self.eval_items = PromptSet.of(held_out.head(count))
-            self.reward = reward_scorer(settings.reward_address, self.job.metadata.name,
-                                        spec.reward)
-            self.scorer = PromptScorer(self.reward, self.tokenizer)
+        # A whole transformers model in this one process: the evaluation may compute with it.
+        whole = self.model is self.hf_model and not self.sharded and self.adapted is None
+        self.evaluator = Evaluator(
+            settings, self.job, self.tokenizer, self.device, self.model if whole else None,
+            self._on_compute, self.status) if self.group.leader else None
 
     async def run(self) -> None:
         if self.group.leader:
@@ -353,17 +336,17 @@ class Trainer:
                 version = announced + 1
                 state = await self._command(STATE)
                 async with self._alone():
-                    await self._publish(client, version, step, state)
+                    await self.publisher.publish(client, version, step, state)
             self.status.version, self.status.step = version, step
             self.metrics.observe_version(version)
             log.info("trainer starts at step %d, version %d (%d processes)", step, version,
                      self.group.world_size)
-            if restored is None and self.eval_items:
+            if restored is None and self.evaluator.items:
                 # The starting point every later evaluation is compared with.
                 state = await self._command(STATE)
                 async with self._alone():
                     self.status.phase = "evaluating"
-                    evaluation = await self.evaluate(state)
+                    evaluation = await self.evaluator.evaluate(state)
                     self.metrics.observe_eval(evaluation)
                     self._write({"kind": "eval", "step": 0, "version": version,
                                  "time": time.time(), "elapsed": 0.0, **evaluation})
@@ -393,7 +376,7 @@ class Trainer:
                 async with self._alone():
                     await client.ack(batch.batch_id)
                     self.status.phase = "publishing"
-                    transfer, publish_seconds = await self._publish(
+                    transfer, publish_seconds = await self.publisher.publish(
                         client, version, step, state, announce_step=not final)
                     record = {
                         "kind": "train", "step": step, "version": version, "time": time.time(),
@@ -412,7 +395,7 @@ class Trainer:
                     }
                     if step % spec.trainer.eval_every == 0 or step == spec.algorithm.max_steps:
                         self.status.phase = "evaluating"
-                        record.update(await self.evaluate(state))
+                        record.update(await self.evaluator.evaluate(state))
                     # Written before the checkpoint: a crash in between redoes the step and
                     # forget_records_after drops this record, so no step is recorded twice.
                     self._record(record)
@@ -420,7 +403,8 @@ class Trainer:
                     await self._checkpoint(state, step, version)
                 if final:
                     async with self._alone():
-                        await client.set_version(version, self._published_uri, step, final=True)
+                        await client.set_version(version, self.publisher.published_uri,
+                                                 step, final=True)
             if step < spec.algorithm.max_steps:
                 await self._finish_used_up(client, step, version, started)
             await self._command(STOP)
@@ -430,10 +414,7 @@ class Trainer:
             raise
         finally:
             await client.close()
-            if self._evaluator is not None:
-                self._evaluator.stop()
-            if self.reward:
-                await self.reward.close()
+            await self.evaluator.close()
 
     async def _next_batch(self, client: BufferClient):
         """The next batch of groups, once there is one; None once the dataset is used up and
@@ -462,14 +443,14 @@ class Trainer:
                  "not trained",
                  stats.epochs, stats.prompts_per_epoch, step, spec.algorithm.max_steps,
                  stats.depth_groups, spec.algorithm.batch_size)
-        evaluate = step % spec.trainer.eval_every != 0 and bool(self.eval_items)
+        evaluate = step % spec.trainer.eval_every != 0 and bool(self.evaluator.items)
         checkpoint = step % spec.trainer.checkpoint_every != 0
         if step > 0 and (evaluate or checkpoint):
             state = await self._command(STATE)
             if evaluate:
                 async with self._alone():
                     self.status.phase = "evaluating"
-                    evaluation = await self.evaluate(state)
+                    evaluation = await self.evaluator.evaluate(state)
                     self.metrics.observe_eval(evaluation)
                     self._write({"kind": "eval", "step": step, "version": version,
                                  "time": time.time(), "elapsed": time.perf_counter() - started,
@@ -480,7 +461,8 @@ class Trainer:
             log.warning("the dataset was used up before a single full batch: nothing was "
                         "trained (raise dataset.epochs, or lower algorithm.batchSize)")
         async with self._alone():
-            await client.set_version(version, self._published_uri, step, final=True)
+            await client.set_version(version, self.publisher.published_uri, step,
+                                     final=True)
 
     async def _checkpoint(self, state: dict, step: int, version: int) -> None:
         optimizer_state = await self._command(Command("checkpoint"))
@@ -488,124 +470,6 @@ class Trainer:
             await self._on_compute(save_checkpoint, self.hf_model, state, optimizer_state,
                                    self.settings.run_dir, TrainerState(step, version),
                                    lora=self.spec.model.lora)
-
-    def _shared_weights(self) -> SharedWeights | None:
-        """The GPU buffer an engine on this GPU copies each version from, when the job's path
-        is ipc (resolved at start: this trainer computes on a GPU, and the runner has put the
-        rollout on the same one); else None, and versions go to disk."""
-        if self.spec.trainer.weight_transfer != "ipc":
-            return None
-        return SharedWeights(self.settings.run_dir / "weights" / "ipc", self.version_tensors,
-                             self.version_tensors[0].dtype, self.device)
-
-    def _transfer_world_size(self) -> int:
-        """The weight transfer group's size as the job says now: scaling the rollout changes
-        the job file (the operator's ConfigMap) without restarting the trainer."""
-        try:
-            spec = load_manifest(self.settings.job_file).spec
-        except Exception as exc:  # noqa: BLE001 - mid-update, say: the spec it started with
-            log.warning("could not read %s again (%s): the weight transfer group keeps the "
-                        "started job's size", self.settings.job_file, exc)
-            spec = self.spec
-        return transfer_world_size(spec)
-
-    async def _publish(self, client: BufferClient, version: int, step: int,
-                       state: dict, announce_step: bool = True) -> tuple[str, float]:
-        """Makes policy `version` (the whole model's `state`) the rollout engines': broadcast
-        when the transfer group is up, else as a snapshot on disk; then announced, with
-        `step` (else the step before it: the caller announces `step` later). Returns how
-        (ipc, distributed or disk) and the seconds it took."""
-        announced = step if announce_step else max(step - 1, 0)
-        if self.shared_weights is not None:
-            # Written into the buffer (once no engine copies from it), then announced: an
-            # engine reads the manifest the announcement names and copies on its GPU.
-            started = time.perf_counter()
-            await self._on_compute(self.shared_weights.write, state, version)
-            uri = self._published_uri = ipc_announcement_uri(self.shared_weights.manifest_path)
-            await client.set_version(version, uri, announced)
-            self.status.version = version
-            seconds = time.perf_counter() - started
-            self.metrics.observe_publish(seconds, "ipc")
-            return "ipc", seconds
-        # The engines join while the trainer loads and takes its first step: its first
-        # version waits a little for them rather than go to disk seconds before they are in.
-        wait = 0.0 if self._waited_for_group else FIRST_VERSION_WAIT_SECONDS
-        self._waited_for_group = True
-        if self.broadcaster is not None and await asyncio.to_thread(self.broadcaster.ready,
-                                                                    wait):
-            # Announced first, each engine starts receiving when it reads the announcement;
-            # the step is announced only once the broadcast is done (the job's completion is
-            # judged by it), as a snapshot's step is once the snapshot is written.
-            uri = self._published_uri = announcement_uri(self.broadcaster.address.group_name)
-            await client.set_version(version, uri, max(step - 1, 0))
-            try:
-                seconds = await self._on_compute(self.broadcaster.send, state)
-            except Exception as exc:
-                log.warning("broadcasting version %d failed (%s): it goes to disk, and so do "
-                            "later versions until the next generation of the group has formed",
-                            version, exc)
-            else:
-                await client.set_version(version, uri, announced)
-                self.status.version = version
-                self.metrics.observe_publish(seconds, "distributed")
-                return "distributed", seconds
-        started = time.perf_counter()
-        dtype = getattr(torch, self.spec.model.dtype)
-        path = await self._on_compute(publish_weights, self.hf_model, state, self.settings.run_dir,
-                                      version, dtype, lora=self.spec.model.lora)
-        self._published_uri = str(path.resolve())
-        await client.set_version(version, self._published_uri, announced)
-        self.status.version = version
-        seconds = time.perf_counter() - started
-        self.metrics.observe_publish(seconds, "disk")
-        return "disk", seconds
-
-    async def evaluate(self, state: dict[str, torch.Tensor]) -> dict:
-        """Greedy accuracy on held-out prompts, with the weights of `state` (the whole model),
-        its standard error (asyncrl.algorithms.evaluation.accuracy_record) and the seconds it
-        took; {} without held-out prompts.
-        The evaluation engine takes the weights the way rollout workers do (a weight update)
-        and runs on the compute thread (no thread of its own). Where the trainer's weights are
-        the published ones (one process holds the whole transformers model, and snapshots are
-        float32) it computes with them, sharing their memory (through the model's own layers:
-        fused projections would copy them); else it keeps a copy in the model's dtype."""
-        if not self.eval_items:
-            return {}
-        if self._evaluator is None:
-            shares = (self.model is self.hf_model and not self.sharded
-                      and self.spec.model.dtype == "float32" and self.adapted is None)
-            if shares:
-                model = await self._on_compute(sharing_weights, self.model)
-            else:
-                model, _ = await self._on_compute(load_policy, self.spec.model,
-                                                  device=self.device)
-            self._evaluator = TorchEngine(
-                model, max_running_requests=len(self.eval_items),
-                max_sequence_length=max_sequence_length(self.spec, self.eval_items),
-                eos_token_ids=(self.tokenizer.eos_token_id,), seed=0, fused_decode=not shares,
-                lora=self.spec.model.lora,
-            )
-        engine = self._evaluator
-        params = SamplingParams.from_spec(self.spec, greedy=True)
-
-        def generate() -> list:
-            engine.update_weights_from_state_dict(state, self.status.version)
-            futures = [engine.submit(item.prompt_ids, params) for item in self.eval_items]
-            engine.run_until_idle()
-            return [f.result() for f in futures]
-
-        started = time.perf_counter()
-        results = await self._on_compute(generate)
-        scores = await asyncio.gather(*(
-            self.scorer.score(item, [r.output_ids]) for item, r in zip(self.eval_items, results)
-        ))
-        # What the evaluation cost the run (training waits for it): a user weighs it against
-        # the standard error it buys when choosing trainer.evalPrompts and evalEvery.
-        evaluation = {**accuracy_record([score for (score,) in scores]),
-                      "eval_seconds": time.perf_counter() - started}
-        self.status.eval_accuracy = evaluation["eval_accuracy"]
-        self.status.eval_stderr = evaluation["eval_stderr"]
-        return evaluation
 
     def _record(self, record: dict) -> None:
         status = self.status
