@@ -207,5 +207,9 @@ class MergedAdapter:
             for weight in touched:
                 a = self.current[f"{PREFIX}{weight[:-len('.weight')]}.lora_A.weight"]
                 b = self.current[f"{PREFIX}{weight[:-len('.weight')]}.lora_B.weight"]
-                merged = self.base[weight].to(torch.float32, copy=True).addmm_(b, a, alpha=self.scale)
-                weights[weight].copy_(merged)
+                target = weights[weight]
+                if target.dtype == torch.float32 and target.is_contiguous():
+                    # Straight into the weight: no float32 copy of the base per version.
+                    torch.addmm(self.base[weight], b, a, alpha=self.scale, out=target)
+                else:
+                    target.copy_(torch.addmm(self.base[weight].float(), b, a, alpha=self.scale))
