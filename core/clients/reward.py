@@ -87,18 +87,28 @@ def reward_scorer(address: str | None, job: str, reward) -> RewardClient | Rewar
 class PromptScorer:
     """Scores the token responses to a prompt (the rollout workflow's Scorer, and the trainer's
     evaluator) with what `reward_scorer` gives. Prompt items become reward references here
-    (`reward_reference`), by the job's reward kind: `kind`, else the client's own."""
+    (`reward_reference`), by the job's reward kind: `kind`, else the client's own.
+    `truncated_reward` (reward.truncatedReward), where set, is the reward of every response
+    cut at maxNewTokens, whatever it scored."""
 
-    def __init__(self, client: RewardClient | RewardScorer, tokenizer, kind: str | None = None):
+    def __init__(self, client: RewardClient | RewardScorer, tokenizer, kind: str | None = None,
+                 truncated_reward: float | None = None):
         self._client = client
         self._tokenizer = tokenizer
         self._kind = kind or getattr(client, "kind", None)
+        self._truncated_reward = truncated_reward
 
-    async def score(self, item, responses: list[list[int]]) -> list[float]:
+    async def score(self, item, responses: list[list[int]],
+                    cut: Sequence[bool] | None = None) -> list[float]:
+        """One reward per response; `cut[i]` says response i ended at maxNewTokens."""
         texts = [self._tokenizer.decode(r, skip_special_tokens=True) for r in responses]
         results = await self._client.score(
             ScoreTask.for_group(reward_reference(item, self._kind), texts, item.prompt_id))
-        return [r.score for r in results]
+        scores = [r.score for r in results]
+        if self._truncated_reward is None or cut is None:
+            return scores
+        return [self._truncated_reward if was_cut else score
+                for score, was_cut in zip(scores, cut, strict=True)]
 
 
 def reward_reference(item, kind: str | None = None) -> Reference:

@@ -980,6 +980,13 @@ class RewardSpec(SpecModel):
     code: CodeReward = Field(default_factory=CodeReward, description="Settings for kind code.")
     python: PythonReward | None = Field(default=None, description="Settings for kind python.")
     http: HttpReward | None = Field(default=None, description="Settings for kind http.")
+    truncated_reward: float | None = Field(
+        default=None,
+        description="The reward of a response cut at rollout.maxNewTokens, in place of its "
+        "score, in training and in the held-out evaluation alike (e.g. 0: an answer counts "
+        "only where the response also ends). Unset keeps the score, so a response that states "
+        "its answer and then runs on into the cut earns as much as one that stops, and nothing "
+        "teaches the model to stop (docs/algorithm.md). Single-turn rollouts only.")
     replicas: int = Field(default=1, ge=1, description="Reward service pods.")
     resources: Resources = Field(default_factory=Resources, description="Per-pod resources.")
     placement: Placement = Field(default_factory=Placement, description="Per-pod placement.")
@@ -1327,6 +1334,13 @@ class RLJobSpec(SpecModel):
                 field="trainer.microBatchMaxTokens",
                 fix=f"raise trainer.microBatchMaxTokens to {workflow.max_context_tokens} or "
                 "more, or lower rollout.workflow.maxContextTokens")
+        if self.reward.truncated_reward is not None and workflow.kind == "episode":
+            raise rule_error(
+                "truncatedReward replaces the score of a response cut at rollout.maxNewTokens, "
+                "and an episode scores its whole conversation itself",
+                field="reward.truncatedReward",
+                fix="remove reward.truncatedReward, or score cut turns in the episode's own "
+                "reward")
         overlong = self.algorithm.overlong_penalty
         if overlong.buffer_tokens > 0 and workflow.kind == "episode":
             raise rule_error(

@@ -286,7 +286,8 @@ def _workflow_factory(settings: RolloutSettings, job, tokenizer, train, metrics,
         else:
             source = SingleTurnGroups(
                 generator=EngineGenerator(engine, metrics),
-                scorer=PromptScorer(reward, tokenizer),
+                scorer=PromptScorer(reward, tokenizer,
+                                    truncated_reward=spec.reward.truncated_reward),
                 group_size=spec.algorithm.group_size,
                 params=SamplingParams.from_spec(spec),
             )

@@ -54,7 +54,8 @@ class Generator(Protocol):
 
 
 class Scorer(Protocol):
-    async def score(self, item: PromptItem, responses: list[list[int]]) -> list[float]: ...
+    async def score(self, item: PromptItem, responses: list[list[int]],
+                    cut: list[bool] | None = None) -> list[float]: ...
 
 
 class GroupSource(Protocol):
@@ -122,7 +123,8 @@ class SingleTurnGroups:
             *(self._generator.generate(item.prompt_ids, self._params)
               for _ in range(self._group_size)))
         generated = time.perf_counter()
-        rewards = await self._scorer.score(item, [r.output_ids for r in results])
+        rewards = await self._scorer.score(item, [r.output_ids for r in results],
+                                           cut=[r.finish_reason == "length" for r in results])
         scored = time.perf_counter()
         return [
             Trajectory(

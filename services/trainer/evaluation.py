@@ -39,7 +39,8 @@ class Evaluator:
                  else settings.eval_prompts)
         self.items = PromptSet.of(held_out.head(count))
         self.reward = reward_scorer(settings.reward_address, job.metadata.name, self.spec.reward)
-        self.scorer = PromptScorer(self.reward, tokenizer)
+        self.scorer = PromptScorer(self.reward, tokenizer,
+                                   truncated_reward=self.spec.reward.truncated_reward)
         self._engine: TorchEngine | None = None  # built on the first evaluation
 
     async def evaluate(self, state: dict[str, torch.Tensor]) -> dict:
@@ -78,7 +79,8 @@ class Evaluator:
         started = time.perf_counter()
         results = await self._on_compute(generate)
         scores = await asyncio.gather(*(
-            self.scorer.score(item, [r.output_ids]) for item, r in zip(self.items, results)
+            self.scorer.score(item, [r.output_ids], cut=[r.finish_reason == "length"])
+            for item, r in zip(self.items, results)
         ))
         # What the evaluation cost the run (training waits for it): a user weighs it against
         # the standard error it buys when choosing trainer.evalPrompts and evalEvery.

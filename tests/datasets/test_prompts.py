@@ -97,3 +97,30 @@ def test_the_service_and_a_worker_without_it_score_the_same_responses_alike(toke
         service.close()
     assert through_service == in_process
     assert through_service[:4] == [1.0] * 4 and through_service[4:6] == [0.0, 0.0]
+
+
+def test_a_cut_response_earns_reward_truncated_reward_whatever_it_stated(tokenizer):
+    """reward.truncatedReward: a response cut at maxNewTokens that stated the right answer
+    before the cut scores 1 without it and the set value with it; one that ended keeps its
+    score."""
+    import asyncio
+
+    spec = load_manifest(ROOT / "examples/arith.yaml").spec
+    item = build_prompts(spec, tokenizer)[0][0]
+    answer = item.reference
+    texts = [f"The answer is {answer}.", f"The answer is {answer}.\nLet me check: {answer} + 1",
+             f"The answer is {answer + 1}."]
+    responses = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    cut = [False, True, True]
+
+    async def score(truncated_reward):
+        reward = reward_scorer(None, "job", spec.reward)
+        try:
+            scorer = PromptScorer(reward, tokenizer, truncated_reward=truncated_reward)
+            return await scorer.score(item, responses, cut=cut)
+        finally:
+            await reward.close()
+
+    assert asyncio.run(score(None)) == [1.0, 1.0, 0.0]
+    assert asyncio.run(score(0.0)) == [1.0, 0.0, 0.0]
+    assert asyncio.run(score(-0.5)) == [1.0, -0.5, -0.5]

@@ -23,9 +23,11 @@ class CountingScorer:
 
     def __init__(self):
         self.calls = 0
+        self.cut: list[list[bool]] = []
 
-    async def score(self, item, responses):
+    async def score(self, item, responses, cut=None):
         self.calls += 1
+        self.cut.append(cut)
         return [1.0 if item.reference in r else 0.0 for r in responses]
 
 
@@ -58,6 +60,10 @@ def test_workflow_puts_scored_groups_with_complete_records(engine):
     stats = asyncio.run(workflow.run())
     assert stats.groups_put == 5 and scorer.calls == 5 and gate.running == 0
     assert sorted(g.prompt_id for g in gate.groups) == [f"p{i}" for i in range(5)]
+    # The scorer is told which responses ran into maxNewTokens (reward.truncatedReward): with
+    # no end-of-sequence token, all of them.
+    assert scorer.cut == [[True] * 3] * 5
+    assert all(t.finish_reason == "length" for g in gate.groups for t in g.samples)
     for group in gate.groups:
         assert len(group.samples) == 3
         for sample in group.samples:
@@ -200,7 +206,7 @@ def test_group_ids_are_unique_across_workers_over_the_same_prompts(engine):
 class MixedWhereOdd:
     """Every response to an even-numbered prompt gets 0; an odd one's first response gets 1."""
 
-    async def score(self, item, responses):
+    async def score(self, item, responses, cut=None):
         odd = int(item.prompt_id[1:]) % 2
         return [float(odd and i == 0) for i in range(len(responses))]
 
