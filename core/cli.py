@@ -577,10 +577,10 @@ def export(
         typer.secho(f"{manifest} not found: name the job's manifest with --job",
                     fg=typer.colors.RED, err=True)
         raise typer.Exit(code=1)
-    spec = _load_or_exit(manifest).spec
+    loaded = _load_or_exit(manifest)
     try:
         checkpoint = checkpoint_of(run_dir, step)
-        written = write_export(checkpoint, spec.model, out, merge=merge)
+        written = write_export(checkpoint, loaded, out, merge=merge)
     except ExportError as exc:
         typer.secho(str(exc), fg=typer.colors.RED, err=True)
         raise typer.Exit(code=1) from None

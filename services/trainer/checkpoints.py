@@ -1,6 +1,7 @@
 """Checkpoints and published weight snapshots of the trainer, in the run folder.
 
-    <run>/checkpoints/step-000010/{config.json, model.safetensors, optimizer.pt, state.json}
+    <run>/checkpoints/step-000010/{config.json, model.safetensors, optimizer.pt, state.json,
+                                   generation_config.json, tokenizer files, README.md}
     <run>/weights/v000010/{config.json, model.safetensors}     (what rollout workers load)
 
 With model.lora both hold the adapter instead, as a peft adapter directory
@@ -8,14 +9,16 @@ With model.lora both hold the adapter instead, as a peft adapter directory
 `peft.PeftModel.from_pretrained(base, directory)` loads:
 
     <run>/checkpoints/step-000010/{adapter_config.json, adapter_model.safetensors,
-                                   optimizer.pt, state.json}
+                                   optimizer.pt, state.json, tokenizer files, README.md}
     <run>/weights/v000010/{adapter_config.json, adapter_model.safetensors}
 
 Without it both hold the model as a snapshot in asyncrl.weights.disk's format (a Hugging Face model
 directory, tied weights once; that module owns it, for the engines that read it too): this
 module owns where they go in the run folder and how many are kept. A published snapshot is in
 the model's dtype (`model.dtype`: bf16 tensors for bfloat16); a checkpoint keeps the float32
-master weights and the optimizer state keyed by parameter name.
+master weights and the optimizer state keyed by parameter name; with the files
+asyncrl.trainer.model_files adds (tokenizer, generation config, model card) it is a model
+directory that transformers, vLLM and SGLang load as it is.
 
 Functions take whole state dicts (under FSDP gathered by every rank, written by rank 0 only).
 Both kinds are written into a hidden staging directory and renamed into place, so a reader (or
@@ -34,6 +37,7 @@ from pathlib import Path
 import torch
 
 from asyncrl.model.lora import is_adapter_directory, read_adapter, write_adapter
+from asyncrl.trainer.model_files import ModelFiles
 from asyncrl.weights.disk import read_state_dict, write_snapshot
 
 
@@ -82,12 +86,16 @@ def publish_weights(
 def save_checkpoint(
     model: torch.nn.Module, model_state: dict[str, torch.Tensor], optimizer_state: dict,
     run_dir: Path, state: TrainerState, keep: int = 2, lora=None,
+    files: ModelFiles | None = None,
 ) -> Path:
     """Writes a checkpoint of the float32 master weights (with `lora`, the model.lora
     section: the adapter's), the optimizer state (keyed by parameter name) and the
-    step/version; keeps the newest `keep`."""
+    step/version, with `files` (tokenizer, generation config, card) where given; keeps the
+    newest `keep`."""
     def write(directory: Path) -> None:
         _write_policy(directory, model, model_state, torch.float32, lora)
+        if files is not None:
+            files.write(directory, step=state.step, adapter=lora is not None)
         torch.save(optimizer_state, directory / "optimizer.pt")
         (directory / "state.json").write_text(json.dumps(asdict(state)))
 

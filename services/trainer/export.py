@@ -1,6 +1,7 @@
 """`asyncrl export`: a checkpoint of a run as a Hugging Face model directory that
 `transformers`, vLLM and SGLang load as it is: weights, config.json, the tokenizer's files
-(with its chat template) and generation_config.json.
+(with its chat template), generation_config.json and a model card naming the job and step
+(asyncrl.trainer.model_files, which the checkpoints share).
 
 A full fine-tuning checkpoint is written in `model.dtype`. A LoRA checkpoint (model.lora) is
 written as its peft adapter directory plus the tokenizer, or with `merge` as the base model
@@ -9,11 +10,11 @@ with the adapter merged into its weights: a plain model that needs neither peft 
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig
 
 from asyncrl.model.lora import (
     ADAPTER_FILE,
@@ -24,6 +25,7 @@ from asyncrl.model.lora import (
 )
 from asyncrl.model.policy import load_policy, load_tokenizer
 from asyncrl.trainer.checkpoints import latest_checkpoint
+from asyncrl.trainer.model_files import ModelFiles
 from asyncrl.weights.disk import read_state_dict
 
 
@@ -46,22 +48,26 @@ def checkpoint_of(run_dir: Path, step: int | None) -> Path:
     return found
 
 
-def export(checkpoint: Path, model_spec, out: Path, *, merge: bool = False) -> str:
-    """Writes `checkpoint` (of a job whose model section is `model_spec`) to `out`; returns
-    what was written, in words."""
+def export(checkpoint: Path, job, out: Path, *, merge: bool = False) -> str:
+    """Writes `checkpoint` (of `job`, an RLJob) to `out`; returns what was written, in
+    words."""
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"{out} exists and is not empty: choose a new folder")
+    model_spec = job.spec.model
     adapter = is_adapter_directory(checkpoint)
     if merge and not adapter:
         raise ExportError("--merge merges a LoRA adapter, and this checkpoint holds the whole "
                           "model: export it without --merge")
+    step = json.loads((checkpoint / "state.json").read_text())["step"]
     tokenizer = load_tokenizer(model_spec.source)
     dtype = getattr(torch, model_spec.dtype)
     out.mkdir(parents=True, exist_ok=True)
     if adapter and not merge:
         shutil.copy2(checkpoint / "adapter_config.json", out / "adapter_config.json")
         shutil.copy2(checkpoint / ADAPTER_FILE, out / ADAPTER_FILE)
-        tokenizer.save_pretrained(out)
+        # The generation config is the base model's: none is written beside an adapter.
+        ModelFiles(tokenizer, None, job.metadata.name, model_spec.source).write(
+            out, step=step, adapter=True)
         return "the LoRA adapter (a peft directory: load it onto the base model) and the tokenizer"
     model, _ = load_policy(model_spec, dtype="float32")
     if adapter:
@@ -71,18 +77,9 @@ def export(checkpoint: Path, model_spec, out: Path, *, merge: bool = False) -> s
     else:
         model.load_state_dict(read_state_dict(checkpoint, model))
     model = model.to(dtype)
-    model.generation_config = _generation_config(model, tokenizer)
+    files = ModelFiles.of(job, model, tokenizer)
+    model.generation_config = files.generation
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    files.write(out, step=step, adapter=False, merged=adapter)
     return ("the base model with the LoRA adapter merged" if adapter else "the model") + \
         f" in {model_spec.dtype}, its tokenizer and generation config"
-
-
-def _generation_config(model, tokenizer) -> GenerationConfig:
-    """The model's own generation config where it has one, with the tokenizer's end token."""
-    config = model.generation_config or GenerationConfig()
-    if config.eos_token_id is None and tokenizer.eos_token_id is not None:
-        config.eos_token_id = tokenizer.eos_token_id
-    if config.bos_token_id is None and tokenizer.bos_token_id is not None:
-        config.bos_token_id = tokenizer.bos_token_id
-    return config

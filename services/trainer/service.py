@@ -71,6 +71,7 @@ from asyncrl.trainer.distributed import (
 )
 from asyncrl.trainer.evaluation import Evaluator
 from asyncrl.trainer.metrics import TrainerMetrics
+from asyncrl.trainer.model_files import ModelFiles
 from asyncrl.trainer.publication import Publisher
 from asyncrl.trainer.step import PolicyUpdater, TrainSample, reference_policy
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
@@ -469,7 +470,8 @@ class Trainer:
         async with self._alone():
             await self._on_compute(save_checkpoint, self.hf_model, state, optimizer_state,
                                    self.settings.run_dir, TrainerState(step, version),
-                                   lora=self.spec.model.lora)
+                                   lora=self.spec.model.lora,
+                                   files=ModelFiles.of(self.job, self.hf_model, self.tokenizer))
 
     def _record(self, record: dict) -> None:
         status = self.status
