@@ -69,7 +69,7 @@ def validate(
             for problem in problems:
                 typer.echo(f"  {problem}")
         else:
-            if not _dataset_checked(path, job):
+            if not _dataset_checked(path, job) or not _model_checked(path, job):
                 failed += 1
                 continue
             typer.secho(f"{path}: valid", fg=typer.colors.GREEN)
@@ -97,6 +97,42 @@ def _dataset_checked(path: Path, job) -> bool:
         typer.echo(f"  {exc}")
         return False
     return True
+
+
+def _model_checked(path: Path, job) -> bool:
+    """A Hub model asked for (nothing downloaded): a wrong id or revision, or a gated model
+    without a token, fails; a Hub this machine cannot reach is a note (the operator
+    downloads it in a cluster)."""
+    from asyncrl.model.hub import HubModelError, check, hub_model
+
+    repo_id = hub_model(job.spec.model.source)
+    if repo_id is None:
+        return True
+    try:
+        check(repo_id, job.spec.model.revision)
+    except HubModelError as exc:
+        if exc.permanent:
+            typer.secho(f"{path}: invalid model", fg=typer.colors.RED)
+            typer.echo(f"  {exc}")
+            return False
+        typer.echo(f"{path}: {exc}; it is checked again when the job starts")
+    return True
+
+
+def _model_or_exit(job) -> None:
+    """A Hub model downloaded (tqdm shows the progress) or found in the cache before any
+    service starts, so a wrong id, a gated model without a token or no network fails here
+    in one line, not in every service's log."""
+    from asyncrl.model.hub import HubModelError, download, hub_model
+
+    repo_id = hub_model(job.spec.model.source)
+    if repo_id is None:
+        return
+    try:
+        download(repo_id, job.spec.model.revision)
+    except HubModelError as exc:
+        typer.secho(str(exc), fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=1) from None
 
 
 @app.command()
@@ -132,6 +168,7 @@ def run(
 
     job = _load_or_exit(file)
     _dataset_or_exit(job)
+    _model_or_exit(job)
     # Resolved once, here: every path handed to a service is absolute.
     run_dir = (run_dir or Path("runs") / job.metadata.name).resolve()
     console = Console()

