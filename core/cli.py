@@ -515,6 +515,9 @@ def run_operator(
         envvar="ASYNCRL_GPU_TOLERATIONS",
         help="JSON list of tolerations for GPU pods whose spec gives none; default: "
         "tolerate the nvidia.com/gpu taint.")] = None,
+    hub_endpoint: Annotated[Optional[str], typer.Option(
+        envvar="HF_ENDPOINT", help="The Hugging Face Hub (or mirror) that jobs' Hub models "
+        "are downloaded from; default: huggingface_hub's.")] = None,
     leader_election: Annotated[bool, typer.Option(
         envvar="ASYNCRL_OPERATOR_LEADER_ELECTION",
         help="Reconcile only while holding a Lease (for several operator replicas).")] = False,
@@ -548,6 +551,7 @@ def run_operator(
         run_volume_storage_class=storage_class, network_policies=network_policies,
         gpu_tolerations=(_parse_tolerations(gpu_tolerations) if gpu_tolerations is not None
                          else defaults.gpu_tolerations),
+        hub_endpoint=hub_endpoint or None,
     ), interval=interval, resync_interval=resync_interval, buffer_stats=buffer_stats)
     kopf.configure(verbose=verbose)
     stop_flag: threading.Event | None = None

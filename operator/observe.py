@@ -18,6 +18,7 @@ from asyncrl.operator.status import (
     TrainerStatus,
     Workload,
     compute_status,
+    model_failure,
     seen_by_controller,
     status_changes,
     trainer_failure,
@@ -77,6 +78,7 @@ def observe(state: OperatorState, job: RLJob, body: Any,
     observed = Observation(
         generation=body["metadata"].get("generation"), suspend=job.spec.suspend,
         max_steps=job.spec.algorithm.max_steps, workloads=tuple(found), trainer_failure=failure,
+        model_failure=model_failure(pods, state.config.trainer_max_restarts),
         stats=figures.stats, stats_error=figures.stats_error, samples_per_second=rate,
         trainer=figures.trainer, trainer_error=figures.trainer_error,
         now=datetime.now(timezone.utc))

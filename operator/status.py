@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from asyncrl.model.hub import PERMANENT_EXIT
+from asyncrl.operator.builders.model import FETCH_CONTAINER
+
 #: Condition types.
 VALID = "Valid"            # the spec passed the operator's validation
 READY = "Ready"            # every workload has its desired replicas ready
@@ -29,6 +32,7 @@ SUSPENDED_BY_SPEC, RESUMED = "SuspendedBySpec", "NotSuspended"
 REACHABLE, UNREACHABLE = "GetStatsAnswered", "GetStatsFailed"
 TRAINER_REACHABLE, TRAINER_UNREACHABLE = "GetStatusAnswered", "GetStatusFailed"
 TRAINER_FAILED, NO_FAILURE = "TrainerFailed", "NoFailure"
+MODEL_FAILED = "ModelDownloadFailed"
 MAX_STEPS, DATA_USED, IN_PROGRESS = "MaxStepsReached", "DatasetUsedUp", "Training"
 
 
@@ -96,6 +100,7 @@ class Observation:
     workloads: tuple[Workload, ...] = ()
     invalid: str | None = None          # validation message, when the spec is invalid
     trainer_failure: str | None = None  # why the trainer is considered failed
+    model_failure: str | None = None    # why the trainer pods could not download the model
     stats: BufferStats | None = None
     stats_error: str | None = None
     trainer: TrainerStatus | None = None
@@ -166,6 +171,9 @@ def _phase(observed: Observation, conditions: list) -> str:
     used_up = stats is not None and stats.trainer_finished and not reached
     done = reached or used_up
     # A finished job stays Succeeded: its trainer exits once done and the StatefulSet restarts it.
+    if observed.model_failure and not done:
+        conditions.append((FAILED, True, MODEL_FAILED, observed.model_failure))
+        return "Failed"
     if observed.trainer_failure and not done:
         conditions.append((FAILED, True, TRAINER_FAILED, observed.trainer_failure))
         return "Failed"
@@ -268,4 +276,29 @@ def trainer_failure(pods: list[dict[str, Any]], max_restarts: int) -> str | None
                 code = last.get("exitCode")
                 return (f"trainer pod {name} is in CrashLoopBackOff after {restarts} restarts "
                         f"(last exit: {why}{f', code {code}' if code is not None else ''})")
+    return None
+
+
+
+def model_failure(pods: list[dict[str, Any]], max_restarts: int) -> str | None:
+    """Why the trainer pods cannot download the job's Hub model, from their init container's
+    last exit: at once when the Hub refused it (no such model or revision, gated), after
+    `max_restarts` tries when it could not be reached. The reason is its termination message
+    (the download's last line)."""
+    for pod in pods:
+        if pod.get("metadata", {}).get("deletionTimestamp"):
+            continue
+        for container in (pod.get("status") or {}).get("initContainerStatuses") or []:
+            if container.get("name") != FETCH_CONTAINER:
+                continue
+            exits = [(container.get(key) or {}).get("terminated") or {}
+                     for key in ("state", "lastState")]
+            failed = next((e for e in exits if e.get("exitCode") not in (None, 0)), None)
+            if failed is None:
+                continue
+            if failed["exitCode"] == PERMANENT_EXIT or \
+                    container.get("restartCount", 0) >= max_restarts:
+                lines = (failed.get("message") or "").strip().splitlines()
+                why = lines[-1] if lines else f"exit code {failed['exitCode']}"
+                return f"downloading the model failed: {why}"
     return None

@@ -50,6 +50,9 @@ class OperatorConfig:
     #: Tolerations for GPU pods whose spec lists none: the taint of the cluster's GPU pools.
     gpu_tolerations: tuple[dict[str, Any], ...] = (
         {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"},)
+    #: The Hub (or mirror) that Hub models are downloaded from: the operator's HF_ENDPOINT,
+    #: passed on to the download; None for huggingface_hub's default.
+    hub_endpoint: str | None = None
 
 
 # --------------------------------------------------------------------------- names and labels

@@ -26,6 +26,7 @@ from asyncrl.operator.builders.pods import (
     resource_requirements,
     service_container,
 )
+from asyncrl.operator.builders.model import hub_env, wait_for_model_container
 from asyncrl.operator.builders.redis import password_env, password_ref, redis_url_with_password
 from asyncrl.operator.builders.trainer import distributed_weights, trainer_rendezvous_host
 from asyncrl.operator.builders.volumes import (
@@ -47,7 +48,7 @@ def rollout_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
         redis_url=redis_url_with_password(job), worker="$(POD_NAME)",
         weights_address=(f"{trainer_rendezvous_host(job)}:{WEIGHTS_PORT}"
                          if distributed_weights(job) else None))
-    env = [pod_name_env()] + ([password_env(job)] if password_ref(job) else [])
+    env = [pod_name_env(), *hub_env(job)] + ([password_env(job)] if password_ref(job) else [])
     health = {"httpGet": {"path": "/health", "port": "http"}}
     # Not ready while Redis is down (no weight updates can reach it), yet not restarted.
     ready = {"httpGet": {"path": "/ready", "port": "http"}}
@@ -66,6 +67,9 @@ def rollout_deployment(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
                                   [container], placement=rollout.placement,
                                   volumes=[run_volume(job), *data_volumes, *episode_volumes])
     pod = deployment["spec"]["template"]["spec"]
+    wait = wait_for_model_container(job, config, rollout.placement.gpus)
+    if wait is not None:
+        pod["initContainers"] = [wait]
     if rollout.placement.gpus:
         add_shared_memory(pod, container)
         # Spread replicas over the GPU pool's nodes.

@@ -34,6 +34,7 @@ from asyncrl.operator.builders.pods import (
     resource_requirements,
     service_container,
 )
+from asyncrl.operator.builders.model import fetch_model_container, hub_env
 from asyncrl.operator.builders.volumes import dataset_volumes, run_mount, run_volume
 from asyncrl.platform.settings import serve_command
 from asyncrl.spec import RLJob
@@ -53,7 +54,8 @@ def trainer_statefulset(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
         consumer="$(POD_NAME)")
     env = [pod_name_env(),
            {"name": "ASYNCRL_NNODES", "value": str(trainer.replicas)},
-           {"name": "ASYNCRL_NPROC_PER_NODE", "value": str(trainer.processes_per_replica)}]
+           {"name": "ASYNCRL_NPROC_PER_NODE", "value": str(trainer.processes_per_replica)},
+           *hub_env(job)]
     command = None
     rendezvous_host = trainer_rendezvous_host(job) if trainer.replicas > 1 else None
     if trainer.replicas * trainer.processes_per_replica > 1:
@@ -76,10 +78,14 @@ def trainer_statefulset(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
                    gpu_tolerations=config.gpu_tolerations)
     if trainer.placement.gpus:
         add_shared_memory(pod, container)
+    # The model first: a rendezvous is no use to a pod that cannot load it.
+    init = [c for c in [fetch_model_container(job, config, trainer.placement.gpus)] if c]
     if rendezvous_host:
-        pod["initContainers"] = [rendezvous_wait_container(
+        init.append(rendezvous_wait_container(
             rendezvous_host, image=image_for(config, trainer.placement.gpus),
-            pull_policy=config.image_pull_policy)]
+            pull_policy=config.image_pull_policy))
+    if init:
+        pod["initContainers"] = init
     return {
         "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": object_meta(job, "trainer"),
         "spec": {

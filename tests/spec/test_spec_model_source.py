@@ -1,0 +1,73 @@
+"""model.source by Hub id: the spelling rule that tells a Hub id from a path
+(asyncrl.spec.model_source), model.revision and model.hubTokenSecret, and the CRD's fields."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from asyncrl.spec import parse_manifest
+from asyncrl.spec.crd import build_crd
+from asyncrl.spec.errors import format_errors
+from asyncrl.spec.model_source import hub_repo_id
+
+
+def manifest(**model) -> dict:
+    return {"apiVersion": "asyncrl.io/v1alpha1", "kind": "RLJob", "metadata": {"name": "job"},
+            "spec": {"model": model}}
+
+
+@pytest.mark.parametrize("source, repo_id", [
+    ("Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    ("smollm2-135m-instruct", None),        # builtin
+    ("tiny-random", None),                  # builtin
+    ("/models/qwen", None),                 # absolute path
+    ("./Qwen/Qwen2.5-0.5B-Instruct", None),  # a path, by its prefix
+    ("~/models/qwen", None),
+    ("../Qwen/Qwen2.5", None),
+    ("models/export", "models/export"),  # spelled like a Hub id: where it exists, a path
+    ("runs/job/step-3", None),              # two folders: a path
+    ("model.gguf", None),                   # no org
+    ("org/has space", None),                # not a valid Hub name
+    ("org/a--b", None),
+    ("org/name.git", None),
+])
+def test_a_hub_id_is_org_slash_name_by_the_hubs_rule(source, repo_id):
+    assert hub_repo_id(source) == repo_id
+
+
+def test_a_hub_job_takes_a_revision_and_a_token_secret():
+    model = parse_manifest(manifest(source="Qwen/Qwen2.5-0.5B-Instruct", revision="v1.0",
+                                    hubTokenSecret={"name": "hf", "key": "token"})).spec.model
+    assert (model.hub_id, model.revision) == ("Qwen/Qwen2.5-0.5B-Instruct", "v1.0")
+    assert (model.hub_token_secret.name, model.hub_token_secret.key) == ("hf", "token")
+    defaults = parse_manifest(manifest(source="Qwen/Qwen2.5-0.5B-Instruct")).spec.model
+    assert (defaults.revision, defaults.hub_token_secret) == ("main", None)
+    assert parse_manifest(manifest()).spec.model.hub_id is None  # the builtin
+
+
+@pytest.mark.parametrize("model, expected", [
+    ({"source": "/models/qwen", "revision": "v1"},
+     "spec.model.revision: revision 'v1' is read only for a Hub model, and source "
+     "'/models/qwen' is not a Hub id <org>/<name> (got \"v1\"); fix: remove model.revision, or set "
+     "model.source to the Hub id"),
+    ({"source": "tiny-random", "hubTokenSecret": {"name": "hf", "key": "token"}},
+     "spec.model.hubTokenSecret: hubTokenSecret is read only for a Hub model, and source "
+     "'tiny-random' is not a Hub id <org>/<name> (got {\"name\": \"hf\", \"key\": \"token\"}); "
+     "fix: remove model.hubTokenSecret, or set "
+     "model.source to the Hub id"),
+])
+def test_hub_settings_without_a_hub_id_are_refused_naming_the_field(model, expected):
+    with pytest.raises(ValidationError) as refused:
+        parse_manifest(manifest(**model))
+    (line,) = format_errors(refused.value)
+    assert line == expected
+
+
+def test_the_crd_has_the_hub_fields():
+    schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    model = schema["properties"]["spec"]["properties"]["model"]["properties"]
+    assert model["revision"]["default"] == "main"
+    assert set(model["hubTokenSecret"]["properties"]) == {"name", "key"}
+    assert "<org>/<name>" in model["source"]["description"]
