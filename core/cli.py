@@ -628,6 +628,81 @@ def export(
     typer.echo(f"{out}: {written}, from {checkpoint}")
 
 
+@app.command("eval")
+def evaluate(
+    file: Annotated[Path, typer.Argument(help="The job's RLJob manifest: its reward, prompts "
+                                         "and sampling settings.")],
+    models: Annotated[list[str], typer.Option(
+        "--model", help="What to score: a run folder (its newest checkpoint; RUN_DIR@N: step "
+        "N), a checkpoint folder, a folder `asyncrl export` wrote (a model or a LoRA adapter), "
+        "or base (the job's model.source). Twice: side by side.")],
+    prompts: Annotated[Optional[Path], typer.Option(
+        help="Score on this file's rows instead of the job's held-out prompts (a file job: "
+        "its own field mapping; else rows with prompt and answer, or prompt and tests).")] = None,
+    samples: Annotated[int, typer.Option(
+        min=1, help="Responses per prompt: 1 is greedy (pass@1); k > 1 samples at the job's "
+        "temperature (pass@1, pass@k, maj@k).")] = 1,
+    limit: Annotated[Optional[int], typer.Option(
+        min=1, help="Prompts to score (default: trainer.evalPrompts of the held-out set, "
+        "every row of --prompts).")] = None,
+    out: Annotated[Optional[Path], typer.Option(
+        help="Folder for the JSON and Markdown results (default: RUN_DIR/eval beside a run, "
+        "FOLDER-eval beside another folder, runs/<job>/eval for base).")] = None,
+    devices: Annotated[str, typer.Option(
+        help="auto (the first GPU CUDA shows, else the CPU), cpu, or a GPU index.")] = "auto",
+) -> None:
+    """Score models on a job's evaluation prompts with its reward, by the trainer's own
+    evaluation code: pass@1 greedy, or pass@1, pass@k and maj@k over k samples."""
+    from rich.console import Console
+    from rich.progress import MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    from asyncrl.data.files import DatasetError
+    from asyncrl.evaluation import held_out_prompts
+    from asyncrl.local.devices import DevicesError, parse_devices, plan_devices, visible_gpus
+    from asyncrl.local.eval_models import ModelArgumentError, resolve_model
+    from asyncrl.local.evaluate import (default_out, evaluate_model, majority_note,
+                                        markdown_table, prompts_file_spec, write_results)
+    from asyncrl.model.policy import load_tokenizer
+
+    job = _load_or_exit(file)
+    spec, console = job.spec, Console()
+    try:
+        device = plan_devices(parse_devices(devices), visible_gpus()).trainer.device
+        resolved = [resolve_model(text, spec.model) for text in models]
+        if prompts is not None:
+            spec = prompts_file_spec(spec, prompts)
+        tokenizer = load_tokenizer(spec.model.source)
+        items = held_out_prompts(spec, tokenizer, limit or (None if prompts is None else 10**9))
+    except (DevicesError, ModelArgumentError, DatasetError) as exc:
+        console.print(str(exc), style="red", markup=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    if not items:
+        console.print(f"{prompts or file}: no evaluation prompts (the held-out set is empty, "
+                      "or every prompt is over dataset.maxPromptTokens): give --prompts FILE",
+                      style="red", markup=False)
+        raise typer.Exit(2)
+    where = str(prompts) if prompts else f"{len(items)} held-out prompts"
+    console.print(f"[bold]{job.metadata.name}[/]: {len(items)} prompts x {samples} "
+                  f"{'greedy response' if samples == 1 else 'samples'} on {device}",
+                  markup=True)
+    records = []
+    columns = (*Progress.get_default_columns()[:2], MofNCompleteColumn(), TimeRemainingColumn())
+    for model in resolved:
+        console.print(f"{model.label}: {model.where}", markup=False)
+        with Progress(*columns, console=console) as progress:
+            task = progress.add_task(model.label, total=len(items) * samples)
+            records.append(evaluate_model(spec, job.metadata.name, model, items, tokenizer,
+                                          samples=samples, device=device,
+                                          on_done=lambda: progress.advance(task)))
+    note = majority_note(spec, samples)
+    if note:
+        console.print(note, style="yellow", markup=False)
+    console.print(markdown_table(job.metadata.name, records, where), markup=False)
+    target = out or default_out(job.metadata.name, resolved[0])
+    json_path, table_path = write_results(target, job.metadata.name, records, where)
+    console.print(f"written: {json_path} and {table_path}", markup=False, soft_wrap=True)
+
+
 @app.command()
 def crd(
     output: Annotated[

@@ -1,20 +1,20 @@
 """The trainer's held-out evaluation, on its leader: greedy accuracy on the job's held-out
 prompts (trainer.evalPrompts of them), scored by the job's reward as rollouts are, so a run
-can be compared with its starting point."""
+can be compared with its starting point. Generating and scoring are asyncrl.evaluation's,
+which `asyncrl eval` runs too."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 import torch
 
 from asyncrl.algorithms.evaluation import accuracy_record
-from asyncrl.clients.reward import PromptScorer, reward_scorer
-from asyncrl.data.prompts import PromptSet, build_prompts, max_sequence_length
+from asyncrl.clients.reward import reward_scorer
 from asyncrl.engine.torch_engine import TorchEngine
-from asyncrl.engine.types import SamplingParams
+from asyncrl.evaluation import evaluation_engine, generate, held_out_prompts, job_scorer
+from asyncrl.evaluation import sampling, score
 from asyncrl.model.policy import load_policy, sharing_weights
 from asyncrl.platform.settings import TrainerSettings
 
@@ -34,13 +34,9 @@ class Evaluator:
         self.trained_model = trained_model
         self._on_compute = on_compute
         self.status = status
-        _, held_out = build_prompts(self.spec, tokenizer)
-        count = (self.spec.trainer.eval_prompts if settings.eval_prompts is None
-                 else settings.eval_prompts)
-        self.items = PromptSet.of(held_out.head(count))
+        self.items = held_out_prompts(self.spec, tokenizer, settings.eval_prompts)
         self.reward = reward_scorer(settings.reward_address, job.metadata.name, self.spec.reward)
-        self.scorer = PromptScorer(self.reward, tokenizer,
-                                   truncated_reward=self.spec.reward.truncated_reward)
+        self.scorer = job_scorer(self.reward, self.spec, tokenizer)
         self._engine: TorchEngine | None = None  # built on the first evaluation
 
     async def evaluate(self, state: dict[str, torch.Tensor]) -> dict:
@@ -61,27 +57,17 @@ class Evaluator:
             else:
                 model, _ = await self._on_compute(load_policy, self.spec.model,
                                                   device=self.device)
-            self._engine = TorchEngine(
-                model, max_running_requests=len(self.items),
-                max_sequence_length=max_sequence_length(self.spec, self.items),
-                eos_token_ids=(self.tokenizer.eos_token_id,), seed=0, fused_decode=not shares,
-                lora=self.spec.model.lora,
-            )
+            # Sharing implies no fused decoding (asyncrl.evaluation.fused_decode).
+            self._engine = evaluation_engine(model, self.spec, self.items, self.tokenizer)
         engine = self._engine
-        params = SamplingParams.from_spec(self.spec, greedy=True)
 
-        def generate() -> list:
+        def generated() -> list:
             engine.update_weights_from_state_dict(state, self.status.version)
-            futures = [engine.submit(item.prompt_ids, params) for item in self.items]
-            engine.run_until_idle()
-            return [f.result() for f in futures]
+            return generate(engine, self.items, sampling(self.spec, 1))
 
         started = time.perf_counter()
-        results = await self._on_compute(generate)
-        scores = await asyncio.gather(*(
-            self.scorer.score(item, [r.output_ids], cut=[r.finish_reason == "length"])
-            for item, r in zip(self.items, results)
-        ))
+        results = await self._on_compute(generated)
+        scores = await score(self.scorer, self.items, results)
         # What the evaluation cost the run (training waits for it): a user weighs it against
         # the standard error it buys when choosing trainer.evalPrompts and evalEvery.
         evaluation = {**accuracy_record([score for (score,) in scores]),
