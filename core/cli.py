@@ -69,7 +69,8 @@ def validate(
             for problem in problems:
                 typer.echo(f"  {problem}")
         else:
-            if not _dataset_checked(path, job) or not _model_checked(path, job):
+            if (not _dataset_checked(path, job) or not _model_checked(path, job)
+                    or not _trackers_checked(path, job)):
                 failed += 1
                 continue
             typer.secho(f"{path}: valid", fg=typer.colors.GREEN)
@@ -117,6 +118,18 @@ def _model_checked(path: Path, job) -> bool:
             return False
         typer.echo(f"{path}: {exc}; it is checked again when the job starts")
     return True
+
+
+def _trackers_checked(path: Path, job) -> bool:
+    """Every tracker the job asks for is installed here (each is an optional extra)."""
+    from asyncrl.trainer.tracking import missing_trackers
+
+    missing = missing_trackers(job.spec.tracking)
+    if missing:
+        typer.secho(f"{path}: a tracker is not installed", fg=typer.colors.RED)
+        for line in missing:
+            typer.echo(f"  {line}")
+    return not missing
 
 
 def _model_or_exit(job) -> None:
@@ -169,6 +182,8 @@ def run(
     job = _load_or_exit(file)
     _dataset_or_exit(job)
     _model_or_exit(job)
+    if not _trackers_checked(file, job):
+        raise typer.Exit(code=1)
     # Resolved once, here: every path handed to a service is absolute.
     run_dir = (run_dir or Path("runs") / job.metadata.name).resolve()
     console = Console()

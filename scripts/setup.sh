@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-shot set-up on a fresh machine; a second run only re-checks and is fast.
-#   bash scripts/setup.sh [GROUP...]   GROUP: an optional dependency group (megatron)
+#   bash scripts/setup.sh [GROUP...]   GROUP: an optional dependency group (megatron,
+#                                      wandb, mlflow, tensorboard)
 #   - Debian's redis-server (the embedded default Redis and the tests' Redis) and prometheus
 #     (the dashboard test scrapes a local run with it)
 #   - a virtual environment in .venv with torch, asyncrl and its dev tools
@@ -64,8 +65,9 @@ print("\n".join(project["dependencies"] + project["optional-dependencies"]["dev"
     touch "$deps_stamp"
 fi
 
-# Optional dependency groups named on the command line (`make test`: megatron, for the
-# Megatron-Core trainer backend's tests); the default set-up installs none.
+# Optional dependency groups named on the command line (`make setup`: the trackers wandb,
+# mlflow and tensorboard; `make test` also megatron, for the Megatron-Core trainer backend's
+# tests); `bash scripts/setup.sh` alone installs none.
 for group in "$@"; do
     group_stamp=.venv/.group-$group-$(sha256sum pyproject.toml | cut -c1-16)
     if [ ! -f "$group_stamp" ]; then

@@ -150,6 +150,9 @@ class TrainerSettings(ServiceSettings):
         default=DEFAULT_COLLECTIVE_TIMEOUT, gt=0, description="Under torchrun: seconds a rank "
         "waits in a collective before it gives up and exits (a hung peer never blocks forever)."
     )
+    job_uid: str | None = Field(
+        default=None, description="The RLJob's uid (the operator sets it): with the job's "
+        "name it names the job's run in experiment trackers; unset: the run folder does.")
 
 
 #: `asyncrl serve <name>` -> its settings.

@@ -63,6 +63,7 @@ from asyncrl.spec.job import (
     SecretKeyRef,
     TinyModel,
     TrainerSpec,
+    TrackingSpec,
 )
 from asyncrl.spec.status import (
     Condition,
@@ -117,6 +118,7 @@ __all__ = [
     "SecretKeyRef",
     "TinyModel",
     "TrainerSpec",
+    "TrackingSpec",
     "Condition",
     "RLJobStatus",
     "ManifestError",

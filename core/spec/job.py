@@ -1290,6 +1290,74 @@ class TrainerSpec(SpecModel):
         return self
 
 
+class WandbTracking(SpecModel):
+    """A Weights & Biases run of the job, resumed by an id made from the job."""
+
+    project: str = Field(min_length=1, max_length=128, description="W&B project.")
+    entity: str | None = Field(
+        default=None, min_length=1, description="W&B entity (user or team); unset: the "
+        "API key's default entity.")
+    name: str | None = Field(
+        default=None, min_length=1, max_length=128,
+        description="The run's display name; unset: the job's name.")
+    tags: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+        default_factory=list, description="Tags of the run.")
+    group: str | None = Field(
+        default=None, min_length=1, max_length=128, description="The run's group.")
+    mode: Literal["online", "offline", "disabled"] = Field(
+        default="online",
+        description="online: sent to W&B as it trains; offline: written under the run "
+        "directory's wandb/ folder, for `wandb sync` later; disabled: nothing logged.")
+    api_key_secret: SecretKeyRef | None = Field(
+        default=None,
+        description="In a cluster: the Secret key holding the W&B API key (the trainer reads "
+        "it as WANDB_API_KEY). On a laptop WANDB_API_KEY or `wandb login` serve.")
+
+
+class MlflowTracking(SpecModel):
+    """An MLflow run of the job, found again by its tag when the job resumes."""
+
+    tracking_uri: str = Field(
+        min_length=1,
+        description="The MLflow tracking server, e.g. http://mlflow.mlflow:5000 (as the "
+        "trainer reaches it).")
+    experiment: str | None = Field(
+        default=None, min_length=1, description="The experiment; unset: the job's name.")
+
+
+class TensorboardTracking(SpecModel):
+    """TensorBoard event files of the job."""
+
+    dir: str = Field(
+        default="tensorboard", min_length=1,
+        description="Folder of the event files, relative to the run directory (in a cluster: "
+        "on the run volume).")
+
+    @field_validator("dir")
+    @classmethod
+    def _inside_run_dir(cls, value: str) -> str:
+        path = PurePosixPath(value)
+        if path.is_absolute() or ".." in path.parts:
+            raise rule_error(f"{value} is not a folder inside the run directory",
+                             fix="give a relative path such as tensorboard")
+        return value
+
+
+class TrackingSpec(SpecModel):
+    """Experiment trackers the trainer logs each step's record to (none by default)."""
+
+    wandb: WandbTracking | None = Field(default=None, description="Weights & Biases.")
+    mlflow: MlflowTracking | None = Field(default=None, description="MLflow.")
+    tensorboard: TensorboardTracking | None = Field(default=None, description="TensorBoard.")
+
+    @property
+    def trackers(self) -> list[str]:
+        """The trackers asked for (wandb in mode disabled is none)."""
+        asked = {"wandb": self.wandb is not None and self.wandb.mode != "disabled",
+                 "mlflow": self.mlflow is not None, "tensorboard": self.tensorboard is not None}
+        return [name for name, on in asked.items() if on]
+
+
 _REWARD_FOR_DATASET = {"arith": "math", "code": "code"}
 
 
@@ -1305,6 +1373,10 @@ class RLJobSpec(SpecModel):
     reward: RewardSpec = Field(default_factory=RewardSpec, description="Reward service.")
     buffer: BufferSpec = Field(default_factory=BufferSpec, description="Buffer service.")
     trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="Trainer.")
+    tracking: TrackingSpec = Field(
+        default_factory=TrackingSpec,
+        description="Experiment trackers (Weights & Biases, MLflow, TensorBoard) the trainer "
+        "logs to; none by default.")
     suspend: bool = Field(
         default=False,
         description="Stop all workers while keeping the job's state; set back to false to resume.",

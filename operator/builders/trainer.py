@@ -35,6 +35,7 @@ from asyncrl.operator.builders.pods import (
     service_container,
 )
 from asyncrl.operator.builders.model import fetch_model_container, hub_env
+from asyncrl.operator.builders.tracking import tracking_env
 from asyncrl.operator.builders.volumes import dataset_volumes, run_mount, run_volume
 from asyncrl.platform.settings import serve_command
 from asyncrl.spec import RLJob
@@ -55,7 +56,7 @@ def trainer_statefulset(job: RLJob, config: OperatorConfig) -> dict[str, Any]:
     env = [pod_name_env(),
            {"name": "ASYNCRL_NNODES", "value": str(trainer.replicas)},
            {"name": "ASYNCRL_NPROC_PER_NODE", "value": str(trainer.processes_per_replica)},
-           *hub_env(job)]
+           *hub_env(job), *tracking_env(job)]
     command = None
     rendezvous_host = trainer_rendezvous_host(job) if trainer.replicas > 1 else None
     if trainer.replicas * trainer.processes_per_replica > 1:

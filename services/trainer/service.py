@@ -74,6 +74,7 @@ from asyncrl.trainer.metrics import TrainerMetrics
 from asyncrl.trainer.model_files import ModelFiles
 from asyncrl.trainer.publication import Publisher
 from asyncrl.trainer.step import PolicyUpdater, TrainSample, reference_policy
+from asyncrl.trainer.tracking import Tracking
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
 from asyncrl.weights.distributed import version_manifest
 from asyncrl.weights.paths import with_transfer_path
@@ -211,6 +212,9 @@ class Trainer:
         self.status = Status(max_steps=spec.algorithm.max_steps,
                              phase="starting" if self.group.leader else "following")
         self.metrics = TrainerMetrics(self.job.metadata.name)
+        # Rank 0's experiment trackers (the job's tracking), each on its own thread.
+        self.tracking = Tracking(self.job, settings.run_dir, self.metrics.observe_tracking_error,
+                                 uid=settings.job_uid) if self.group.leader else None
         # What each version moves to every engine (the adapter's tensors with model.lora),
         # listed from the whole model, before any sharding.
         self.version_tensors = version_manifest(self.hf_model, spec.model)
@@ -342,6 +346,7 @@ class Trainer:
             self.metrics.observe_version(version)
             log.info("trainer starts at step %d, version %d (%d processes)", step, version,
                      self.group.world_size)
+            self.tracking.start(resumed_step=step)
             if restored is None and self.evaluator.items:
                 # The starting point every later evaluation is compared with.
                 state = await self._command(STATE)
@@ -400,6 +405,8 @@ class Trainer:
                     # Written before the checkpoint: a crash in between redoes the step and
                     # forget_records_after drops this record, so no step is recorded twice.
                     self._record(record)
+                    if self.tracking.active:
+                        self.tracking.log_rollout(step, await client.stats(), time.monotonic())
                 if step % spec.trainer.checkpoint_every == 0 or step == spec.algorithm.max_steps:
                     await self._checkpoint(state, step, version)
                 if final:
@@ -416,6 +423,7 @@ class Trainer:
         finally:
             await client.close()
             await self.evaluator.close()
+            await asyncio.to_thread(self.tracking.close)
 
     async def _next_batch(self, client: BufferClient):
         """The next batch of groups, once there is one; None once the dataset is used up and
@@ -485,6 +493,7 @@ class Trainer:
     def _write(self, record: dict) -> None:
         with self.metrics_file.open("a") as out:
             out.write(json.dumps(record) + "\n")
+        self.tracking.log(record)
 
 
 def forget_records_after(metrics_file: Path, step: int | None) -> None:

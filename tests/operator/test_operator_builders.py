@@ -1002,3 +1002,29 @@ def test_trainer_status_says_why_when_unreachable(tiny):
     first, second = error.split("; ")
     assert first.startswith("tiny-trainer-0.tiny-trainer-headless.ml.svc:50071: "), error
     assert second.startswith("tiny-trainer-1.tiny-trainer-headless.ml.svc:50071: "), error
+
+
+def test_a_tracked_job_gives_the_trainer_its_tracker_settings_and_the_key_from_its_secret(tiny):
+    def env(job, builder=builders.trainer_statefulset):
+        container = builder(job, CONFIG)["spec"]["template"]["spec"]["containers"][0]
+        return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+    assert not {"WANDB_API_KEY", "MLFLOW_TRACKING_URI", "ASYNCRL_JOB_UID"} & set(env(tiny))
+    data = yaml.safe_load((ROOT / "examples/tiny.yaml").read_text())
+    data["metadata"].update(namespace="ml", uid="0b8a-uid")
+    data["spec"]["tracking"] = {
+        "wandb": {"project": "arith", "apiKeySecret": {"name": "wandb", "key": "api-key"}},
+        "mlflow": {"trackingUri": "http://mlflow.mlflow:5000"}, "tensorboard": {"dir": "tb"}}
+    job = parse_manifest(data)
+    trainer = env(job)
+    assert trainer["WANDB_API_KEY"] == {"secretKeyRef": {"name": "wandb", "key": "api-key"}}
+    assert trainer["MLFLOW_TRACKING_URI"] == "http://mlflow.mlflow:5000"
+    assert trainer["ASYNCRL_JOB_UID"] == "0b8a-uid"  # names the run: a new job, a new run
+    # The event files go under the run directory, which is the run volume's mount.
+    pod = builders.trainer_statefulset(job, CONFIG)["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    run_dir = container["args"][container["args"].index("--run-dir") + 1]
+    assert {"name": "run", "mountPath": run_dir, "readOnly": False} in container["volumeMounts"]
+    assert any(v["name"] == "run" and "persistentVolumeClaim" in v for v in pod["volumes"])
+    # The key stays with the trainer.
+    assert "WANDB_API_KEY" not in env(job, builders.rollout_deployment)
