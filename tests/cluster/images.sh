@@ -227,7 +227,7 @@ text = "\n".join(l for l in open(sys.argv[1]).read().splitlines() if not l.lstri
 print("\n".join(sorted(set(re.findall(r"(?<![\w.=-])([A-Za-z][\w.-]*==[\w.+!-]+)", text)))))
 PY
 WHEEL_KEY=$( (cat "$pins"; echo "$BASE_PYTHON"; printf '%s\n' "${CPU_DROPS[@]}"; "$PYTHON" -c \
-    'import sys, tomllib; p = tomllib.load(open(sys.argv[1], "rb"))["project"]; print(sys.version_info[:2], p["dependencies"], p["optional-dependencies"]["megatron"])' \
+    'import sys, tomllib; p = tomllib.load(open(sys.argv[1], "rb"))["project"]; print(sys.version_info[:2], p["dependencies"], [r for n in ("megatron", "wandb", "mlflow", "tensorboard") for r in p["optional-dependencies"][n]])' \
     "$root/pyproject.toml") | sha256sum | cut -c1-16)
 WHEELHOUSE=$CACHE/wheelhouse/$WHEEL_KEY
 WHEELS_REF=asyncrl.local/wheelhouse:$WHEEL_KEY
@@ -250,9 +250,10 @@ markers.default_environment = lambda: dict(env)
 from pip._internal.cli.main import main
 sys.argv[0] = "pip"
 sys.exit(main())' "$BASE_PYTHON" --disable-pip-version-check)
-    # The service image carries the optional megatron group (trainer.backend: megatron).
+    # The service image carries the optional groups megatron (trainer.backend: megatron) and
+    # the trackers' (wandb, mlflow, tensorboard: the job's tracking).
     mapfile -t deps < <("$PYTHON" -c \
-        'import sys, tomllib; p = tomllib.load(open(sys.argv[1], "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["megatron"]))' \
+        'import sys, tomllib; p = tomllib.load(open(sys.argv[1], "rb"))["project"]; print("\n".join(p["dependencies"] + [r for n in ("megatron", "wandb", "mlflow", "tensorboard") for r in p["optional-dependencies"][n]]))' \
         "$root/pyproject.toml")
     pin() { grep -i "^$1==" "$pins"; }
     nice -n 19 "${PIP[@]}" install --quiet --dry-run --ignore-installed --only-binary=:all: \

@@ -481,8 +481,9 @@ def test_pins_cover_and_satisfy_pyproject_dependencies(dockerfile):
     requirements = [Requirement(r) for r in project["dependencies"]]
     requirements += [Requirement(r) for r in project["optional-dependencies"]["dev"]
                      if Requirement(r).name == "grpcio-tools"]
-    # The service images carry the Megatron-Core backend's group.
-    requirements += [Requirement(r) for r in project["optional-dependencies"]["megatron"]]
+    # The service images carry the Megatron-Core backend's group and the trackers'.
+    requirements += [Requirement(r) for group in ("megatron", "wandb", "mlflow", "tensorboard")
+                     for r in project["optional-dependencies"][group]]
     for requirement in requirements:
         name = canonicalize_name(requirement.name)
         assert name in pins, f"{requirement.name}: add a pin to the build stage's constraints"
