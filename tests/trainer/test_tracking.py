@@ -175,6 +175,47 @@ def test_tensorboard_and_wandb_offline_log_every_step_and_a_resumed_job_continue
     assert list(wandb_run(logs[0]).tags) == ["t"]
 
 
+def test_tensorboard_tracker_on_restart_shows_the_steps_trained_again_once(tmp_path):
+    """The fast tier's check of the restart marker, without a trainer."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from asyncrl.trainer.tracking.tensorboard_tracker import TensorboardTracker
+
+    for resumed, steps in ((0, (1, 2, 3)), (2, (3, 4))):  # a checkpoint at 2, 3 logged twice
+        tracker = TensorboardTracker(tmp_path / "tb")
+        tracker.open({"spec": {"algorithm": {"maxSteps": 4}}}, resumed)
+        for step in steps:
+            tracker.log(step, {"loss": step + resumed / 10})
+        tracker.close()
+    events = EventAccumulator(str(tmp_path / "tb")).Reload()
+    points = events.Scalars("loss")
+    assert [p.step for p in points] == [1, 2, 3, 4]
+    assert [p.value for p in points] == pytest.approx([1.0, 2.0, 3.2, 4.2])
+
+
+def test_wandb_offline_tracker_resumes_the_same_run_id(tmp_path):
+    from asyncrl.spec.job import WandbTracking
+    from asyncrl.trainer.tracking.wandb_tracker import WandbTracker
+
+    spec = WandbTracking(project="asyncrl-tests", mode="offline", group="g")
+    for resumed, steps in ((0, (1, 2)), (2, (3,))):
+        tracker = WandbTracker(spec, NAME, "tracked-0123", tmp_path)
+        tracker.open({"spec": {"algorithm": {"maxSteps": 3}}}, resumed)
+        for step in steps:
+            tracker.log(step, {"loss": step / 2, "rollout/groups_per_second": 1.5})
+        tracker.close()
+        # An offline run's folder is named by the second it starts in: a second stint in the
+        # same second would write into the first's.
+        time.sleep(1.1)
+    logs = sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(logs) == 2
+    assert [wandb_run(log).run_id for log in logs] == ["tracked-0123", "tracked-0123"]
+    assert wandb_run(logs[0]).run_group == "g" and wandb_run(logs[0]).display_name == NAME
+    assert wandb_history(logs[0]) == {1: {"loss": 0.5, "rollout/groups_per_second": 1.5},
+                                      2: {"loss": 1.0, "rollout/groups_per_second": 1.5}}
+    assert wandb_history(logs[1]) == {3: {"loss": 1.5, "rollout/groups_per_second": 1.5}}
+
+
 # --------------------------------------------------------------------------- MLflow
 
 
