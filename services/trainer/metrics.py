@@ -94,14 +94,14 @@ class TrainerMetrics:
                              for field, name, help_ in _STEP_GAUGES}
         self._mismatch_gauges = {field: Gauge(name, help_, names, registry=registry)
                                  for field, name, help_ in _MISMATCH_GAUGES}
-        self._tracking_errors = Counter(
-            "asyncrl_trainer_tracking_errors_total", "Failed calls to an experiment tracker "
+        self._tracking_failures = Counter(
+            "asyncrl_trainer_tracking_failures_total", "Failed calls to an experiment tracker "
             "(tracking in the job's spec), each retry counted; training goes on without them.",
             ("rljob", "tracker"), registry=registry)
         self._labels = labels
 
-    def observe_tracking_error(self, tracker: str) -> None:
-        self._tracking_errors.labels(tracker=tracker, **self._labels).inc()
+    def observe_tracking_failure(self, tracker: str) -> None:
+        self._tracking_failures.labels(tracker=tracker, **self._labels).inc()
 
     def observe_version(self, version: int) -> None:
         self.version.set(version)

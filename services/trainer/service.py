@@ -213,7 +213,7 @@ class Trainer:
                              phase="starting" if self.group.leader else "following")
         self.metrics = TrainerMetrics(self.job.metadata.name)
         # Rank 0's experiment trackers (the job's tracking), each on its own thread.
-        self.tracking = Tracking(self.job, settings.run_dir, self.metrics.observe_tracking_error,
+        self.tracking = Tracking(self.job, settings.run_dir, self.metrics.observe_tracking_failure,
                                  uid=settings.job_uid) if self.group.leader else None
         # What each version moves to every engine (the adapter's tensors with model.lora),
         # listed from the whole model, before any sharding.

@@ -39,7 +39,7 @@ UNITLESS = {
 }
 # `field`: a python reward's extra numbers by name, at most reward.metrics.MAX_EXTRA_FIELDS.
 LABELS = {"rljob", "kind", "reason", "finish_reason", "result", "le", "transfer", "field",
-          "outcome"}
+          "outcome", "tracker"}
 
 
 @pytest.fixture(scope="module")

@@ -84,6 +84,7 @@ def exercised_registries() -> dict[str, object]:
                           "step_seconds": 0.3, "staleness": [0, 1], "reward_mean": 0.5,
                           "loss": 0.1, "eval_accuracy": 0.25})
     trainer.observe_publish(0.3, "distributed")
+    trainer.observe_tracking_failure("mlflow")
     rollout = RolloutMetrics("t")
     rollout.observe_result(GenerationResult("r", [1], [2], [-0.1], [0], finish_reason="length"),
                            0.2)

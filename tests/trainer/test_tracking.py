@@ -253,7 +253,7 @@ def test_mlflow_run_is_continued_on_resume_and_a_stopped_server_never_stops_trai
         assert _steps(run_dir) == [1, 2, 3, 4, 5, 6]
         assert time.monotonic() - started < 120
         errors = trainer.metrics.registry.get_sample_value(
-            "asyncrl_trainer_tracking_errors_total", {"rljob": NAME, "tracker": "mlflow"})
+            "asyncrl_trainer_tracking_failures_total", {"rljob": NAME, "tracker": "mlflow"})
         assert errors and errors >= 3  # the open, tried three times
     finally:
         server.stop()
@@ -266,21 +266,21 @@ def test_a_tracker_that_is_down_is_retried_counted_and_never_blocks_the_caller(t
     metrics = TrainerMetrics(NAME)
     tracker = MlflowTracker(MlflowTracking(tracking_uri=f"http://127.0.0.1:{free_port()}"),
                             NAME, "key")
-    thread = TrackerThread(tracker, metrics.observe_tracking_error, pause=0.05)
+    thread = TrackerThread(tracker, metrics.observe_tracking_failure, pause=0.05)
     thread.start({"spec": {}}, 0)
     started = time.monotonic()
     for step in range(1, 200):
         thread.log(step, {"loss": 0.5})
     assert time.monotonic() - started < 0.5  # queued: the caller never waits for it
     deadline = time.monotonic() + 60
-    while metrics.registry.get_sample_value("asyncrl_trainer_tracking_errors_total",
+    while metrics.registry.get_sample_value("asyncrl_trainer_tracking_failures_total",
                                             {"rljob": NAME, "tracker": "mlflow"}) is None:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     thread.stop()
     thread.join(10)
     assert not thread.opened
-    assert metrics.registry.get_sample_value("asyncrl_trainer_tracking_errors_total",
+    assert metrics.registry.get_sample_value("asyncrl_trainer_tracking_failures_total",
                                              {"rljob": NAME, "tracker": "mlflow"}) >= 1
 
 

@@ -3,7 +3,7 @@ metrics.jsonl, the resolved job as the run's config, and the rollout side's thro
 buffer sees it to Weights & Biases, MLflow and TensorBoard. Each tracker is one module behind
 `Tracker` and runs on its own thread (asyncrl.trainer.tracking.worker): one that is slow or
 down never holds up training; its failures are logged, retried and counted in
-asyncrl_trainer_tracking_errors_total. A resumed job continues the same run (run_key)."""
+asyncrl_trainer_tracking_failures_total. A resumed job continues the same run (run_key)."""
 
 from __future__ import annotations
 
