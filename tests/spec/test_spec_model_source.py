@@ -37,6 +37,41 @@ def test_a_hub_id_is_org_slash_name_by_the_hubs_rule(source, repo_id):
     assert hub_repo_id(source) == repo_id
 
 
+@pytest.mark.parametrize("name", [
+    "Qwen/Qwen2.5-0.5B-Instruct", "a/b", "org/x" + "y" * 95, "org/x" + "y" * 96,
+    "o" * 96 + "/name", "o" * 97 + "/name", "org/.name", "org/name.", "org/-name", "org/name-",
+    "org/_name_", "org/na..me", "org/na--me", "org/name.git", "org/näme", "org/na me",
+    "org/na+me", "org/", "/name", "-org/name", "org/name\n", "org/名前", "org.x/name",
+])
+def test_the_hub_id_rule_is_huggingface_hubs(name):
+    """The rule is written out (the operator's image has no huggingface_hub): it gives
+    huggingface_hub's answer for every org/name."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+        valid = True
+    except HFValidationError:
+        valid = False
+    prefixed = name.startswith(("/", ".", "~"))
+    assert (hub_repo_id(name) == name) == (valid and not prefixed), name
+
+
+def test_telling_a_hub_id_needs_no_huggingface_hub():
+    """The operator reads model.source without huggingface_hub (its image has none)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from asyncrl.spec import parse_manifest; "
+            "from asyncrl.operator.builders.model import ready_file; "
+            "job = parse_manifest({'apiVersion': 'asyncrl.io/v1alpha1', 'kind': 'RLJob', "
+            "'metadata': {'name': 'j'}, 'spec': {'model': {'source': 'org/name'}}}); "
+            "assert job.spec.model.hub_id == 'org/name' and ready_file(job); "
+            "assert 'huggingface_hub' not in sys.modules, 'huggingface_hub imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
 def test_a_hub_job_takes_a_revision_and_a_token_secret():
     model = parse_manifest(manifest(source="Qwen/Qwen2.5-0.5B-Instruct", revision="v1.0",
                                     hubTokenSecret={"name": "hf", "key": "token"})).spec.model
