@@ -59,7 +59,7 @@ def export(checkpoint: Path, job, out: Path, *, merge: bool = False) -> str:
         raise ExportError("--merge merges a LoRA adapter, and this checkpoint holds the whole "
                           "model: export it without --merge")
     step = json.loads((checkpoint / "state.json").read_text())["step"]
-    tokenizer = load_tokenizer(model_spec.source)
+    tokenizer = load_tokenizer(model_spec.source, model_spec.revision)
     dtype = getattr(torch, model_spec.dtype)
     out.mkdir(parents=True, exist_ok=True)
     if adapter and not merge:

@@ -156,3 +156,30 @@ def test_what_cannot_be_exported_is_refused_saying_why(tmp_path):
     (tmp_path / "taken" / "file").write_text("")
     with pytest.raises(ExportError, match="not empty"):
         write_export(checkpoint_of(run_dir, 2), rljob, tmp_path / "taken")
+
+
+def test_a_hub_model_at_a_revision_exports_offline_from_the_cache(tmp_path, monkeypatch):
+    """model.revision names the snapshot: with the Hub off, export finds the model's tokenizer
+    at that revision in the cache (there is no main to fall back on)."""
+    from asyncrl.model.hub import download
+    from support.hub import HubStandIn, point_huggingface_hub_at, write_tiny_hub_model
+
+    repo, cache = "tiny-org/tiny-chat", tmp_path / "hf"
+    with HubStandIn() as hub:
+        hub.add_model(repo, write_tiny_hub_model(tmp_path / "repo"), revisions=("v1",))
+        point_huggingface_hub_at(monkeypatch, hub, cache)
+        download(repo, "v1")
+    point_huggingface_hub_at(monkeypatch, None, cache, offline=True)
+    manifest = {"apiVersion": "asyncrl.io/v1alpha1", "kind": "RLJob",
+                "metadata": {"name": "exported"},
+                "spec": {"model": {"source": repo, "revision": "v1"}}}
+    rljob = parse_manifest(manifest)
+    run_dir = tmp_path / "run"
+    model, tokenizer = load_policy(rljob.spec.model)
+    save_checkpoint(model, model.state_dict(), {"state": {}, "param_groups": []}, run_dir,
+                    TrainerState(1, 1), files=ModelFiles.of(rljob, model, tokenizer))
+
+    write_export(checkpoint_of(run_dir, None), rljob, tmp_path / "out")
+    exported = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert exported("12 + 30 =").input_ids == tokenizer("12 + 30 =").input_ids
+    assert card_header(tmp_path / "out")["base_model"] == repo
