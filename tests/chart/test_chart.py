@@ -138,7 +138,8 @@ def test_operator_deployment_runs_the_leader_elected_operator_with_the_values(he
     objects = render(helm, "operator.replicas=2", "jobs.image.tag=v9",
                      "jobs.gpuImage.repository=registry.example/asyncrl-cuda",
                      "jobs.runVolume.storageClass=nfs", "networkPolicies.enabled=false",
-                     "rewardSandbox.seccompProfile=Localhost:profiles/sandbox.json")
+                     "rewardSandbox.seccompProfile=Localhost:profiles/sandbox.json",
+                     "jobs.hubEndpoint=https://hf-mirror.example")
     (deployment,) = by_kind(objects)["Deployment"]
     assert deployment["spec"]["replicas"] == 2
     pod = deployment["spec"]["template"]
@@ -156,6 +157,8 @@ def test_operator_deployment_runs_the_leader_elected_operator_with_the_values(he
     assert json.loads(env["ASYNCRL_GPU_TOLERATIONS"]) == [
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert "POD_NAMESPACE" in env  # the Lease lives in the operator's own namespace
+    # Jobs' Hub models come from the mirror (the fetch-model init containers' HF_ENDPOINT).
+    assert env["HF_ENDPOINT"] == "https://hf-mirror.example"
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
 
@@ -169,6 +172,7 @@ def test_default_job_images_are_the_operators_defaults(helm):
     defaults = OperatorConfig()
     assert env["ASYNCRL_IMAGE"] == defaults.image
     assert env["ASYNCRL_GPU_IMAGE"] == defaults.gpu_image
+    assert "HF_ENDPOINT" not in env  # huggingface_hub's own default
     tagged = by_kind(render(helm, "jobs.gpuImage.tag=v9-cu130"))["Deployment"][0]
     env = {e["name"]: e.get("value")
            for e in tagged["spec"]["template"]["spec"]["containers"][0]["env"]}
@@ -184,7 +188,8 @@ def test_every_setting_the_chart_passes_is_an_operator_option(helm):
 
     command = typer.main.get_command(app).commands["operator"]
     read = {param.envvar for param in command.params if param.envvar}
-    (deployment,) = by_kind(render(helm, "jobs.runVolume.storageClass=nfs"))["Deployment"]
+    (deployment,) = by_kind(render(helm, "jobs.runVolume.storageClass=nfs",
+                                   "jobs.hubEndpoint=https://hf-mirror.example"))["Deployment"]
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     passed = {e["name"] for e in container["env"]}
     # POD_NAME names the leader-election identity (operator/leader.py); HOME is the pod's /tmp.
@@ -206,6 +211,7 @@ def test_dashboard_config_map_carries_the_sidecar_label_and_the_json(helm):
     ("jobs.runVolume.size=lots", "/jobs/runVolume/size"),
     ("jobs.gpuImage.repo=example.org/asyncrl", "additional properties 'repo' not allowed"),
     ("jobs.gpuImages.tag=v1", "additional properties 'gpuImages' not allowed"),
+    ("jobs.hubEndpoint=hf-mirror.example", "/jobs/hubEndpoint"),
 ])
 def test_bad_values_are_refused_naming_the_key(helm, setting, message):
     out = subprocess.run([helm, "template", "rel", str(CHART), "--set", setting],
