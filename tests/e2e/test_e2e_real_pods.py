@@ -6,12 +6,15 @@ trainer pod and the Redis pod deleted mid-run, `kubectl scale`, suspend and resu
 reads what the job wrote (metrics.jsonl, Redis' append-only file) after the fact.
 
 The tests run in file order on one job: each starts where the previous one left it. The last
-two run short jobs of their own: Megatron-Core training on prompts from the user's own JSONL
-files, on a claim of theirs that the pods mount read-only, and an episode job whose episode
-function comes from such a claim."""
+ones run short jobs of their own: Megatron-Core training on prompts from the user's own JSONL
+files, on a claim of theirs that the pods mount read-only, an episode job whose episode
+function comes from such a claim, and jobs whose model is a Hub id, downloaded in the trainer
+pod from a Hub stand-in on this machine (the chart's jobs.hubEndpoint points the operator at
+it)."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 import signal
@@ -26,9 +29,14 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from asyncrl.model.hub import ALLOW_PATTERNS
+from asyncrl.operator.builders.common import RUN_DIR
+from asyncrl.operator.builders.model import FETCH_CONTAINER, WAIT_CONTAINER, ready_file
+from asyncrl.spec import parse_manifest
 from support import ROOT
 from support.buffer import group_fates
 from support.episodes import TWO_TURNS
+from support.hub import HubStandIn, write_tiny_hub_model
 from support.dashboard import expressions, load_dashboard, substitute
 from support.ports import free_port
 from support.prometheus import READY, Prometheus, prometheus_binary, stop, tail
@@ -45,6 +53,10 @@ from support.real_pods import (
 
 # The last test waits for the whole job: longer than the suite's default timeout.
 pytestmark = [pytest.mark.real_node, pytest.mark.timeout(1800)]
+
+#: The Hub stand-in's model: the tiny model, gated (its files need HUB_TOKEN).
+HUB_REPO = "tiny-org/tiny-chat"
+HUB_TOKEN = "hf_e2e_stand_in_token"
 
 
 class Job:
@@ -186,8 +198,19 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def installed(real_node):
-    """The chart installed with the images built here; the operator runs in a pod."""
+def hub(real_node, tmp_path_factory):
+    """A stand-in for the Hugging Face Hub (support.hub) on the node's address, which pods
+    reach the host at, serving the tiny model as HUB_REPO, gated by HUB_TOKEN."""
+    folder = write_tiny_hub_model(tmp_path_factory.mktemp("hub-model"))
+    with HubStandIn(host=real_node.plane.node_ip) as server:
+        server.add_model(HUB_REPO, folder, gated_token=HUB_TOKEN)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def installed(real_node, hub):
+    """The chart installed with the images built here; the operator runs in a pod, its jobs'
+    Hub models come from the stand-in (jobs.hubEndpoint)."""
     built = images()
     for tar in (built["operator"][1], built["service"][1], base_image("redis")):
         real_node.import_image(tar)
@@ -204,6 +227,7 @@ def installed(real_node):
         "--set", f"jobs.image.repository={service_repo}",
         "--set", f"jobs.image.tag={service_tag}",
         "--set", "jobs.redis.image=asyncrl.local/redis:bookworm",
+        "--set", f"jobs.hubEndpoint={hub.url}",
     ], check=True, capture_output=True, text=True)
     yield real_node
     subprocess.run([*helm, "uninstall", RELEASE, "--namespace", OPERATOR_NAMESPACE,
@@ -547,4 +571,100 @@ def test_an_episode_job_runs_the_users_code_from_their_claim_to_succeeded(instal
         assert policy.spec.policy_types == ["Egress"]
     finally:
         installed.kubectl("delete", "namespace", episode_job.namespace, "--wait=false",
+                          check=False)
+
+
+def hub_model(source: str, token_secret: str | None = None):
+    """A change for start_job: a two-step job on the Hub model `source`."""
+    def change(manifest: dict) -> None:
+        manifest["spec"]["algorithm"]["maxSteps"] = 2
+        manifest["spec"]["model"] = {"source": source}
+        if token_secret:
+            manifest["spec"]["model"]["hubTokenSecret"] = {"name": token_secret, "key": "token"}
+    return change
+
+
+def init_container_state(pod, name: str) -> dict:
+    """The state of the pod's init container `name` as the API shows it ({} before any)."""
+    status = next((c for c in pod.status.init_container_statuses or [] if c.name == name), None)
+    return status.state.to_dict() if status else {}
+
+
+def test_a_hub_model_is_downloaded_once_by_the_trainer_pod_and_the_job_succeeds(
+        installed, hub, tmp_path_factory):
+    # model.source a Hub id of a gated model, the token in the Secret hubTokenSecret names;
+    # the trainer pod's fetch-model init container downloads it into the run volume (from the
+    # stand-in: the operator's HF_ENDPOINT), the rollout pod's wait-for-model waits for its
+    # ready file, and both load it from there with the Hub off.
+    volumes = tmp_path_factory.mktemp("hub-job")
+    change = hub_model(HUB_REPO, token_secret="hf-token")
+    hub_job = start_job(installed, volumes, change)
+    hub_job.max_steps = 2
+    repo = hub.repos[HUB_REPO]
+    try:
+        # The token's Secret is created after the job, as a user may: until then the trainer
+        # pod's download cannot start, and the rollout pod waits.
+        def rollout_waiting() -> bool:
+            return any("waiting for the trainer pods to download the model" in
+                       installed.kubectl("-n", hub_job.namespace, "logs", pod.metadata.name,
+                                         "-c", WAIT_CONTAINER, check=False).stdout
+                       for pod in hub_job.pods("rollout"))
+
+        wait_for(rollout_waiting, 300, "the rollout pod to wait for the model",
+                 hub_job.describe)
+
+        def fetch_blocked() -> bool:
+            return [(init_container_state(pod, FETCH_CONTAINER).get("waiting") or {}).get(
+                "reason") for pod in hub_job.pods("trainer")] == ["CreateContainerConfigError"]
+
+        wait_for(fetch_blocked, 120, "the trainer pod's download to wait for its Secret",
+                 hub_job.describe)
+        assert repo.downloads == []
+        installed.kubectl("-n", hub_job.namespace, "create", "secret", "generic", "hf-token",
+                          f"--from-literal=token={HUB_TOKEN}")
+
+        wait_for(lambda: hub_job.status().get("phase") in ("Succeeded", "Failed"), 600,
+                 "Succeeded", hub_job.describe)
+        assert hub_job.status()["phase"] == "Succeeded", hub_job.describe()
+        assert hub_job.steps_recorded() == [1, 2]
+        # Downloaded once, by the trainer pod: each file a job loads, and nothing else of the
+        # repository (another format, a pickle).
+        wanted = sorted(name for name in repo.files
+                        if any(fnmatch.fnmatch(name, pattern) for pattern in ALLOW_PATTERNS))
+        assert sorted(repo.downloads) == wanted, repo.downloads
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(wanted)
+        # The ready file the rollout pod waited for names the snapshot on the run volume.
+        spec = manifest(hub_job.namespace)
+        change(spec)
+        ready = ready_file(parse_manifest(spec))
+        snapshot = Path((hub_job.run_dir / Path(ready).relative_to(RUN_DIR)).read_text().strip())
+        on_host = hub_job.run_dir / snapshot.relative_to(RUN_DIR)
+        assert snapshot.name == repo.refs["main"]
+        assert sorted(p.name for p in on_host.iterdir()) == sorted(wanted)
+        # The trainer's last checkpoint, a model folder, is on the run volume.
+        checkpoint = hub_job.run_dir / "checkpoints" / "step-000002"
+        assert {"model.safetensors", "config.json", "state.json"} <= {
+            p.name for p in checkpoint.iterdir()}, sorted(checkpoint.iterdir())
+    finally:
+        installed.kubectl("delete", "namespace", hub_job.namespace, "--wait=false",
+                          check=False)
+
+
+def test_a_hub_id_the_hub_does_not_know_fails_the_job_saying_why(installed, hub,
+                                                                  tmp_path_factory):
+    volumes = tmp_path_factory.mktemp("hub-missing")
+    missing = start_job(installed, volumes, hub_model("tiny-org/no-such-model"))
+    try:
+        wait_for(lambda: missing.status().get("phase") in ("Failed", "Succeeded"), 300,
+                 "Failed", missing.describe)
+        assert missing.status()["phase"] == "Failed", missing.describe()
+        failed = missing.condition("Failed")
+        assert failed["status"] == "True" and failed["reason"] == "ModelDownloadFailed", failed
+        # The download's own one-line error, from the pod's termination message.
+        assert failed["message"].startswith(
+            f"downloading the model failed: model.source 'tiny-org/no-such-model': no such "
+            f"model on the Hub ({hub.url})"), failed["message"]
+        assert not (missing.run_dir / "metrics.jsonl").exists()
+    finally:
+        installed.kubectl("delete", "namespace", missing.namespace, "--wait=false",
                           check=False)

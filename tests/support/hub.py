@@ -14,6 +14,9 @@ through the real client without the internet.
 Errors carry the X-Error-Code huggingface_hub turns into its exceptions: RepoNotFound (404),
 RevisionNotFound (404), EntryNotFound (404), GatedRepo (401 without a token, 403 with a wrong
 one; a gated repository's metadata stays public, as on the Hub). Set HF_ENDPOINT to `url`.
+
+`HubStandIn(host=...)` serves on another address than loopback: pods on the real node reach
+the host at its IP (tests/e2e).
 """
 
 from __future__ import annotations
@@ -53,11 +56,11 @@ class HubStandIn:
     """`with HubStandIn() as hub: hub.add_model("org/name", folder)`; `hub.url` is the
     endpoint. `stop()` closes the socket (a Hub that cannot be reached)."""
 
-    def __init__(self):
+    def __init__(self, host: str = "127.0.0.1"):
         self.repos: dict[str, HubRepo] = {}
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self._server = ThreadingHTTPServer((host, 0), _handler(self))
         self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self.url = f"http://{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     def add_model(self, repo_id: str, folder: Path, *, revisions: tuple[str, ...] = ("main",),
