@@ -358,7 +358,7 @@ def data_preview(
         raise typer.Exit(code=2)
     job = _load_or_exit(file)
     console = Console()
-    tokenizer = load_tokenizer(job.spec.model.source)
+    tokenizer = load_tokenizer(job.spec.model.source, job.spec.model.revision)
     try:
         train, held_out = build_prompts(job.spec, tokenizer)
         prompts = train if split == "train" else held_out
@@ -686,7 +686,7 @@ def evaluate(
         resolved = [resolve_model(text, spec.model) for text in models]
         if prompts is not None:
             spec = prompts_file_spec(spec, prompts)
-        tokenizer = load_tokenizer(spec.model.source)
+        tokenizer = load_tokenizer(spec.model.source, spec.model.revision)
         items = held_out_prompts(spec, tokenizer, limit or (None if prompts is None else 10**9))
     except (DevicesError, ModelArgumentError, DatasetError) as exc:
         console.print(str(exc), style="red", markup=False, soft_wrap=True)
