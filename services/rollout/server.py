@@ -29,7 +29,8 @@ from asyncrl.model.policy import load_policy, load_tokenizer, model_directory
 from asyncrl.platform.outage import Outage, OutageTooLong, connect, redis_address
 from asyncrl.data.prompt_order import PromptOrder
 from asyncrl.data.prompts import build_prompts, rollout_sequence_length
-from asyncrl.clients.reward import PromptScorer, reward_scorer
+from asyncrl.clients.reward import reward_scorer
+from asyncrl.evaluation import job_scorer
 from asyncrl.engine.kv_cache import slot_bytes, slots_that_fit
 from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.engine.api import InferenceEngine, TorchInferenceEngine
@@ -286,8 +287,7 @@ def _workflow_factory(settings: RolloutSettings, job, tokenizer, train, metrics,
         else:
             source = SingleTurnGroups(
                 generator=EngineGenerator(engine, metrics),
-                scorer=PromptScorer(reward, tokenizer,
-                                    truncated_reward=spec.reward.truncated_reward),
+                scorer=job_scorer(reward, spec, tokenizer),
                 group_size=spec.algorithm.group_size,
                 params=SamplingParams.from_spec(spec),
             )
