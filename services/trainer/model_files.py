@@ -15,7 +15,8 @@ from pathlib import Path
 
 from transformers import GenerationConfig
 
-from asyncrl.model.policy import SMOLLM2, TINY_RANDOM
+from asyncrl.model.hub import hub_model
+from asyncrl.model.policy import SMOLLM2
 
 #: The Hub model the builtin SmolLM2 is (converted from its GGUF release).
 _BUILTIN_HUB_IDS = {SMOLLM2: "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -83,10 +84,7 @@ def model_card(job: str, source: str, step: int, *, adapter: bool, merged: bool 
 
 
 def hub_id(source: str) -> str | None:
-    """The Hub id a card names as its base model: the builtin's, or a source that is one
-    (org/name, not a folder here); None for the tiny random model and local folders."""
-    if source in _BUILTIN_HUB_IDS:
-        return _BUILTIN_HUB_IDS[source]
-    if source == TINY_RANDOM or Path(source).expanduser().exists() or source.count("/") != 1:
-        return None
-    return source
+    """The Hub id a card names as its base model: the builtin's, or the Hub model `source`
+    names on this machine (asyncrl.model.hub.hub_model); None for the tiny random model and
+    local folders."""
+    return _BUILTIN_HUB_IDS.get(source) or hub_model(source)
