@@ -25,6 +25,7 @@ import torch
 
 from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.model.shapes import parameter_count, random_model
+from asyncrl.platform.devices import make_current
 from rollout_engine import long_tail_lengths
 from rollout_engine import run_engine as run
 
@@ -87,9 +88,7 @@ def generate_seconds(model, inputs, lengths, batch: int, device) -> float:
 
 
 def measure(args) -> None:
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = make_current(args.device)
     shape = args.shape or "qwen2.5-0.5b"
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     model = random_model(shape, device, dtype)

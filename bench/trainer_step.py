@@ -54,7 +54,7 @@ import time
 import torch
 
 from asyncrl.algorithms.packing import pack_sequences, pack_sharing_prefixes
-from asyncrl.platform.devices import native_bf16, use_planless_attention
+from asyncrl.platform.devices import make_current, native_bf16
 from asyncrl.model.policy import SMOLLM2, load_model, packed_token_logprobs
 from asyncrl.model.packed_attention import PACKED_SDPA
 from asyncrl.model.lora import trained_model, with_adapter
@@ -102,9 +102,7 @@ def main() -> None:
     if args.micro_batch_max_tokens is None:
         args.micro_batch_max_tokens = MICRO_BATCH_TOKENS[args.device]
 
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        use_planless_attention()  # as every CUDA service process (select_device)
+    device = make_current(args.device)  # as every CUDA service process (select_device)
     if args.lora:
         lora_report(device, args)
         return

@@ -46,10 +46,29 @@ def select_device(gpus_requested: int, local_rank: int = 0) -> torch.device:
             "visible; run at most one process per GPU (trainer.processesPerReplica <= "
             "trainer.placement.gpus)"
         )
-    device = torch.device("cuda", local_rank)
-    torch.cuda.set_device(device)  # the current device, which NCCL and FSDP use
-    use_planless_attention()
+    device = make_current(torch.device("cuda", local_rank))
     log.info("device: %s (%s)", device, torch.cuda.get_device_name(device))
+    return device
+
+
+def with_index(device: torch.device | str) -> torch.device:
+    """`device` with its index: a bare `cuda` names the current CUDA device, as tensors placed
+    on it do; other devices unchanged. `torch.cuda.set_device` refuses a device without one
+    (PyTorch 2.11 and later)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def make_current(device: torch.device | str) -> torch.device:
+    """`device` with its index; a CUDA device is made the current one (which NCCL, FSDP and
+    tensors placed on a bare `cuda` use) and keeps attention off cuDNN
+    (use_planless_attention)."""
+    device = with_index(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index)
+        use_planless_attention()
     return device
 
 

@@ -5,17 +5,26 @@ The GPU branches are exercised on a CPU-only machine by pretending CUDA is avail
 import pytest
 import torch
 
-from asyncrl.platform.devices import distributed_backend, local_rank, select_device
+from torch.cuda._utils import _get_device_index
+
+from asyncrl.platform.devices import (distributed_backend, local_rank, make_current,
+                                      select_device, with_index)
 
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
+    """CUDA with two GPUs, GPU 1 current; records the indices made current. Its set_device
+    reads its argument as torch's does, refusing a device without an index."""
     current = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
-    monkeypatch.setattr(torch.cuda, "set_device", current.append)
-    return current
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda device: current.append(_get_device_index(device)))
+    cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()
+    yield current
+    torch.backends.cuda.enable_cudnn_sdp(cudnn_attention)
 
 
 def test_no_gpus_requested_is_cpu_even_with_cuda(fake_cuda):
@@ -27,7 +36,24 @@ def test_no_gpus_requested_is_cpu_even_with_cuda(fake_cuda):
 def test_gpus_requested_with_cuda_is_the_local_ranks_gpu_made_current(fake_cuda):
     assert select_device(1) == torch.device("cuda", 0)
     assert select_device(2, local_rank=1) == torch.device("cuda", 1)
-    assert fake_cuda == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert fake_cuda == [0, 1]
+
+
+def test_a_bare_cuda_device_is_made_current_by_its_index(fake_cuda):
+    # As a bench's --device cuda: torch.cuda.set_device(torch.device("cuda")) raises.
+    with pytest.raises(ValueError, match="specified index"):
+        torch.cuda.set_device(torch.device("cuda"))
+    assert make_current("cuda") == torch.device("cuda", 1)
+    assert make_current(torch.device("cuda", 0)) == torch.device("cuda", 0)
+    assert fake_cuda == [1, 0]
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_other_devices_are_unchanged_and_not_made_current(fake_cuda):
+    assert with_index("cpu") == torch.device("cpu")
+    assert make_current("cpu") == torch.device("cpu")
+    assert with_index("cuda:0") == torch.device("cuda", 0)
+    assert fake_cuda == []
 
 
 def test_more_processes_than_gpus_is_refused_with_the_fix(fake_cuda):
