@@ -1,7 +1,18 @@
+import random
+
 import pytest
+import torch
 
 from asyncrl.platform.redis_server import RedisServer
 from support.servers import LoopThread
+
+
+@pytest.fixture(autouse=True)
+def seeded_randomness():
+    """Every test starts from the same global random state, whatever ran before it: a test
+    that draws inputs without its own generator gets the same inputs in every run."""
+    random.seed(0)
+    torch.manual_seed(0)
 
 
 @pytest.fixture(scope="module")

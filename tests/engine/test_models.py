@@ -93,11 +93,14 @@ def test_recomputed_logits_and_checkpointed_layers_give_the_same_logprobs_and_gr
     import asyncrl.model.recompute as recompute
 
     monkeypatch.setattr(recompute, "LOGIT_ROWS", 4)
-    sequences = [torch.randint(0, 300, (n,)) for n in (7, 2, 11, 4)]
+    # Seeded: the order blocks add gradients in differs, so some inputs land nearer the
+    # tolerance than others; these are the same in every run.
+    generator = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(0, 300, (n,), generator=generator) for n in (7, 2, 11, 4)]
     ids = torch.cat(sequences)
     positions = torch.cat([torch.arange(s.numel()) for s in sequences])
     cu_seqlens = torch.tensor([0, 7, 9, 20, 24])
-    needed = torch.rand(24, generator=torch.Generator().manual_seed(1)) < 0.7
+    needed = torch.rand(24, generator=generator) < 0.7
     results = []
     for recomputed in (False, True):
         model = use_packed_attention(tiny_model(vocab_size=300)).eval()
