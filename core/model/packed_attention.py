@@ -13,16 +13,21 @@ sharing prefixes, asyncrl.algorithms.packing), a sequence that continues another
 all of that one first.
 
 On a GPU one SDPA call per sequence per layer is thousands of kernel launches a forward, more
-host time than the GPU's work. There the row's sequences go as a few padded batches instead
-(`BatchedLayout`, built once per forward and given to every layer as `packed_layout`):
-sequences of about one length in one batch, each row's queries its own tokens, its keys those
-of the sequence it continues and its own, and a mask saying which it sees. The same result
-(tests compare it with the loop on a CPU); a few gathers and one SDPA call per batch a layer.
-Padding costs a batch at most twice its queries' work.
+host time than the GPU's work. There the row goes to PyTorch's variable-length flash attention
+in one call a layer (`VarlenLayout`, built once per forward and given to every layer as
+`packed_layout`): the row's own queries, keys and values, with no padding. Where that kernel
+is missing or does not take the dtype, the row's sequences go as a few padded batches
+(`BatchedLayout`): sequences of about one length in one batch, each row's queries its own
+tokens, its keys those of the sequence it continues and its own, and a mask saying which it
+sees; a few gathers and one SDPA call per batch a layer, padding costing a batch at most twice
+its queries' work. The same result either way (tests compare both with the loop on a CPU).
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +35,10 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from asyncrl.model.varlen_attention import FLASH_DTYPES, installed_kernel, varlen_call
+
+log = logging.getLogger(__name__)
 
 PACKED_SDPA = "asyncrl_packed_sdpa"
 
@@ -159,16 +168,103 @@ class BatchedLayout:
         return torch.cat(outputs)[self.placed][None]
 
 
-#: Devices whose packed forwards attend in batches (BatchedLayout): where a kernel launch costs
-#: more than its work. On a CPU the loop over sequences is faster (no padding).
+@dataclass
+class VarlenLayout:
+    """A packed row as the flash kernel's variable-length attention takes it
+    (asyncrl.model.varlen_attention): queries are the row itself, with no gather or scatter;
+    a sequence that continues another has for keys that one's tokens then its own (one gather
+    of the keys and values, none without sharing). Causal from the last key, so each query sees
+    all of the sequence it continues, then its own tokens up to itself. Dtypes or dropout the
+    kernel does not take, and a kernel that fails, go to a BatchedLayout of the same row."""
+
+    edges: list[int]
+    continues: list[int] | None
+    cu_seq_q: torch.Tensor  # int32 [N + 1]
+    cu_seq_k: torch.Tensor  # int32 [N + 1]
+    max_q: int
+    max_k: int
+    key_positions: torch.Tensor | None  # [Tk]: the row positions of the keys; None: the row
+    kernel: Callable | None  # None: this PyTorch's varlen_attn
+    _batched: BatchedLayout | None = None
+
+    @classmethod
+    def build(cls, edges: list[int], continues: list[int] | None, device: torch.device | str,
+              kernel: Callable | None = None) -> VarlenLayout:
+        count = len(edges) - 1
+        parents = continues or [-1] * count
+        lengths = [edges[s + 1] - edges[s] for s in range(count)]
+        spans = [(lengths[p] if p >= 0 else 0) + lengths[s] for s, p in enumerate(parents)]
+        cu_seq_q = torch.tensor(edges, dtype=torch.int32)
+        key_positions = None
+        cu_seq_k = cu_seq_q
+        if any(p >= 0 for p in parents):
+            key_positions = torch.cat([
+                torch.cat((torch.arange(edges[p], edges[p + 1]) if p >= 0
+                           else torch.arange(0), torch.arange(edges[s], edges[s + 1])))
+                for s, p in enumerate(parents)])
+            cu_seq_k = torch.tensor([0, *itertools.accumulate(spans)], dtype=torch.int32)
+            key_positions = key_positions.to(device)
+        return cls(edges, continues, cu_seq_q.to(device), cu_seq_k.to(device),
+                   max(lengths, default=0), max(spans, default=0), key_positions, kernel)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               dropout: float, scaling: float | None) -> torch.Tensor:
+        """query [1, heads, L, dim], key/value [1, kv_heads, L, dim] -> [1, L, heads, dim]."""
+        global _varlen_failed
+        kernel = self.kernel or installed_kernel()
+        device = query.device.type
+        if torch.is_autocast_enabled(device):
+            # As autocast would have given SDPA: the flash kernel takes no float32.
+            dtype = torch.get_autocast_dtype(device)
+            query, key, value = (t.to(dtype) for t in (query, key, value))
+        takes = self.kernel is not None or query.dtype in FLASH_DTYPES
+        if dropout or not takes or kernel is None or _varlen_failed:
+            return self.batched().attend(query, key, value, dropout, scaling)
+        # [1, heads, L, dim] -> [L, heads, dim]: the projections' own layout, a view.
+        queries, keys, values = (t[0].transpose(0, 1) for t in (query, key, value))
+        if self.key_positions is not None:
+            keys, values = (t.index_select(0, self.key_positions) for t in (keys, values))
+        try:
+            attended = varlen_call(kernel, queries, keys, values, self.cu_seq_q,
+                                   self.cu_seq_k, self.max_q, self.max_k, scaling)
+        except RuntimeError as error:
+            if self.kernel is not None:
+                raise
+            _varlen_failed = True
+            log.warning("variable-length attention failed (%s): attending in padded batches "
+                        "from now on", error)
+            return self.batched().attend(query, key, value, dropout, scaling)
+        return attended[None]
+
+    def batched(self) -> BatchedLayout:
+        if self._batched is None:
+            self._batched = BatchedLayout.build(self.edges, self.continues,
+                                                self.cu_seq_q.device)
+        return self._batched
+
+
+#: Set when this PyTorch's varlen kernel failed once: the process then attends in batches.
+_varlen_failed = False
+
+#: Devices whose packed forwards attend by variable-length attention (VarlenLayout), where
+#: PyTorch has the kernel; `VARLEN_KERNEL` None is that kernel (tests give a reference).
+VARLEN_DEVICES = ("cuda",)
+VARLEN_KERNEL: Callable | None = None
+
+#: Devices whose packed forwards attend in batches (BatchedLayout) otherwise: where a kernel
+#: launch costs more than its work. On a CPU the loop over sequences is faster (no padding).
 BATCHED_DEVICES = ("cuda",)
 
 
-def batched_layout(edges: list[int], continues: list[int] | None,
-                   device: torch.device) -> BatchedLayout | None:
+def packed_layout(edges: list[int], continues: list[int] | None,
+                  device: torch.device) -> VarlenLayout | BatchedLayout | None:
     """The layout a packed forward on `device` gives its layers, or None (the loop)."""
-    return BatchedLayout.build(edges, continues, device) if device.type in BATCHED_DEVICES \
-        else None
+    if device.type in VARLEN_DEVICES and (VARLEN_KERNEL or installed_kernel()) is not None \
+            and not _varlen_failed:
+        return VarlenLayout.build(edges, continues, device, VARLEN_KERNEL)
+    if device.type in BATCHED_DEVICES:
+        return BatchedLayout.build(edges, continues, device)
+    return None
 
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)

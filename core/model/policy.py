@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from asyncrl.model.hub import download, hub_model
-from asyncrl.model.packed_attention import PACKED_SDPA, batched_layout
+from asyncrl.model.packed_attention import PACKED_SDPA, packed_layout
 from asyncrl.model.recompute import entropy_of_logits, head_logprobs
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -315,7 +315,7 @@ def packed_token_logprobs(
     if continues is not None:
         packing["continues"] = continues.tolist()
     if model.config._attn_implementation == PACKED_SDPA:
-        layout = batched_layout(edges, packing.get("continues"), input_ids.device)
+        layout = packed_layout(edges, packing.get("continues"), input_ids.device)
         if layout is not None:
             packing["packed_layout"] = layout
     if recompute_logits:
