@@ -146,30 +146,37 @@ def gpu_report(model: torch.nn.Module, name: str, samples: list[TrainSample], ar
     weights_grads_adam = parameters * 4 * 4 / 2**30
     print(f"{name} ({parameters / 1e6:.0f}M parameters, vocabulary {model.config.vocab_size}) "
           f"on {torch.cuda.get_device_name()}, {dtype} "
-          f"{'autocast' if args.bf16 else ''}; batch {args.sequences} x ({args.prompt} prompt + "
+          f"{'(bf16 weights, float32 masters)' if args.bf16 else ''}; "
+          f"batch {args.sequences} x ({args.prompt} prompt + "
           f"{args.response} response) tokens in groups of {args.group_size} sharing a prompt: "
           f"{through} tokens through the model; micro-batches of at most "
           f"{args.micro_batch_max_tokens} tokens; MFU against {args.peak_tflops:.0f} TFLOP/s")
     print(f"fp32 weights + gradients + AdamW's two moments: {weights_grads_adam:.2f} GiB")
     results = {}
-    for blocks in (True, False):
-        label = "logits in blocks" if blocks else "logits whole"
+    runs = [(True, None), (False, None)] + ([(True, False)] if args.bf16 else [])
+    for blocks, compute_weights in runs:
+        label = ("logits in blocks" if blocks else "logits whole") + (
+            ", autocast over float32 weights" if compute_weights is False else "")
         try:
-            seconds, peak = gpu_steps(model, samples, dtype, blocks, args)
+            seconds, peak = gpu_steps(model, samples, dtype, blocks, args, compute_weights)
         except torch.cuda.OutOfMemoryError:
             print(f"trainer step, {label}: out of GPU memory")
             continue
         finally:
             gc.collect()
             torch.cuda.empty_cache()
-        results[blocks] = seconds, peak
+        results[blocks, compute_weights] = seconds, peak
         mfu = 6 * parameters * through / seconds / (args.peak_tflops * 1e12)
         print(f"trainer step, {label}: {seconds:.3f} s, {through / seconds:,.0f} tokens/s "
               f"through the model, MFU {mfu:.1%}, peak GPU memory {peak / 2**30:.2f} GiB")
-    if len(results) == 2:
-        (fast, fast_peak), (slow, slow_peak) = results[True], results[False]
+    if (True, None) in results and (False, None) in results:
+        (fast, fast_peak), (slow, slow_peak) = results[True, None], results[False, None]
         print(f"logits in blocks / whole: step speed {slow / fast:.2f}x, peak memory "
               f"{fast_peak / slow_peak:.2f}x")
+    if (True, None) in results and (True, False) in results:
+        (fast, fast_peak), (slow, slow_peak) = results[True, None], results[True, False]
+        print(f"bf16 weights / autocast over float32 weights: step speed {slow / fast:.2f}x, "
+              f"peak memory {fast_peak / slow_peak:.2f}x")
     if args.profile:
         from profile_summary import profile_summary
 
@@ -178,19 +185,23 @@ def gpu_report(model: torch.nn.Module, name: str, samples: list[TrainSample], ar
         print(profile_summary(lambda: updater.step(samples), "one trainer step"))
 
 
-def gpu_updater(model, dtype: str, blocks: bool, args) -> PolicyUpdater:
+def gpu_updater(model, dtype: str, blocks: bool, args,
+                compute_weights: bool | None = None) -> PolicyUpdater:
     """The trainer's step as the GPU report times and profiles it: fused AdamW, the
-    micro-batches of --micro-batch-max-tokens, the logits in blocks or whole."""
+    micro-batches of --micro-batch-max-tokens, the logits in blocks or whole; in bf16 the
+    passes compute with bf16 copies of the weights (compute_weights False: autocast over
+    the float32 weights instead)."""
     return PolicyUpdater(
         model, torch.optim.AdamW(model.parameters(), lr=1e-6, **fused_adamw(model)),
         UpdateConfig(micro_batch_max_tokens=args.micro_batch_max_tokens, compute_dtype=dtype,
-                     logits_in_blocks=blocks))
+                     logits_in_blocks=blocks, compute_weights=compute_weights))
 
 
-def gpu_steps(model, samples, dtype: str, blocks: bool, args) -> tuple[float, int]:
+def gpu_steps(model, samples, dtype: str, blocks: bool, args,
+              compute_weights: bool | None = None) -> tuple[float, int]:
     """Median step time over --repeats steps after one warm-up, and the peak GPU memory
     allocated during them (model, gradients and optimizer state included)."""
-    updater = gpu_updater(model, dtype, blocks, args)
+    updater = gpu_updater(model, dtype, blocks, args, compute_weights)
     try:
         return timed_steps_on(updater, samples, args.repeats)
     finally:

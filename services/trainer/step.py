@@ -44,6 +44,7 @@ from asyncrl.model.lora import adapter_dropout
 from asyncrl.model.policy import RECOMPUTED_HEADS, load_policy, packed_token_logprobs
 from asyncrl.model.packed_attention import use_packed_attention
 from asyncrl.model.recompute import checkpoint_decoder_layers
+from asyncrl.trainer.compute_weights import ComputeWeights
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,10 @@ class UpdateConfig:
     temperature: float = 1.0
     micro_batch_max_tokens: int = 4096
     compute_dtype: str = "float32"  # bfloat16: forward passes under bf16 autocast; auto
+    # Parameters in the compute dtype for the passes, float32 masters for the optimizer
+    # (asyncrl.trainer.compute_weights). None: on a GPU where the compute dtype is bf16 and
+    # every parameter trains in this process (not FSDP, another backend, or a LoRA adapter).
+    compute_weights: bool | None = None
     activation_checkpointing: bool = False  # recompute the decoder layers in backward
     # The log-probs' logits a block of positions at a time, recomputed in backward, where the
     # model allows it (see PolicyUpdater); False: each micro-batch's logits whole, kept for
@@ -201,6 +206,22 @@ def split_in_order(samples: Sequence[TrainSample], parts: int) -> list[list[Trai
     return runs
 
 
+def _compute_weights(model: torch.nn.Module, config: UpdateConfig,
+                     device: torch.device) -> ComputeWeights | None:
+    """Compute-dtype copies of `model`'s parameters for the passes (config.compute_weights,
+    its compute dtype resolved), or None: autocast casts the float32 weights in each pass.
+    By default on a GPU only: a CPU's rollout engine computes in float32, and bf16 weights
+    would widen the engine/trainer mismatch there."""
+    dtype = _COMPUTE_DTYPES[config.compute_dtype]
+    wanted = config.compute_weights
+    if wanted is None:
+        wanted = (dtype != torch.float32 and device.type == "cuda"
+                  and not hasattr(model, "packed_token_logprobs")  # another backend's model
+                  and not isinstance(model, FSDPModule)
+                  and all(p.requires_grad for p in model.parameters()))  # not an adapter
+    return ComputeWeights(model, dtype) if wanted else None
+
+
 def _split_entropy(output) -> tuple[Tensor, Tensor | None]:
     return output if isinstance(output, tuple) else (output, None)
 
@@ -285,6 +306,7 @@ class PolicyUpdater:
             log.warning("the trainer computes in bfloat16, which this %s emulates: slower than "
                         "float32 here (set trainer.computeDtype: auto or float32)",
                         self.device.type)
+        self._compute_weights = _compute_weights(model, config, self.device)
         # The ranks whose samples make up the global batch (None: all of them); a backend
         # that splits layers across ranks (Megatron's tensor parallel) names its own.
         self.data_group = getattr(model, "data_parallel_group", None)
@@ -348,7 +370,7 @@ class PolicyUpdater:
         proximal = None  # per minibatch, per micro-batch; None: the training forward's
         if passes > 1:
             proximal = []
-            with torch.no_grad(), self._autocast():
+            with torch.no_grad(), self._autocast(), self._computing():
                 for part in minibatches:
                     proximal.append([])
                     for mb in part.micro_batches:
@@ -434,55 +456,57 @@ class PolicyUpdater:
         # wait for the GPU's backward before queueing the next forward.
         names = sorted(("loss", *_TOKEN_MEAN_STATS, *(("kl",) if reference is not None else ())))
         sums = torch.zeros(len(names), dtype=torch.float64, device=self.device)
-        for index, mb in enumerate(part.micro_batches):
-            # The passes that take gradients are the only ones with the adapter's dropout
-            # (model.lora.dropout; the model runs in eval mode, see step).
-            with self._autocast(), adapter_dropout(self.model, True):
-                output = self._logprobs(self.model, mb,
-                                        entropy=diagnostics is not None and self._entropy)
-            logprobs, entropy = _split_entropy(output)
-            if diagnostics is not None:
-                diagnostics.add(mb, logprobs, entropy)
-            mask = mb.fields["loss_mask"]
-            if not config.decoupled:
-                current = mb.fields["behaviour_logprobs"]  # standard PPO: not used
-            elif loglinear:
-                # The current version is the proximal one (see step): exact for every token
-                # older than it, and tokens it generated keep their behaviour log-probs.
-                current = loglinear_proximal_logprobs(
-                    mb.fields["behaviour_logprobs"], logprobs, mb.fields["token_versions"],
-                    proximal_version=version, current_version=version)
-            elif proximal is not None:
-                current = proximal[index]
-            else:
-                current = logprobs.detach()
-            loss, stats = decoupled_ppo_loss(
-                logprobs,
-                current,
-                mb.fields["behaviour_logprobs"],
-                mb.fields["advantages"],
-                mask,
-                clip_eps=config.clip_eps,
-                clip_eps_high=config.clip_eps_high,
-                dual_clip=config.dual_clip,
-                behaviour_weight_cap=config.behaviour_weight_cap,
-                behaviour_cap_mode=config.behaviour_cap_mode,
-                decoupled=config.decoupled,
-                num_global_tokens=global_tokens,
-                correction=config.correction,
-                sequence_ids=_sequence_ids(mb) if config.correction.per_sequence else None,
-                num_sequences=len(mb.cu_seqlens) - 1,
-            )
-            values = {name: stats[name].double() * stats["num_tokens"].double()
-                      for name in _TOKEN_MEAN_STATS}
-            if reference is not None:
-                kl = (kl_penalty(logprobs, reference[index], config.kl_estimator) * mask).sum()
-                loss = loss + config.kl_coef * kl / global_tokens
-                values["kl"] = kl.detach()
-            # FSDP averages the gradients across ranks: scaled, the average is the sum.
-            (loss * self._gradient_scale).backward()
-            values["loss"] = loss.detach()  # already divided by the global token count
-            sums += torch.stack([values[name].double() for name in names])
+        # The gradients come out float32 where the passes compute with copies (ComputeWeights).
+        with self._computing():
+            for index, mb in enumerate(part.micro_batches):
+                # The passes that take gradients are the only ones with the adapter's dropout
+                # (model.lora.dropout; the model runs in eval mode, see step).
+                with self._autocast(), adapter_dropout(self.model, True):
+                    output = self._logprobs(self.model, mb,
+                                            entropy=diagnostics is not None and self._entropy)
+                logprobs, entropy = _split_entropy(output)
+                if diagnostics is not None:
+                    diagnostics.add(mb, logprobs, entropy)
+                mask = mb.fields["loss_mask"]
+                if not config.decoupled:
+                    current = mb.fields["behaviour_logprobs"]  # standard PPO: not used
+                elif loglinear:
+                    # The current version is the proximal one (see step): exact for every token
+                    # older than it, and tokens it generated keep their behaviour log-probs.
+                    current = loglinear_proximal_logprobs(
+                        mb.fields["behaviour_logprobs"], logprobs, mb.fields["token_versions"],
+                        proximal_version=version, current_version=version)
+                elif proximal is not None:
+                    current = proximal[index]
+                else:
+                    current = logprobs.detach()
+                loss, stats = decoupled_ppo_loss(
+                    logprobs,
+                    current,
+                    mb.fields["behaviour_logprobs"],
+                    mb.fields["advantages"],
+                    mask,
+                    clip_eps=config.clip_eps,
+                    clip_eps_high=config.clip_eps_high,
+                    dual_clip=config.dual_clip,
+                    behaviour_weight_cap=config.behaviour_weight_cap,
+                    behaviour_cap_mode=config.behaviour_cap_mode,
+                    decoupled=config.decoupled,
+                    num_global_tokens=global_tokens,
+                    correction=config.correction,
+                    sequence_ids=_sequence_ids(mb) if config.correction.per_sequence else None,
+                    num_sequences=len(mb.cu_seqlens) - 1,
+                )
+                values = {name: stats[name].double() * stats["num_tokens"].double()
+                          for name in _TOKEN_MEAN_STATS}
+                if reference is not None:
+                    kl = (kl_penalty(logprobs, reference[index], config.kl_estimator) * mask).sum()
+                    loss = loss + config.kl_coef * kl / global_tokens
+                    values["kl"] = kl.detach()
+                # FSDP averages the gradients across ranks: scaled, the average is the sum.
+                (loss * self._gradient_scale).backward()
+                values["loss"] = loss.detach()  # already divided by the global token count
+                sums += torch.stack([values[name].double() for name in names])
 
         tokens = float(global_tokens)  # the same on every rank (all-reduced)
         if not self.sharded:  # FSDP reduced them (summed, see distributed.shard_model)
@@ -503,6 +527,12 @@ class PolicyUpdater:
         stats = {name: value if name == "loss" else value / max(tokens, 1.0)
                  for name, value in zip(names, summed)}
         return tokens, stats, float(grad_norm)
+
+    def _computing(self):
+        """The passes' weights: the compute dtype's copies where kept (ComputeWeights)."""
+        if self._compute_weights is None:
+            return contextlib.nullcontext()
+        return self._compute_weights.computing()
 
     def _autocast(self):
         dtype = _COMPUTE_DTYPES[self.config.compute_dtype]

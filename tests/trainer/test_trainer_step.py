@@ -6,8 +6,10 @@ import torch
 from asyncrl.algorithms.packing import balance_micro_batches
 from asyncrl.algorithms.ppo import decoupled_ppo_loss
 from asyncrl.model.policy import packed_token_logprobs
-from asyncrl.trainer.step import PolicyUpdater, TrainSample, UpdateConfig, _pack
-from support.trainer import make_groups, make_samples, tiny_model
+from asyncrl.trainer.step import (PolicyUpdater, TrainSample, UpdateConfig, _compute_weights,
+                                  _pack)
+from support.trainer import (assert_same_steps, make_groups, make_samples, tiny_model,
+                             two_sgd_steps)
 
 
 def _step(model, samples, optimizer_cls=torch.optim.SGD, lr=0.1, **config):
@@ -445,3 +447,58 @@ def test_a_batchs_advantages_carry_the_loss_aggregation(aggregation):
         assert [s.advantage for s in samples] == pytest.approx([3 * 0.7071, -0.6 * 0.7071],
                                                                abs=1e-4)
         assert per_response[0] == pytest.approx(-per_response[1])
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_float32_compute_weights_make_the_plain_update(minibatches):
+    """Copies of the weights for the passes, gradients summed into float32 by hooks
+    (asyncrl.trainer.compute_weights), in float32: the plain update to 1e-6, several
+    micro-batches, with and without the proximal pass of several minibatches."""
+    samples = make_groups(3, 4)
+    options = dict(micro_batch_max_tokens=40, ppo_minibatches=minibatches)
+    *plain, plain_params, _ = two_sgd_steps(samples, True, compute_weights=False, **options)
+    *copied, params, _ = two_sgd_steps(samples, True, compute_weights=True, **options)
+    assert_same_steps(plain, copied, params, plain_params)
+
+
+def test_bf16_compute_weights_keep_float32_masters_and_update_as_autocast_does():
+    """bf16 weights for the passes (a GPU's default in bf16) against autocast over the float32
+    weights: float32 parameters, gradients and AdamW state after each step, and one step's
+    update in the same direction (the residual stream is bf16 now, so not the same bits)."""
+    samples = make_samples(12)
+    results = {}
+    for kept in (False, True):  # autocast over float32 weights; bf16 copies
+        model = tiny_model()
+        before = [p.detach().clone() for p in model.parameters()]
+        updater = PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                UpdateConfig(compute_dtype="bfloat16", compute_weights=kept,
+                                             micro_batch_max_tokens=32))
+        assert (updater._compute_weights is not None) == kept
+        stats = updater.step(samples)
+        assert stats["micro_batches"] > 1
+        assert all(p.dtype == p.grad.dtype == torch.float32 for p in model.parameters())
+        results[kept] = stats, torch.cat([(p.detach() - b).flatten()
+                                          for p, b in zip(model.parameters(), before)])
+    (autocast, autocast_update), (computed, computed_update) = results[False], results[True]
+    assert computed["grad_norm"] == pytest.approx(autocast["grad_norm"], rel=0.05)
+    cosine = torch.nn.functional.cosine_similarity(computed_update, autocast_update, dim=0)
+    assert float(cosine) > 0.99
+
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    PolicyUpdater(model, optimizer, UpdateConfig(compute_dtype="bfloat16",
+                                                 compute_weights=True)).step(samples)
+    assert all(state.dtype == torch.float32 for parameter in model.parameters()
+               for state in optimizer.state[parameter].values() if state.dim())
+
+
+def test_compute_weights_are_the_default_in_bf16_on_a_gpu_for_a_whole_model():
+    bf16, gpu, cpu = (UpdateConfig(compute_dtype="bfloat16"), torch.device("cuda"),
+                      torch.device("cpu"))
+    model = tiny_model()
+    assert _compute_weights(model, bf16, gpu) is not None
+    assert _compute_weights(model, bf16, cpu) is None  # the CPU engine computes in float32
+    assert _compute_weights(model, UpdateConfig(compute_dtype="float32"), gpu) is None
+    for parameter in list(model.parameters())[:2]:
+        parameter.requires_grad_(False)  # as a LoRA model's frozen base
+    assert _compute_weights(model, bf16, gpu) is None
