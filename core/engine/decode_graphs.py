@@ -95,6 +95,7 @@ class DecodeGraphs:
         self._staging = torch.zeros(2, slots, dtype=torch.long,
                                     pin_memory=device.type == "cuda")
         self._span = torch.arange(cache.max_length, device=device)
+        self._staged = None  # on a GPU, the event after the last copy from staging
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
         # Every graph leaves its logits here ([slots, vocab], made at the first capture), so
@@ -107,17 +108,31 @@ class DecodeGraphs:
         """The (batch, length) buckets captured so far."""
         return sorted(self._graphs)
 
-    def logits(self, tokens: list[int], positions: list[int]) -> Tensor:
+    def logits(self, tokens: list[int] | Tensor, positions: list[int]) -> Tensor:
         """Logits [n, vocab] of `tokens[i]` at `positions[i]` in cache row i, each row
-        attending to its positions up to that one. The result is only valid until the next
-        call (it is the graphs' output buffer)."""
-        n = len(tokens)
+        attending to its positions up to that one. `tokens` may be on the device already (an
+        overlapped step's, which the host has not read). The result is only valid until the
+        next call (it is the graphs' output buffer)."""
+        n = len(positions)
         rows = bucket(n, self._batches)
         length = bucket(max(positions) + 1, self._lengths)
+        if self._staged is not None:
+            # The previous step's copy may still be queued behind the step before it: the
+            # staging buffer is rewritten only once that copy has read it.
+            self._staged.synchronize()
         # Padding rows: token 0 at position 0 (the staging buffer's rows past n are zeros).
-        self._staging[:, :n] = torch.tensor([tokens, positions], dtype=torch.long)
+        on_device = isinstance(tokens, Tensor)
+        if on_device:
+            self._staging[1, :n] = torch.tensor(positions, dtype=torch.long)
+        else:
+            self._staging[:, :n] = torch.tensor([tokens, positions], dtype=torch.long)
         self._staging[:, n:rows] = 0
         self._inputs.copy_(self._staging, non_blocking=True)
+        if on_device:
+            self._inputs[0, :n].copy_(tokens)
+        if self._device.type == "cuda":
+            self._staged = torch.cuda.Event()
+            self._staged.record()
         if not self._capture:
             return self._run(rows, length)[:n]
         if (rows, length) not in self._graphs:

@@ -75,6 +75,16 @@ class _Request:
         return self.result.prompt_ids + self.result.output_ids
 
 
+@dataclass(eq=False)
+class _Step:
+    """A launched decode step: its requests in row order at launch, the buffer its tokens
+    and log-probs are copied back into, and (on a GPU) the event recorded after that copy."""
+
+    requests: list[_Request]
+    readback: Tensor  # [2, slots] float64: tokens, log-probs
+    done: Any = None  # torch.cuda.Event
+
+
 @contextlib.contextmanager
 def _refused():
     """A snapshot the engine cannot take is a request it refuses (RequestError, HTTP 400),
@@ -139,11 +149,14 @@ class TorchEngine:
         seed: int | None = None,
         fused_decode: bool = True,
         cuda_graphs: bool | None = None,
+        overlap: bool | None = None,
         lora=None,
     ):
         """`lora`: the job's model.lora section, when versions are a LoRA adapter's tensors
         (asyncrl.model.lora.MergedAdapter applies them); None: every version is the whole
-        model's."""
+        model's. `overlap`: launch each decode step before the previous one's tokens are read
+        back (None: on a GPU, where the device then works while the host reads and prepares;
+        see _decode_overlapped)."""
         config = model.config
         self._model = model.eval().requires_grad_(False)
         self._adapter = MergedAdapter(self._model, lora) if lora is not None else None
@@ -181,6 +194,17 @@ class TorchEngine:
             if cuda_graphs else None
         log.info("decode steps run %s%s", "fused Llama-family layers" if self._fused
                  else "the model's own layers", " as CUDA graphs" if self._graphs else "")
+        self._overlap = self._device.type == "cuda" if overlap is None else overlap
+        slots = max_running_requests
+        # Each row's newest sampled token, on the device: an overlapped step reads its input
+        # here before the host has seen it.
+        self._tokens = torch.zeros(slots, dtype=torch.long, device=self._device)
+        # Two read-back buffers (tokens and log-probs of a step), so that a step's copy never
+        # overwrites the one the host is reading; pinned on a GPU, so the copy is asynchronous.
+        self._readback = [torch.zeros(2, slots, dtype=torch.float64,
+                                      pin_memory=self._device.type == "cuda")
+                          for _ in range(2)]
+        self._readback_turn = 0
         self._version = version
         self._generator = torch.Generator(device=self._device)
         self._generator.manual_seed(seed if seed is not None else torch.seed())
@@ -556,8 +580,10 @@ class TorchEngine:
             self._prefill(rows)
         self._finish_done()
         if self._running:
-            self._decode()
-            self._finish_done()
+            if self._overlap and self._may_overlap():
+                self._decode_overlapped()
+            else:
+                self._complete(self._launch_decode(from_device=False))
 
     def _prefill(self, rows: slice) -> None:
         """Fills the cache rows of the requests in `rows` from their tokens. A fresh request
@@ -649,35 +675,86 @@ class TorchEngine:
         mask = span[None, None, :] <= positions[:, :, None]
         self._hidden(ids, positions, rows, read_length, mask[:, None])
 
-    def _decode(self) -> None:
-        """One token for every running request."""
-        running = self._running
+    def _may_overlap(self) -> bool:
+        """Whether the next decode step may start before this one's tokens are read back:
+        only while nothing else is due between two steps (a handed-over call, a pause, a stop,
+        a request that could be admitted) and no running request has a penalty (its counts
+        need every token on the host first). Read without the lock: a change seen one step
+        late costs that step only."""
+        return not (self._calls or self._paused or self._stopping or self._weights_incomplete
+                    or (self._waiting and len(self._running) < self._cache.num_slots)
+                    or any(r.counts is not None for r in self._running))
+
+    def _decode_overlapped(self) -> None:
+        """Decode steps, each launched before the previous one's tokens are read back: the
+        next step's input tokens are on the device already (`_tokens`), and its positions
+        are known, so the host prepares and launches step n + 1 while the device runs step n,
+        then reads step n's tokens. A request that stops at step n is in step n + 1 too; its
+        token there is dropped (one row-step). Ends, with nothing in flight, when there is
+        something else to do (`_may_overlap`) or nothing running."""
+        in_flight = self._launch_decode(from_device=False)
+        while True:
+            following = (self._launch_decode(from_device=True)
+                         if self._running and self._may_overlap() else None)
+            self._complete(in_flight)
+            if following is None:
+                return
+            in_flight = following
+
+    def _launch_decode(self, from_device: bool) -> _Step:
+        """Queues one decode step for every running request: its input tokens are their
+        pending ones (`from_device`: the previous step's, on the device), its sampled tokens
+        go to `_tokens` and to a read-back buffer. Positions advance here, so a row moved
+        while the step is in flight moves what the step writes too."""
+        running = list(self._running)
+        n = len(running)
+        positions = [r.cached for r in running]
+        tokens = self._tokens[:n] if from_device else [r.pending for r in running]
         logits = None
         if self._graphs is not None:
             try:
-                logits = self._graphs.logits([r.pending for r in running],
-                                             [r.cached for r in running])
+                logits = self._graphs.logits(tokens, positions)
             except RuntimeError:  # a graph that cannot be captured must not stop generation
                 log.exception("a decode step could not be captured as a CUDA graph; decode "
                               "steps run eagerly from now on")
                 self._graphs = None
         if logits is None:
-            ids = torch.tensor([[r.pending] for r in running], device=self._device)
-            positions = torch.tensor([[r.cached] for r in running], device=self._device)
-            read_length = max(r.cached for r in running) + 1
+            ids = (tokens[:, None] if from_device
+                   else torch.tensor([[token] for token in tokens], device=self._device))
+            position_ids = torch.tensor([[p] for p in positions], device=self._device)
+            read_length = max(positions) + 1
             span = torch.arange(read_length, device=self._device)[None, :]
-            mask = (span <= positions)[:, None, None, :]  # [n, 1, 1, read_length]
+            mask = (span <= position_ids)[:, None, None, :]  # [n, 1, 1, read_length]
             if self._fused is not None:
-                logits = self._fused.logits(ids, positions, self._cache, read_length, mask)
+                logits = self._fused.logits(ids, position_ids, self._cache, read_length, mask)
             else:
-                logits = self._forward(ids, positions, slice(0, len(running)), read_length,
-                                       mask)
-        drawn = self._sample(running, logits)
-        self._decode_steps += 1
-        self._decode_rows += len(running)
-        for request, (token, logprob) in zip(running, drawn):
+                logits = self._forward(ids, position_ids, slice(0, n), read_length, mask)
+        sampled, logprobs = self._draw(running, logits)
+        self._tokens[:n].copy_(sampled)
+        readback = self._readback[self._readback_turn]
+        self._readback_turn ^= 1
+        readback[:, :n].copy_(torch.stack([sampled.double(), logprobs.double()]),
+                              non_blocking=True)
+        done = None
+        if self._device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        for request in running:
             request.cached += 1
-            self._append(request, token, logprob)
+        self._decode_steps += 1
+        self._decode_rows += n
+        return _Step(running, readback, done)
+
+    def _complete(self, step: _Step) -> None:
+        """Reads a launched step's tokens back and appends each to its request (but to one
+        that finished at the step before), then retires the requests that are done."""
+        if step.done is not None:
+            step.done.synchronize()
+        tokens, logprobs = step.readback[:, :len(step.requests)].tolist()
+        for request, token, logprob in zip(step.requests, tokens, logprobs):
+            if not request.future.done():
+                self._append(request, int(token), logprob)
+        self._finish_done()
 
     def _forward(
         self, ids: Tensor, positions: Tensor, rows: slice, read_length: int, mask: Tensor,
@@ -704,9 +781,16 @@ class TorchEngine:
         ).last_hidden_state
 
     def _sample(self, requests: list[_Request], logits: Tensor) -> list[tuple[int, float]]:
+        """One token per request (row of `logits`) and its log-probability (`_draw`), read
+        back in one copy."""
+        tokens, logprobs = self._draw(requests, logits)
+        drawn = torch.stack([tokens.double(), logprobs.double()]).tolist()
+        return [(int(token), logprob) for token, logprob in zip(*drawn)]
+
+    def _draw(self, requests: list[_Request], logits: Tensor) -> tuple[Tensor, Tensor]:
         """One token per request (row of `logits`) and its log-probability under the
-        distribution it was drawn from: penalties, then temperature, top-k and top-p. The
-        settings go to the device in one copy and the results come back in one."""
+        distribution it was drawn from, on the device: penalties, then temperature, top-k and
+        top-p. The settings go to the device in one copy."""
 
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype).to(self._device, non_blocking=True)
@@ -728,11 +812,9 @@ class TorchEngine:
         top_ks = [p.top_k for p in params]
         # float64 holds every top-k (and token id) exactly.
         settings = column([temperatures, top_ps, top_ks], torch.float64)
-        tokens, logprobs = sample_tokens(
+        return sample_tokens(
             logits, settings[0].float(), settings[1].float(), settings[2].long(),
             self._generator, BatchShape.of(temperatures, top_ps, top_ks, self.vocab_size))
-        drawn = torch.stack([tokens.double(), logprobs.double()]).tolist()
-        return [(int(token), logprob) for token, logprob in zip(*drawn)]
 
     def _append(self, request: _Request, token_id: int, logprob: float) -> None:
         result = request.result
@@ -769,6 +851,7 @@ class TorchEngine:
             moved = self._running[last]
             if moved.cached:
                 self._cache.move(last, row, moved.cached)
+            self._tokens[row] = self._tokens[last]  # its newest token, maybe not yet read back
             self._running[row] = moved
         self._running.pop()
 
