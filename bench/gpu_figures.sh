@@ -2,19 +2,25 @@
 # The GPU figures of docs/performance.md in one run, from the project's root on a machine with
 # a CUDA GPU and the project installed (on a lent machine without a registry, after
 # `. .device/setup.sh`). Each bench has its own time limit inside LIMIT seconds (default 540);
-# logs go to $OUT (default /tmp/gpu-figures). SECTIONS picks a subset: "engine trainer async",
+# logs go to $OUT (default /tmp/gpu-figures). SECTIONS picks a subset of "checks engine trainer
+# async" (checks: bench/gpu_checks.py, the GPU kernels against their references),
 # or "lora" (not in the default set: LoRA's trainer step for 0.5B and 7B against full
 # fine-tuning, then a Qwen2.5-7B LoRA job through `asyncrl run` on this one GPU; give it a run
 # of its own: SECTIONS=lora LIMIT=580).
 set -u
 OUT=${OUT:-/tmp/gpu-figures}; mkdir -p "$OUT"
-LIMIT=${LIMIT:-540}; SECTIONS=${SECTIONS:-engine trainer async}
+LIMIT=${LIMIT:-540}; SECTIONS=${SECTIONS:-checks engine trainer async}
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 # budget N: N seconds, or what is left of LIMIT
 budget() { local left=$(( LIMIT - ($(date +%s) - T0) )); [ "$left" -lt "$1" ] && echo "$left" || echo "$1"; }
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+if want checks; then
+  stamp checks
+  timeout "$(budget 90)" python3 bench/gpu_checks.py > "$OUT/checks.log" 2>&1; echo "rc=$?"
+  tail -12 "$OUT/checks.log"
+fi
 if want engine; then
   stamp engine
   timeout "$(budget 180)" python3 bench/rollout_engine.py --device cuda --shape qwen2.5-0.5b \
