@@ -180,10 +180,10 @@ def test_a_sync_run_that_skips_uniform_groups_is_told_to_oversample(tmp_path):
                                     "algorithm": {**manifest["spec"]["algorithm"], **algorithm}}}
         return LocalJob(parse_manifest(job), RunOptions(run_dir=tmp_path, sync=sync)).gate_lines()
 
-    # maxConcurrentRollouts 8, batchSize 2: six groups can run beside the batch
+    # maxConcurrentRollouts 8, batchSize 4: four groups can run beside the batch
     assert lines(True) == [
         "η = 0 with skipUniformGroups: each skipped group is generated again after it, so a "
-        "step may wait for several rounds; algorithm.oversampleGroups: 6 would generate them "
+        "step may wait for several rounds; algorithm.oversampleGroups: 4 would generate them "
         "beside the batch"]
     assert lines(False) == lines(True, oversampleGroups=2) == []
     assert lines(True, skipUniformGroups=False) == []
