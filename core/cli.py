@@ -201,7 +201,7 @@ def run(
     console.print(f"[bold]{job.metadata.name}[/]: {'sync' if sync else 'async'} run in "
                   f"{options.run_dir} (trainer {local.trainer_threads} / rollout "
                   f"{local.rollout_threads} threads); logs in {options.run_dir / 'logs'}")
-    for line in local.device_lines():
+    for line in local.rollout_lines() + local.device_lines():
         console.print(line, markup=False)
     for line in local.gate_lines():
         console.print(line, style="yellow", markup=False, soft_wrap=True)

@@ -1,9 +1,10 @@
 """`asyncrl run`: the whole job on one machine, as separate service processes on loopback.
 
-    redis-server (unless the job names one) -> buffer -> trainer -> rollout worker
+    redis-server (unless the job names one) -> buffer -> trainer -> rollout workers
 
-Each service is the same `asyncrl serve ...` command the operator runs in a pod. The runner
-splits the CPU cores between the trainer and the rollout worker, waits for each to be healthy,
+Each service is the same `asyncrl serve ...` command the operator runs in a pod, and there are
+as many rollout worker processes as the job's `rollout.replicas` (pods in a cluster). The runner
+splits the CPU cores between the trainer and the rollout workers, waits for each to be healthy,
 shows live progress, and stops everything cleanly on completion, on Ctrl-C, `kill` or the
 terminal closing (SIGINT, SIGTERM, SIGHUP: one and the same stop), or on a crash (with the
 crashed service's log tail). Every child, redis-server included, also gets SIGTERM from the
@@ -128,6 +129,17 @@ class ServiceProcess:
             preexec_fn=die_with_parent(),
         )
         return self
+
+    @property
+    def component(self) -> str:
+        """The service it is an instance of: "rollout" for every rollout worker."""
+        return self.name.partition("-")[0]
+
+    @property
+    def index(self) -> int:
+        """Its replica index (rollout-<index>; 0 for a service's first or only process)."""
+        _, _, index = self.name.partition("-")
+        return int(index) if index else 0
 
     def check(self) -> None:
         if self.process is not None and self.process.poll() is not None:
@@ -265,12 +277,18 @@ class LocalJob:
         self.redis: RedisServer | None = None
         self.redis_restarts = 0
         self.ports = {name: free_port() for name in (
-            "buffer", "reward", "trainer", "trainer_weights", "rollout_http", "rollout_grpc")}
+            "buffer", "reward", "trainer", "trainer_weights")}
+        #: Each rollout worker's (HTTP, gRPC) ports, by replica index; a worker started again
+        #: (a local scale out after a scale in) gets its index's ports again.
+        self.rollout_ports = {index: (free_port(), free_port())
+                              for index in range(self.job.spec.rollout.replicas)}
         # /metrics of each service (the rollout worker serves it on its HTTP port); 0 = off.
         self.metrics_ports = {name: free_port() if options.metrics else 0
                               for name in ("buffer", "reward", "trainer")}
         self.prometheus_dir = self.run_dir / "prometheus"
         self.trainer_threads, self.rollout_threads = thread_split(options)
+        self._env: dict[str, str] = {}
+        self._addresses: dict[str, str | None] = {}
         self._requested_transfer = requested.spec.trainer.weight_transfer
 
     def device_lines(self) -> list[str]:
@@ -329,13 +347,67 @@ class LocalJob:
         self._wait(lambda: is_serving_at(reward_address), "reward")
         self._launch("trainer", self._trainer_command(exe, buffer_address, reward_address),
                      {**env, **self.devices.trainer.env})
-        self._launch("rollout", [exe, *serve_command(
-            "rollout", job_file=job_file, buffer_address=buffer_address,
-            reward_address=reward_address, redis_url=redis_url,
-            http_port=self.ports["rollout_http"], grpc_port=self.ports["rollout_grpc"],
-            weights_address=self._weights_address(), threads=self.rollout_threads)],
-            {**env, **self.devices.rollout.env})
+        self._env = env
+        self._addresses = {"buffer": buffer_address, "reward": reward_address,
+                           "redis": redis_url, "weights": self._weights_address()}
+        for index in range(self.job.spec.rollout.replicas):
+            self.start_rollout_worker(index)
         self._wait(lambda: self.trainer_status() is not None, "trainer", timeout=600)
+
+    # ------------------------------------------------------------------ rollout workers
+
+    @property
+    def rollout_workers(self) -> list[ServiceProcess]:
+        """The rollout worker processes running now, by replica index."""
+        return sorted((s for s in self.services if s.component == "rollout"),
+                      key=lambda s: s.index)
+
+    def worker_threads(self, replicas: int | None = None) -> int:
+        """torch threads of each rollout worker: the rollout's share of the cores split between
+        `replicas` workers (the job's by default), at least one each."""
+        return max(1, self.rollout_threads // (replicas or self.job.spec.rollout.replicas))
+
+    def rollout_lines(self) -> list[str]:
+        """With more than one rollout worker, a line saying how many and what each gets."""
+        replicas = self.job.spec.rollout.replicas
+        if replicas == 1:
+            return []
+        threads = self.worker_threads()
+        line = (f"rollout: {replicas} worker processes (rollout.replicas), {threads} "
+                f"thread{'s' if threads > 1 else ''} each")
+        if replicas * threads > self.rollout_threads:
+            line += (f", more than the rollout's {self.rollout_threads} of "
+                     f"{os.cpu_count()} cores: they take turns")
+        if self.devices.rollout.gpus:
+            line += f", all on {self.devices.rollout.device}"
+        return [line]
+
+    def start_rollout_worker(self, index: int) -> None:
+        """Starts rollout worker `index` (worker name rollout-<index>, its own ports), with the
+        threads of the job's replica count."""
+        http_port, grpc_port = self.rollout_ports.setdefault(index, (free_port(), free_port()))
+        extra = {}
+        if self.job.spec.rollout.engine == "sglang":
+            extra["sglang_port"] = free_port()  # each worker's own SGLang server
+        exe = str(Path(sys.executable).parent / "asyncrl")
+        args = [exe, *serve_command(
+            "rollout", job_file=self.config_path, buffer_address=self._addresses["buffer"],
+            reward_address=self._addresses["reward"], redis_url=self._addresses["redis"],
+            http_port=http_port, grpc_port=grpc_port, worker=f"rollout-{index}",
+            weights_address=self._addresses["weights"], threads=self.worker_threads(),
+            **extra)]
+        if self.options.metrics:
+            self.write_prometheus_config()  # Prometheus reads the targets again by itself
+        self.services.append(ServiceProcess(
+            rollout_name(index), args, self.run_dir / "logs" / f"{rollout_name(index)}.log",
+            {**self._env, **self.devices.rollout.env}).start())
+
+    def stop_rollout_worker(self, index: int) -> None:
+        """Stops rollout worker `index` as a pod scaled away stops (SIGTERM): it hands the
+        prompts it holds back to the buffer, which gives them out again."""
+        worker = next(s for s in self.rollout_workers if s.index == index)
+        worker.stop()
+        self.services.remove(worker)
 
     def start_redis(self) -> str:
         """The job's Redis URL: the one the job names, else that of a redis-server this run
@@ -374,8 +446,11 @@ class LocalJob:
         `service` and `rljob`) and prometheus.yml, which scrapes them: run
         `prometheus --config.file=<run_dir>/prometheus/prometheus.yml`. Returns the latter."""
         job = self.job.metadata.name
-        targets = {**self.metrics_ports, "rollout": self.ports["rollout_http"]}
-        groups = [{"targets": [f"127.0.0.1:{port}"], "labels": {"service": name, "rljob": job}}
+        targets = {**self.metrics_ports,
+                   **{rollout_name(index): http for index, (http, _) in self.rollout_ports.items()}}
+        groups = [{"targets": [f"127.0.0.1:{port}"],
+                   "labels": {"service": name.partition("-")[0], "process": name,
+                              "rljob": job}}
                   for name, port in targets.items()]
         config = {
             "global": {"scrape_interval": "5s", "evaluation_interval": "5s"},
@@ -447,7 +522,7 @@ class LocalJob:
     def stop(self) -> None:
         # The rollout side first (it writes into the buffer), then trainer, buffer, Redis.
         order = ["rollout", "trainer", "reward", "buffer"]
-        for service in sorted(self.services, key=lambda s: order.index(s.name)):
+        for service in sorted(self.services, key=lambda s: order.index(s.component)):
             service.stop()
         if self.redis is not None:
             self.redis.stop()
@@ -471,16 +546,30 @@ class LocalJob:
             return None
 
     def record_rollout_status(self) -> None:
-        """Appends the rollout engine's counters to rollout_status.jsonl (occupancy, idle time,
-        interruptions over the run: what the async-vs-sync comparison is explained with)."""
-        try:
-            with grpc.insecure_channel(f"127.0.0.1:{self.ports['rollout_grpc']}") as channel:
-                stub = rollout_pb2_grpc.RolloutControlStub(channel)
-                status = stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=2)
-        except grpc.RpcError:
-            return
-        record = {"time": time.time(), **MessageToDict(status, preserving_proto_field_name=True,
-                                                       always_print_fields_with_no_presence=True)}
-        with (self.run_dir / "rollout_status.jsonl").open("a") as out:
-            out.write(json.dumps(record) + "\n")
+        """Appends each rollout engine's counters to rollout_status.jsonl, one line per worker
+        (occupancy, idle time, interruptions over the run: what the async-vs-sync comparison
+        is explained with)."""
+        for worker in self.rollout_workers:
+            status = self.rollout_status(worker.index)
+            if status is None:
+                continue
+            record = {"time": time.time(), "worker": f"rollout-{worker.index}",
+                      **MessageToDict(status, preserving_proto_field_name=True,
+                                      always_print_fields_with_no_presence=True)}
+            with (self.run_dir / "rollout_status.jsonl").open("a") as out:
+                out.write(json.dumps(record) + "\n")
 
+    def rollout_status(self, index: int) -> rollout_pb2.RolloutStatus | None:
+        """Rollout worker `index`'s engine counters (None while it does not answer)."""
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{self.rollout_ports[index][1]}") as channel:
+                stub = rollout_pb2_grpc.RolloutControlStub(channel)
+                return stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=2)
+        except grpc.RpcError:
+            return None
+
+
+def rollout_name(index: int) -> str:
+    """A rollout worker's service name (and log file's): "rollout" for the first, as with one
+    worker, "rollout-<index>" for the others."""
+    return "rollout" if index == 0 else f"rollout-{index}"

@@ -183,7 +183,7 @@ def test_run_with_metrics_writes_prometheus_targets_and_config(tmp_path):
         assert host == "127.0.0.1" and int(port) > 0
         ports.add(port)
     assert len(ports) == 4
-    assert str(job.ports["rollout_http"]) in ports  # the rollout worker's /metrics
+    assert str(job.rollout_ports[0][0]) in ports  # the rollout worker's /metrics
     scrape = yaml.safe_load(config.read_text())["scrape_configs"][0]
     assert scrape["file_sd_configs"][0]["files"] == ["targets.json"]
     promtool = shutil.which("promtool") or "/usr/bin/promtool"
