@@ -817,6 +817,45 @@ class WorkflowSpec(SpecModel):
         return self
 
 
+class AutoscaleSpec(SpecModel):
+    """Rollout replicas the operator (or `asyncrl run`) sets by itself, within bounds, from how
+    long the trainer waits for data and how busy the rollout workers are
+    (docs/kubernetes.md, Autoscaling)."""
+
+    min_replicas: int = Field(default=1, ge=1, description="Fewest rollout replicas.")
+    max_replicas: int = Field(ge=1, description="Most rollout replicas.")
+    target_trainer_idle: float = Field(
+        default=0.1, ge=0, lt=1,
+        description="The share of its time the trainer may wait for a batch: above it (with the "
+        "workers busy), the rollout scales out; below half of it, with the workers less busy "
+        "than targetRolloutBusy, it scales in.",
+    )
+    target_rollout_busy: float = Field(
+        default=0.8, gt=0, le=1,
+        description="The share of its time a rollout worker's engine should be generating "
+        "(its decode occupancy); workers much less busy than this, while the trainer is fed, "
+        "are more than the job needs.",
+    )
+    tolerance: float = Field(
+        default=0.1, ge=0, lt=1,
+        description="No change while the wanted replicas are within this share of the current "
+        "ones (the HorizontalPodAutoscaler's tolerance).",
+    )
+    cooldown_seconds: float = Field(
+        default=60.0, gt=0,
+        description="Seconds between two changes; each decision reads the signals of the time "
+        "since the last change (or since the trainer's first step), at least this long.",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscaleSpec:
+        if self.min_replicas > self.max_replicas:
+            raise rule_error(f"minReplicas {self.min_replicas} is above maxReplicas "
+                             f"{self.max_replicas}", field="minReplicas",
+                             fix="set minReplicas at or below maxReplicas")
+        return self
+
+
 class RolloutSpec(SpecModel):
     """The rollout workers: inference engine, sampling and where they run."""
 
@@ -825,7 +864,16 @@ class RolloutSpec(SpecModel):
         description="torch: the built-in engine (CPU or GPU); sglang: an SGLang server per "
         "replica (GPU only).",
     )
-    replicas: int = Field(default=1, ge=1, description="Rollout worker pods.")
+    replicas: int = Field(
+        default=1, ge=1,
+        description="Rollout worker pods (`asyncrl run`: worker processes). With autoscale, "
+        "the count the job starts with; changing it (`kubectl scale`) turns autoscaling off "
+        "until the autoscale section changes.")
+    autoscale: AutoscaleSpec | None = Field(
+        default=None,
+        description="Scale the rollout replicas by themselves between minReplicas and "
+        "maxReplicas; unset: rollout.replicas stays as set.",
+    )
     max_concurrent_rollouts: int = Field(
         default=16,
         ge=1,
@@ -891,6 +939,13 @@ class RolloutSpec(SpecModel):
 
     @model_validator(mode="after")
     def _placement(self) -> RolloutSpec:
+        autoscale = self.autoscale
+        if autoscale is not None and not (
+                autoscale.min_replicas <= self.replicas <= autoscale.max_replicas):
+            raise rule_error(
+                f"replicas {self.replicas} is outside autoscale's {autoscale.min_replicas} to "
+                f"{autoscale.max_replicas}: the job starts with replicas", field="replicas",
+                fix=f"set replicas between {autoscale.min_replicas} and {autoscale.max_replicas}")
         _check_gpu_placement(self.resources)
         if self.engine == "sglang":
             _require_gpus(self.placement, "engine sglang", "rollout")
@@ -1430,6 +1485,12 @@ class RLJobSpec(SpecModel):
                 f"rollout.engine is {self.rollout.engine}",
                 field="trainer.weightTransfer",
                 fix="set rollout.engine: torch, or trainer.weightTransfer: distributed")
+        if self.rollout.autoscale is not None and self.trainer.weight_transfer == "distributed":
+            raise rule_error(
+                "weightTransfer distributed sends each version to a group of engines fixed when "
+                "it forms, and rollout.autoscale changes how many there are",
+                field="trainer.weightTransfer",
+                fix="set trainer.weightTransfer: disk (or auto), or remove rollout.autoscale")
         _check_rollout_mounts(self.dataset, self.rollout.workflow)
         workflow = self.rollout.workflow
         if (workflow.kind == "episode"

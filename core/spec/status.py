@@ -29,6 +29,32 @@ class Condition(SpecModel):
     )
 
 
+class AutoscalingStatus(SpecModel):
+    """What the rollout autoscaler (spec.rollout.autoscale) decided last, and from what."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    active: bool = Field(
+        default=True, description="Whether the autoscaler sets the rollout replicas now: false "
+        "once spec.rollout.replicas changed by hand (kubectl scale), until the autoscale section "
+        "changes.")
+    replicas: int = Field(description="The rollout replicas it wants.")
+    spec_replicas: int = Field(
+        description="spec.rollout.replicas when it took over; a different value there is a scale "
+        "by hand.")
+    spec_hash: str = Field(description="The autoscale section it runs with.")
+    reason: str = Field(default="", description="CamelCase reason of the last decision.")
+    message: str = Field(default="", description="The last decision, in words, with its signals.")
+    last_scale_time: datetime | None = Field(
+        default=None, description="When it last changed the replicas.")
+    trainer_idle: float | None = Field(
+        default=None, description="The share of the last window the trainer waited for a batch.")
+    rollout_busy: float | None = Field(
+        default=None, description="The mean share of the last window a rollout engine generated.")
+    demand: float | None = Field(
+        default=None, description="Wanted over current rollout replicas (the scaling signal).")
+
+
 class RLJobStatus(SpecModel):
     """Observed state, written by the operator."""
 
@@ -57,6 +83,9 @@ class RLJobStatus(SpecModel):
     )
     rollout_ready_replicas: int | None = Field(
         default=None, description="Rollout worker pods that are ready."
+    )
+    autoscaling: AutoscalingStatus | None = Field(
+        default=None, description="The rollout autoscaler's last decision (rollout.autoscale)."
     )
     trainer_step: int | None = Field(
         default=None, description="Training steps completed, as the trainer reports them."

@@ -97,6 +97,7 @@ class Status:
     staleness_mean: float = 0.0
     eval_accuracy: float = -1.0
     eval_stderr: float = -1.0
+    waited_seconds_total: float = 0.0
     history: list[dict] = field(default_factory=list)
 
 
@@ -365,6 +366,7 @@ class Trainer:
                 if batch is None:
                     break
                 wait_seconds = time.perf_counter() - waiting
+                self.status.waited_seconds_total += wait_seconds
                 self.status.phase = "training"
                 samples, rewards = samples_from_groups(batch.groups, spec.algorithm,
                                                        spec.rollout.max_new_tokens)
@@ -560,6 +562,7 @@ class StatusServicer(trainer_pb2_grpc.TrainerStatusServiceServicer):
             trained_tokens_per_second=s.trained_tokens_per_second, loss=s.loss,
             reward_mean=s.reward_mean, staleness_mean=s.staleness_mean,
             eval_accuracy=s.eval_accuracy, eval_stderr=s.eval_stderr,
+            waited_seconds_total=s.waited_seconds_total,
         )
 
 
