@@ -213,6 +213,12 @@ def run(
     progress = RunProgress(job.metadata.name, max_steps, job.spec.algorithm.group_size,
                            unit="episodes" if episodes else "samples")
     stop_on_signals()
+    autoscaler = None
+    if local.job.spec.rollout.autoscale is not None:
+        from asyncrl.local.autoscale import LocalAutoscaler
+
+        autoscaler = LocalAutoscaler(
+            local, notify=lambda line: console.print(line, style="cyan", markup=False))
     code = 0
     try:
         local.start()
@@ -223,7 +229,10 @@ def run(
                 # The trainer's last answer is kept: once it exits it answers no more, and the
                 # final frame must show where it ended, not "starting".
                 status = local.trainer_status() or status
-                live.update(progress.table(status, local.buffer_stats()))
+                if autoscaler is not None:
+                    autoscaler.tick()
+                live.update(progress.table(status, local.buffer_stats(),
+                                           workers=_workers_row(local, autoscaler)))
                 local.record_rollout_status()
                 time.sleep(1.0)
             live.update(progress.table(progress.finished(status, read_metrics(options.run_dir)),
@@ -246,6 +255,15 @@ def run(
         report = write_report(options.run_dir, job.metadata.name, records, sync)
         console.print(report.read_text())
     raise typer.Exit(code)
+
+
+def _workers_row(local, autoscaler) -> str | None:
+    """The live view's rollout workers row: with more than one, or autoscaling."""
+    if autoscaler is None:
+        running = len(local.rollout_workers)
+        return str(running) if running > 1 else None
+    last = autoscaler.last
+    return f"{autoscaler.replicas} (autoscale: {last.reason if last else 'starting'})"
 
 
 def _stop_on_sigterm() -> None:

@@ -43,7 +43,8 @@ class RunProgress:
             **{key: last.get(key) for key in _LAST_STEP_SIGNALS},
         )
 
-    def table(self, status, stats) -> Table:
+    def table(self, status, stats, workers: str | None = None) -> Table:
+        """The live view; `workers`: the rollout workers row, shown where given."""
         now = time.monotonic()
         table = Table(title=f"asyncrl run: {self.name}", show_header=False, min_width=60)
         table.add_column(style="bold")
@@ -57,6 +58,8 @@ class RunProgress:
         self._steps.append((now, step))
         per_second = _rate(self._accepted) * self.group_size
         table.add_row(f"{self.unit}/s (rollout)", f"{per_second:.2f}")
+        if workers is not None:
+            table.add_row("rollout workers", workers)
         if status:
             table.add_row("trained tokens/s", f"{status.trained_tokens_per_second:.1f}")
             table.add_row("reward mean (last batch)", f"{status.reward_mean:.3f}")

@@ -362,20 +362,33 @@ class LocalJob:
         return sorted((s for s in self.services if s.component == "rollout"),
                       key=lambda s: s.index)
 
-    def worker_threads(self, replicas: int | None = None) -> int:
+    @property
+    def most_rollout_workers(self) -> int:
+        """rollout.replicas, or with rollout.autoscale its maxReplicas."""
+        rollout = self.job.spec.rollout
+        return rollout.autoscale.max_replicas if rollout.autoscale else rollout.replicas
+
+    def worker_threads(self) -> int:
         """torch threads of each rollout worker: the rollout's share of the cores split between
-        `replicas` workers (the job's by default), at least one each."""
-        return max(1, self.rollout_threads // (replicas or self.job.spec.rollout.replicas))
+        as many workers as may run at once, at least one each."""
+        return max(1, self.rollout_threads // self.most_rollout_workers)
 
     def rollout_lines(self) -> list[str]:
-        """With more than one rollout worker, a line saying how many and what each gets."""
-        replicas = self.job.spec.rollout.replicas
-        if replicas == 1:
+        """With more than one rollout worker, or autoscaling, a line saying how many and what
+        each gets."""
+        rollout = self.job.spec.rollout
+        replicas, most = rollout.replicas, self.most_rollout_workers
+        if most == 1:
             return []
         threads = self.worker_threads()
-        line = (f"rollout: {replicas} worker processes (rollout.replicas), {threads} "
-                f"thread{'s' if threads > 1 else ''} each")
-        if replicas * threads > self.rollout_threads:
+        plural = "es" if replicas > 1 else ""
+        if rollout.autoscale:
+            line = (f"rollout: {replicas} worker process{plural} to start, autoscaled between "
+                    f"{rollout.autoscale.min_replicas} and {most} (rollout.autoscale)")
+        else:
+            line = f"rollout: {replicas} worker process{plural} (rollout.replicas)"
+        line += f", {threads} thread{'s' if threads > 1 else ''} each"
+        if most * threads > self.rollout_threads:
             line += (f", more than the rollout's {self.rollout_threads} of "
                      f"{os.cpu_count()} cores: they take turns")
         if self.devices.rollout.gpus:
