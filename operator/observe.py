@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Sequence
 
-from asyncrl.operator import builders, kube
+from asyncrl.operator import autoscaling, builders, kube
 from asyncrl.operator.state import OperatorState, job_key
 from asyncrl.operator.status import (
     BufferStats,
@@ -36,6 +36,8 @@ class Figures:
     stats_error: str | None = None
     trainer: TrainerStatus | None = None
     trainer_error: str | None = None
+    #: With rollout.autoscale: each ready rollout pod's engine busy seconds, by pod name.
+    rollout_busy: dict[str, float] | None = None
 
 
 def fetch_figures(job: RLJob, workloads: Sequence[Workload]) -> Figures:
@@ -43,7 +45,9 @@ def fetch_figures(job: RLJob, workloads: Sequence[Workload]) -> Figures:
     ready = {w.component for w in workloads if w.ready}
     stats, stats_error = buffer_stats(job) if "buffer" in ready else (None, None)
     trainer, trainer_error = trainer_status(job) if "trainer" in ready else (None, None)
-    return Figures(stats, stats_error, trainer, trainer_error)
+    busy = (rollout_busy(job) if job.spec.rollout.autoscale is not None and "rollout" in ready
+            else None)
+    return Figures(stats, stats_error, trainer, trainer_error, busy)
 
 
 def observe(state: OperatorState, job: RLJob, body: Any,
@@ -51,9 +55,13 @@ def observe(state: OperatorState, job: RLJob, body: Any,
     """The job's children as they are now; `figures` when the caller has just fetched them
     (else they are fetched here, if the operator asks the services for them at all)."""
     namespace = job.metadata.namespace
+    previous = (body.get("status") or {}).get("autoscaling")
+    # Who sets the rollout replicas before this observation's decision: the Deployment has them.
+    applied = autoscaling.with_rollout_replicas(
+        job, autoscaling.rollout_replicas(job, autoscaling.settled(job, previous)))
     found = []
-    for kind, component in builders.workloads(job):
-        desired = builders.desired_replicas(job, component)
+    for kind, component in builders.workloads(applied):
+        desired = builders.desired_replicas(applied, component)
         workload = kube.read_workload(kind, namespace, builders.child_name(job, component))
         if workload is None:
             found.append(Workload(component, desired))
@@ -75,14 +83,19 @@ def observe(state: OperatorState, job: RLJob, body: Any,
     if figures.stats is not None:
         uid = body["metadata"].get("uid", job.metadata.name)
         rate = state.registry.accepted_rate(uid, figures.stats.accepted_total, time.monotonic())
+    key = job_key(body)
+    scaling, scaling_events = autoscaling.next_autoscaling(
+        job, previous, state.registry.autoscale_memory(key),
+        autoscaling.reading(figures.trainer, figures.rollout_busy), datetime.now(timezone.utc))
     observed = Observation(
         generation=body["metadata"].get("generation"), suspend=job.spec.suspend,
         max_steps=job.spec.algorithm.max_steps, workloads=tuple(found), trainer_failure=failure,
         model_failure=model_failure(pods, state.config.trainer_max_restarts),
         stats=figures.stats, stats_error=figures.stats_error, samples_per_second=rate,
         trainer=figures.trainer, trainer_error=figures.trainer_error,
-        now=datetime.now(timezone.utc))
-    state.registry.remember(job_key(body), job, observed)
+        now=datetime.now(timezone.utc), autoscaling=scaling,
+        autoscaling_events=tuple(scaling_events))
+    state.registry.remember(key, job, observed)
     return observed
 
 
@@ -91,7 +104,7 @@ def changed_figures(job: RLJob, observed: Observation) -> Figures | None:
     figures = fetch_figures(job, observed.workloads)
     # samples/s decays to 0 once nothing more is accepted: one more refresh shows it.
     changed = (figures.stats != observed.stats or figures.trainer != observed.trainer
-               or bool(observed.samples_per_second))
+               or bool(observed.samples_per_second) or figures.rollout_busy is not None)
     return figures if changed else None
 
 
@@ -150,8 +163,40 @@ def trainer_status(job: RLJob, addresses: list[str] | None = None,
             step=reply.step, phase=reply.phase,
             tokens_per_second=reply.trained_tokens_per_second, reward_mean=reply.reward_mean,
             eval_accuracy=reply.eval_accuracy if reply.eval_accuracy >= 0 else None,
-            eval_stderr=reply.eval_stderr if reply.eval_stderr >= 0 else None), None
+            eval_stderr=reply.eval_stderr if reply.eval_stderr >= 0 else None,
+            waited_seconds_total=reply.waited_seconds_total), None
     return None, "; ".join(problems)
+
+
+def rollout_busy(job: RLJob, addresses: dict[str, str] | None = None,
+                 timeout: float = 1.0) -> dict[str, float]:
+    """Each ready rollout pod's engine busy seconds (RolloutControl.GetStatus), by pod name;
+    a pod that does not answer is left out. By default the pods are asked at their IPs, which
+    the operator reaches when it runs in the cluster (no policy limits the rollout pods'
+    ingress)."""
+    import grpc
+
+    from asyncrl.v1 import rollout_pb2, rollout_pb2_grpc
+
+    if addresses is None:
+        pods = kube.list_pods(job.metadata.namespace, builders.selector_labels(job, "rollout"))
+        addresses = {pod["metadata"]["name"]: f"{pod['status']['podIP']}:{builders.ROLLOUT_GRPC}"
+                     for pod in pods if _ready(pod) and (pod.get("status") or {}).get("podIP")}
+    busy = {}
+    for name, address in addresses.items():
+        try:
+            with grpc.insecure_channel(address) as channel:
+                reply = rollout_pb2_grpc.RolloutControlStub(channel).GetStatus(
+                    rollout_pb2.GetStatusRequest(), timeout=timeout)
+        except grpc.RpcError:
+            continue
+        busy[name] = reply.busy_seconds_total
+    return busy
+
+
+def _ready(pod: dict) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 # --------------------------------------------------------------------------- status + events
@@ -174,6 +219,8 @@ def write_status(body: Any, observed: Observation) -> dict:
         message = next((c["message"] for c in new["conditions"] if c["reason"] == reason),
                        f"Phase {old_phase or 'none'} -> {phase}.")
         kube.post_event(body, reason, message, warning=warning)
+    for event in observed.autoscaling_events:
+        kube.post_event(body, event.reason, event.message)
     return new
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from asyncrl.operator import builders, kube
+from asyncrl.operator import autoscaling, builders, kube
 from asyncrl.operator.observe import Figures, changed_figures, observe, write_status
 from asyncrl.operator.state import OperatorState, job_key
 from asyncrl.operator.status import Observation
@@ -62,8 +62,6 @@ def reconcile(state: OperatorState, body: Any, *,
 
 def _reconcile(state: OperatorState, body: Any, *,
                logger: logging.Logger | logging.LoggerAdapter) -> dict:
-    from kubernetes.client.rest import ApiException
-
     try:
         job = parse_manifest(job_manifest(body))
     except ValidationError as exc:
@@ -72,8 +70,27 @@ def _reconcile(state: OperatorState, body: Any, *,
                                        suspend=False, max_steps=0, invalid=message))
         raise kopf.PermanentError(message) from None
 
+    replicas = _applied_replicas(job, body.get("status"))
+    _apply_children(state, job, body, replicas, logger)
+    return _write_and_rescale(state, job, body, replicas, observe(state, job, body), logger)
+
+
+def _applied_replicas(job: RLJob, status: dict | None) -> int:
+    """The rollout replicas the Deployment gets before this observation's decision."""
+    previous = (status or {}).get("autoscaling")
+    return autoscaling.rollout_replicas(job, autoscaling.settled(job, previous))
+
+
+def _apply_children(state: OperatorState, job: RLJob, body: Any, rollout_replicas: int,
+                    logger) -> None:
+    """Applies every child, the rollout's with `rollout_replicas` (the autoscaler's, or the
+    spec's). Raises kopf.TemporaryError when the API refuses one."""
+    from kubernetes.client.rest import ApiException
+
     try:
-        children = builders.build_children(job, state.config, redis_password=redis_password(job))
+        scaled = autoscaling.with_rollout_replicas(job, rollout_replicas)
+        children = builders.build_children(scaled, state.config,
+                                           redis_password=redis_password(job))
         for child in children:
             kopf.adopt(child, owner=body)
             kube.apply(child)
@@ -81,18 +98,31 @@ def _reconcile(state: OperatorState, body: Any, *,
     except ApiException as exc:
         raise kopf.TemporaryError(f"applying children failed: {exc.status} {exc.reason}: "
                                   f"{kube.api_message(exc)}", delay=5) from exc
-    return write_status(body, observe(state, job, body))
+
+
+def _write_and_rescale(state: OperatorState, job: RLJob, body: Any, applied: int,
+                       observed, logger) -> dict:
+    """Writes the status observed; a decision of the autoscaler that changed the rollout
+    replicas reaches the Deployment at once, not at the next reconcile."""
+    status = write_status(body, observed)
+    wanted = autoscaling.rollout_replicas(job, status.get("autoscaling"))
+    if wanted != applied:
+        _apply_children(state, job, body, wanted, logger)
+    return status
 
 
 def refresh_status(state: OperatorState, body: Any,
                    figures: Figures | None = None) -> dict | None:
-    """The job's status from a fresh observation, without applying children."""
+    """The job's status from a fresh observation; children are applied only where the
+    autoscaler changed the rollout replicas."""
     try:
         job = parse_manifest(job_manifest(body))
     except ValidationError:
         return None  # an invalid spec's status says so already
     with state.registry.lock(job_key(body)):
-        return write_status(body, observe(state, job, body, figures))
+        applied = _applied_replicas(job, body.get("status"))
+        return _write_and_rescale(state, job, body, applied, observe(state, job, body, figures),
+                                  log)
 
 
 def reconcile_by_name(state: OperatorState, namespace: str, name: str, full: bool,

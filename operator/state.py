@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from asyncrl.operator.autoscaling import AutoscaleMemory
 from asyncrl.operator.builders import JOB_LABEL, OperatorConfig
 from asyncrl.operator.status import Observation, seen_by_controller
 from asyncrl.spec import RLJob
@@ -134,6 +135,11 @@ class JobRegistry:
         #: By job uid: its buffer's accepted total and when it was read (samples per second).
         self._accepted: dict[str, tuple[int, float]] = {}
         self.child_events = ChildEvents(self.observed)
+        #: With rollout.autoscale: the readings of the autoscaler's window.
+        self._autoscale: dict[JobKey, AutoscaleMemory] = {}
+
+    def autoscale_memory(self, key: JobKey) -> AutoscaleMemory:
+        return self._autoscale.setdefault(key, AutoscaleMemory())
 
     def lock(self, key: JobKey) -> threading.Lock:
         """The job's own lock: kopf's handlers, the child watches and the resync may reconcile
@@ -162,6 +168,7 @@ class JobRegistry:
         self.jobs.pop(key, None)
         self.observed.pop(key, None)
         self._accepted.pop(uid or name, None)
+        self._autoscale.pop(key, None)
         self.child_events.forget(key)
 
 

@@ -90,6 +90,8 @@ class TrainerStatus:
     eval_accuracy: float | None = None
     #: One standard error of eval_accuracy; None where the trainer does not report it.
     eval_stderr: float | None = None
+    #: Seconds it has waited for batches, over its life (the autoscaler's signal).
+    waited_seconds_total: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,10 @@ class Observation:
     #: `state.JobRegistry` keeps the previous count in memory), None when unknown.
     samples_per_second: float | None = None
     now: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    #: status.autoscaling as asyncrl.operator.autoscaling decided it (None: no autoscale),
+    #: and the Events its decision posts.
+    autoscaling: dict[str, Any] | None = None
+    autoscaling_events: tuple = ()
 
 
 def compute_status(observed: Observation, previous: dict[str, Any] | None) -> dict[str, Any]:
@@ -132,6 +138,7 @@ def compute_status(observed: Observation, previous: dict[str, Any] | None) -> di
     if rollout is not None:
         status["rolloutReplicas"] = rollout.replicas
         status["rolloutReadyReplicas"] = rollout.ready
+    status["autoscaling"] = observed.autoscaling
     for key in _FIGURES:
         if previous.get(key) is not None:
             status[key] = previous[key]

@@ -155,6 +155,7 @@ def spec_hash(spec: AutoscaleSpec) -> str:
     """A short digest of the autoscale section: a change of it turns autoscaling back on
     after a scale by hand."""
     # Numbers as floats: 60 and 60.0 are the same setting.
-    values = {key: float(value) for key, value in spec.model_dump(by_alias=True).items()}
+    values = {key: value if isinstance(value, str) else float(value)
+              for key, value in spec.model_dump(by_alias=True).items()}
     text = json.dumps(values, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]

@@ -822,6 +822,13 @@ class AutoscaleSpec(SpecModel):
     long the trainer waits for data and how busy the rollout workers are
     (docs/kubernetes.md, Autoscaling)."""
 
+    scaler: Literal["operator", "external"] = Field(
+        default="operator",
+        description="operator: the operator (and `asyncrl run`) sets the replicas. external: "
+        "it only computes the signal, as the operator's metric asyncrl_rollout_wanted_replicas "
+        "and in status, for a HorizontalPodAutoscaler or KEDA to scale the RLJob's scale "
+        "subresource on.",
+    )
     min_replicas: int = Field(default=1, ge=1, description="Fewest rollout replicas.")
     max_replicas: int = Field(ge=1, description="Most rollout replicas.")
     target_trainer_idle: float = Field(
