@@ -40,6 +40,9 @@ from asyncrl.spec import RLJob
 AUTOSCALING_ON, EXTERNAL, SUSPENDED = "AutoscalingOn", "ExternalScaler", "JobSuspended"
 _STAMP = "%Y-%m-%dT%H:%M:%SZ"
 
+#: When a reading is taken (seconds); tests give the readings a clock of their own.
+clock = time.monotonic
+
 
 @dataclass
 class AutoscaleMemory:
@@ -103,7 +106,7 @@ def reading(trainer, rollout_busy: Mapping[str, float] | None) -> Reading | None
     seconds), None when either is missing."""
     if trainer is None or not rollout_busy:
         return None
-    return Reading(time.monotonic(), trainer.waited_seconds_total, trainer.step,
+    return Reading(clock(), trainer.waited_seconds_total, trainer.step,
                    dict(rollout_busy))
 
 
