@@ -219,6 +219,8 @@ def run(
 
         autoscaler = LocalAutoscaler(
             local, notify=lambda line: console.print(line, style="cyan", markup=False))
+        if metrics:
+            autoscaler.metrics.serve(local.metrics_ports["operator"], host="127.0.0.1")
     code = 0
     try:
         local.start()
@@ -557,6 +559,10 @@ def run_operator(
     lease_name: Annotated[str, typer.Option(envvar="ASYNCRL_OPERATOR_LEASE_NAME")] = "asyncrl-operator",
     lease_namespace: Annotated[str, typer.Option(
         envvar="POD_NAMESPACE", help="Namespace of the Lease (in a pod: its own).")] = "default",
+    metrics_port: Annotated[int, typer.Option(
+        envvar="ASYNCRL_OPERATOR_METRICS_PORT", min=0, max=65535,
+        help="Serve Prometheus /metrics on this port (the rollout autoscaler's signal per "
+        "job); 0: none.")] = 0,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run the RLJob operator (kopf) against the current kubeconfig or in-cluster."""
@@ -587,6 +593,8 @@ def run_operator(
         hub_endpoint=hub_endpoint or None,
     ), interval=interval, resync_interval=resync_interval, buffer_stats=buffer_stats)
     kopf.configure(verbose=verbose)
+    if metrics_port:
+        handlers.STATE.metrics.serve(metrics_port)
     stop_flag: threading.Event | None = None
     leadership = None
     if leader_election:

@@ -78,8 +78,9 @@ def reconcile_handler(body: kopf.Body, logger, **_) -> None:
 def forget_deleted_job(event: dict, body: kopf.Body, **_) -> None:
     """A deleted job's per-job state goes with it (its children go by garbage collection)."""
     if event.get("type") == "DELETED":
-        STATE.registry.forget(body["metadata"].get("namespace"), body["metadata"]["name"],
-                              body["metadata"].get("uid"))
+        namespace, name = body["metadata"].get("namespace"), body["metadata"]["name"]
+        STATE.registry.forget(namespace, name, body["metadata"].get("uid"))
+        STATE.metrics.forget(namespace, name)
 
 
 async def _on_child_event(event: dict, body: kopf.Body, **_) -> None:

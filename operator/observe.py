@@ -96,6 +96,9 @@ def observe(state: OperatorState, job: RLJob, body: Any,
         now=datetime.now(timezone.utc), autoscaling=scaling,
         autoscaling_events=tuple(scaling_events))
     state.registry.remember(key, job, observed)
+    state.metrics.record(namespace, job.metadata.name,
+                         autoscaling.rollout_replicas(job, scaling),
+                         autoscaling.wanted_replicas(job, scaling), scaling)
     return observed
 
 

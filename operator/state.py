@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from asyncrl.operator.autoscaling import AutoscaleMemory
 from asyncrl.operator.builders import JOB_LABEL, OperatorConfig
+from asyncrl.operator.metrics import OperatorMetrics
 from asyncrl.operator.status import Observation, seen_by_controller
 from asyncrl.spec import RLJob
 
@@ -202,6 +203,8 @@ class OperatorState:
     #: Whether kopf's handlers for the children are registered (once per process).
     children_watched: bool = False
     registry: JobRegistry = field(default_factory=JobRegistry)
+    #: Served by `asyncrl operator --metrics-port`.
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
 
     def configure(self, config: OperatorConfig, *, interval: float | None = None,
                   resync_interval: float | None = None,

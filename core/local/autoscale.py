@@ -3,7 +3,8 @@ the run's own processes. Each tick reads the trainer's waited seconds and each w
 busy seconds, and a decision that changes the replicas starts or stops worker processes (the
 highest indices go first; a worker stopped hands its prompts back to the buffer, as a pod
 scaled away does). Every change is said on the console and appended to
-<run_dir>/autoscale.jsonl."""
+<run_dir>/autoscale.jsonl; with --metrics the runner serves the operator's autoscaling metrics
+(asyncrl_operator_*) from `metrics`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import json
 import time
 from typing import TYPE_CHECKING, Callable
 
-from asyncrl.algorithms.autoscale import Decision, Reading, ReadingWindow, decide
+from asyncrl.algorithms.autoscale import Decision, Reading, ReadingWindow, decide, window_signals
+from asyncrl.operator.autoscaling import wanted_replicas
+from asyncrl.operator.metrics import OperatorMetrics
 
 if TYPE_CHECKING:
     from asyncrl.local.runner import LocalJob
@@ -27,6 +30,8 @@ class LocalAutoscaler:
         self.window = ReadingWindow()
         self.last_change: float | None = None
         self.last: Decision | None = None
+        #: The operator's autoscaling gauges, for the same dashboard panels.
+        self.metrics = OperatorMetrics()
 
     @property
     def replicas(self) -> int:
@@ -48,11 +53,24 @@ class LocalAutoscaler:
         since = None if self.last_change is None else now - self.last_change
         decision = decide(self.spec, self.replicas, self.window.first, self.window.last, since)
         self.last = decision
+        self._record(decision)
         if decision.scales:
             self._apply(decision)
             self.last_change = now
             self.window.restart()
         return decision
+
+    def _record(self, decision: Decision) -> None:
+        """The decision's signal in the operator's gauges (once there is one)."""
+        window = self.window
+        signals = window_signals(window.first, window.last) if window.first and window.last \
+            else None
+        figures = {} if signals is None or decision.demand is None else {
+            "demand": decision.demand, "trainerIdle": signals.trainer_idle,
+            "rolloutBusy": signals.rollout_busy}
+        scaling = {"active": True, "replicas": self.replicas, **figures}
+        self.metrics.record("", self.local.job.metadata.name, decision.replicas,
+                            wanted_replicas(self.local.job, scaling), scaling)
 
     def _apply(self, decision: Decision) -> None:
         current = self.replicas

@@ -282,9 +282,11 @@ class LocalJob:
         #: (a local scale out after a scale in) gets its index's ports again.
         self.rollout_ports = {index: (free_port(), free_port())
                               for index in range(self.job.spec.rollout.replicas)}
-        # /metrics of each service (the rollout worker serves it on its HTTP port); 0 = off.
-        self.metrics_ports = {name: free_port() if options.metrics else 0
-                              for name in ("buffer", "reward", "trainer")}
+        # /metrics of each service (the rollout worker serves it on its HTTP port), and with
+        # rollout.autoscale the runner's own autoscaler as "operator"; 0 = off.
+        served = ("buffer", "reward", "trainer") + (
+            ("operator",) if self.job.spec.rollout.autoscale is not None else ())
+        self.metrics_ports = {name: free_port() if options.metrics else 0 for name in served}
         self.prometheus_dir = self.run_dir / "prometheus"
         self.trainer_threads, self.rollout_threads = thread_split(options)
         self._env: dict[str, str] = {}

@@ -61,6 +61,12 @@ class RolloutMetrics:
             "Weight updates, by result (success or failure).",
             (*const_names, "result"), registry=registry,
         )
+        self.busy_seconds = Counter(
+            "asyncrl_rollout_busy_seconds",
+            "Seconds the engine spent generating (its rate is the decode occupancy, the "
+            "rollout autoscaler's signal).",
+            const_names, registry=registry,
+        )
         self.skipped_groups = Counter(
             "asyncrl_rollout_skipped_groups_total",
             "Groups dropped because every response got the same reward "
@@ -103,6 +109,7 @@ class RolloutMetrics:
         )
         # Every series exists from the start (at zero), so rates and dashboards never see gaps.
         for metric in (self.generated_tokens, self.interrupted_requests, self.skipped_groups,
+                       self.busy_seconds,
                        self.policy_version,
                        self.running_requests, self.waiting_requests,
                        self.weight_update_seconds, self.request_seconds):
@@ -115,6 +122,7 @@ class RolloutMetrics:
         self._lock = threading.Lock()
         self._seen_tokens = 0
         self._seen_interrupted = 0
+        self._seen_busy = 0.0
 
     def _child(self, metric, **labels):
         return metric.labels(**self._const, **labels)
@@ -152,6 +160,10 @@ class RolloutMetrics:
             interrupted = status.interrupted_requests_total - self._seen_interrupted
             self._seen_tokens = max(self._seen_tokens, status.generated_tokens_total)
             self._seen_interrupted = max(self._seen_interrupted, status.interrupted_requests_total)
+            busy = status.busy_seconds_total - self._seen_busy
+            self._seen_busy = max(self._seen_busy, status.busy_seconds_total)
+        if busy > 0:
+            self._child(self.busy_seconds).inc(busy)
         if tokens > 0:
             self._child(self.generated_tokens).inc(tokens)
         if interrupted > 0:

@@ -94,6 +94,10 @@ class TrainerMetrics:
                              for field, name, help_ in _STEP_GAUGES}
         self._mismatch_gauges = {field: Gauge(name, help_, names, registry=registry)
                                  for field, name, help_ in _MISMATCH_GAUGES}
+        self.batch_wait_seconds = labelled(Counter(
+            "asyncrl_trainer_batch_wait_seconds",
+            "Seconds the trainer waited for a batch (its rate is the trainer's idle share, "
+            "the rollout autoscaler's signal).", names, registry=registry))
         self._tracking_failures = Counter(
             "asyncrl_trainer_tracking_failures_total", "Failed calls to an experiment tracker "
             "(tracking in the job's spec), each retry counted; training goes on without them.",
@@ -118,6 +122,7 @@ class TrainerMetrics:
 
     def observe_step(self, record: dict) -> None:
         self.steps.inc()
+        self.batch_wait_seconds.inc(record.get("wait_seconds", 0.0))
         self.trained_tokens.inc(record["trained_tokens"])
         self.trained_samples.inc(record["trained_samples"])
         self.version.set(record["version"])

@@ -67,11 +67,22 @@ def test_every_rendered_object_is_valid_against_the_kubernetes_schemas(helm):
         if obj["kind"] == "PodMonitor":  # the prometheus-operator's CRD: checked below
             continue
         kubernetes_validate.validate(obj, latest_version(), strict=True)
-    (monitor,) = kinds["PodMonitor"]
-    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
-    assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} == {"metrics", "http"}
-    assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/managed-by"] == \
+    monitors = {m["metadata"]["name"]: m for m in kinds["PodMonitor"]}
+    [jobs] = [m for name, m in monitors.items() if name.endswith("-jobs")]
+    [operator] = [m for name, m in monitors.items() if name.endswith("-operator")]
+    assert {m["apiVersion"] for m in monitors.values()} == {"monitoring.coreos.com/v1"}
+    assert {e["port"] for e in jobs["spec"]["podMetricsEndpoints"]} == {"metrics", "http"}
+    assert jobs["spec"]["selector"]["matchLabels"]["app.kubernetes.io/managed-by"] == \
         "asyncrl-operator"
+    # The operator's own pods, on the port its Deployment names and serves /metrics on.
+    (deployment,) = kinds["Deployment"]
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    [endpoint] = operator["spec"]["podMetricsEndpoints"]
+    port = next(p for p in container["ports"] if p["name"] == endpoint["port"])
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["ASYNCRL_OPERATOR_METRICS_PORT"] == str(port["containerPort"])
+    assert operator["spec"]["selector"]["matchLabels"].items() <= \
+        deployment["spec"]["template"]["metadata"]["labels"].items()
 
 
 def test_chart_crd_is_asyncrl_crd_output():

@@ -24,11 +24,12 @@ from support.dashboard import (
 
 # The counted thing, plural, before `_total` (as in http_requests_total).
 COUNTED = {"steps", "tokens", "samples", "requests", "updates", "responses", "failures",
-           "timeouts", "groups", "batches", "slots", "prompts", "episodes"}
+           "timeouts", "groups", "batches", "slots", "prompts", "episodes",
+           "seconds"}  # time spent, as in process_cpu_seconds_total
 UNITS = {
     "histogram": ("_seconds", "_versions", "_ratio"),
     "gauge": ("_seconds", "_tokens", "_groups", "_slots", "_requests", "_version", "_ratio",
-              "_nats"),
+              "_nats", "_replicas"),
 }
 # Gauges with no unit to carry, each with its reason.
 UNITLESS = {
@@ -38,8 +39,9 @@ UNITLESS = {
     "asyncrl_reward_extra": "a python reward's own numbers, in the reward's own units",
 }
 # `field`: a python reward's extra numbers by name, at most reward.metrics.MAX_EXTRA_FIELDS.
+# `job_namespace`: the operator's series are of jobs in every namespace it watches.
 LABELS = {"rljob", "kind", "reason", "finish_reason", "result", "le", "transfer", "field",
-          "outcome", "tracker"}
+          "outcome", "tracker", "job_namespace"}
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +110,7 @@ def test_the_dashboard_covers_what_the_design_lists(dashboard):
                   "Weight-update latency", "Reward failures by reason", "Sandbox timeouts",
                   "Policy entropy and response length",
                   "PPO clip fraction and truncated responses", "Engine/trainer mismatch",
-                  "Learning rate"):
+                  "Learning rate", "Rollout replicas", "Scaling signal"):
         assert title in titles
     assert any(p["type"] == "heatmap" for p in panels(dashboard))
 

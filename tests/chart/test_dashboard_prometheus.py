@@ -28,6 +28,12 @@ from support.prometheus import (
 def test_every_dashboard_expression_returns_data_from_a_real_run(tmp_path):
     binary = prometheus_binary()
     queries = [(where, substitute(expr, JOB)) for where, expr in expressions(load_dashboard())]
+    # Autoscaled (within one replica: nothing changes), so that the runner serves the
+    # autoscaler's signal as the operator does.
+    job = yaml.safe_load(TINY.read_text())
+    job["spec"]["rollout"]["autoscale"] = {"maxReplicas": 1, "cooldownSeconds": 2}
+    job_file = tmp_path / "tiny-autoscaled.yaml"
+    job_file.write_text(yaml.safe_dump(job))
     run_dir = tmp_path / "run"
     run_log, prometheus_log = tmp_path / "run.log", tmp_path / "prometheus.log"
     env = {**os.environ, "ASYNCRL_EVAL_PROMPTS": "4"}
@@ -35,7 +41,7 @@ def test_every_dashboard_expression_returns_data_from_a_real_run(tmp_path):
     try:
         with run_log.open("w") as out:
             # More steps than the test waits for: it stops the run once every panel has data.
-            run = subprocess.Popen([ASYNCRL, "run", str(TINY), "--metrics", "--run-dir",
+            run = subprocess.Popen([ASYNCRL, "run", str(job_file), "--metrics", "--run-dir",
                                     str(run_dir), "--steps", "500"],
                                    stdout=out, stderr=subprocess.STDOUT, env=env)
         config_path = run_dir / "prometheus/prometheus.yml"

@@ -1,5 +1,5 @@
 """The Grafana dashboard (charts/asyncrl/dashboards/asyncrl.json), its PromQL, and the metric
-names the four services really export (collected from their metrics classes)."""
+names the four services and the operator really export (collected from their metrics classes)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import re
 from asyncrl.buffer.metrics import BufferMetrics
 from asyncrl.buffer.store import Stats
 from asyncrl.engine.types import EngineStatus, GenerationResult, WeightUpdate
+from asyncrl.operator.metrics import OperatorMetrics
 from asyncrl.rollout.metrics import RolloutMetrics
 from asyncrl.scoring.metrics import RewardMetrics
 from asyncrl.scoring.sandbox import RunResult
@@ -93,7 +94,7 @@ def exercised_registries() -> dict[str, object]:
     rollout.observe_episode("completed")
     rollout.refresh(EngineStatus(version=1, paused=False, running_requests=1, waiting_requests=0,
                                  generated_tokens_total=5, interrupted_requests_total=1,
-                                 max_running_requests=4, max_sequence_length=64))
+                                 busy_seconds_total=2.5, max_running_requests=4, max_sequence_length=64))
     reward = RewardMetrics("t")
     reward.observe_result("math", ScoreResult.failed("a", Failure.WRONG_ANSWER))
     reward.observe_result("python", ScoreResult("b", 1.0, extras={"format_bonus": 0.1}))
@@ -105,7 +106,10 @@ def exercised_registries() -> dict[str, object]:
                                     running_slots=3, accepted_total=4, consumed_total=2,
                                     dropped_stale_total=0, redelivered_total=0,
                                     expired_slots_total=0, staleness_counts=[1, 1]))
-    return {"trainer": trainer, "rollout": rollout, "reward": reward, "buffer": buffer}
+    operator = OperatorMetrics()
+    operator.record("ml", "t", 2, 3, {"demand": 1.5, "trainerIdle": 0.4, "rolloutBusy": 0.9})
+    return {"trainer": trainer, "rollout": rollout, "reward": reward, "buffer": buffer,
+            "operator": operator}
 
 
 def families(metrics) -> list:
