@@ -312,6 +312,15 @@ def _workflow_factory(settings: RolloutSettings, job, tokenizer, train, metrics,
     return run
 
 
+async def _after_catching_up(watcher: WeightWatcher | None, work: Coroutine) -> None:
+    """Runs `work` (the workflow) once `watcher` has caught up with the announced version: a
+    worker started mid-run (a scale out, a restart) generates on the current policy, not on
+    the weights it loaded at start, whose samples the staleness bound would drop."""
+    if watcher is not None:
+        await watcher.caught_up.wait()
+    await work
+
+
 async def _serve_async(settings: RolloutSettings, job: str, engine: InferenceEngine, app,
                        workflow=None, metrics: RolloutMetrics | None = None,
                        watch: Coroutine | None = None,
@@ -324,7 +333,7 @@ async def _serve_async(settings: RolloutSettings, job: str, engine: InferenceEng
     server = uvicorn.Server(
         uvicorn.Config(app, host=settings.host, port=settings.http_port, log_level="warning")
     )
-    watcher_task = None
+    watcher_task = watcher = None
     client = None
     if settings.redis_url:
         client = connect(settings.redis_url)
@@ -342,7 +351,7 @@ async def _serve_async(settings: RolloutSettings, job: str, engine: InferenceEng
     # the trainer moves on would silently break the staleness bound.
     tasks = {serving} | ({watcher_task} if watcher_task else set())
     if workflow is not None:
-        tasks.add(asyncio.create_task(workflow(engine, app)))
+        tasks.add(asyncio.create_task(_after_catching_up(watcher, workflow(engine, app))))
     if watch is not None:
         tasks.add(asyncio.create_task(watch))
     try:

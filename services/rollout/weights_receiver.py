@@ -73,6 +73,10 @@ class WeightWatcher:
         self._poll_seconds = poll_seconds
         self.redis = outage or Outage("Redis")
         self.updates = 0
+        #: Set once the first read of the announced version is done (and that version, if
+        #: newer, applied): a worker that starts mid-run generates from there, not from the
+        #: weights it loaded at start.
+        self.caught_up = asyncio.Event()
 
     async def run(self) -> None:
         """Runs until cancelled, reconnecting with backoff when Redis goes away; raises
@@ -89,6 +93,7 @@ class WeightWatcher:
         async with self._client.pubsub() as pubsub:
             await pubsub.subscribe(weights_channel(self._job))
             await self.catch_up()
+            self.caught_up.set()
             self.redis.recovered()
             while True:
                 await pubsub.get_message(ignore_subscribe_messages=True,

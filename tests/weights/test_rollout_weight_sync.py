@@ -83,6 +83,48 @@ def test_announced_versions_reach_the_engine(redis_server, tmp_path):
         engine.stop()
 
 
+def test_a_worker_started_mid_run_is_caught_up_before_it_may_generate(redis_server, tmp_path):
+    """`caught_up` (what the rollout workflow waits for) is set only once the version announced
+    before the worker started is in its engine; with nothing announced, at once."""
+    path = tmp_path / "v5.safetensors"
+    write_snapshot(path, 5, vocab_size=64)
+    engine = TorchEngine(tiny_model(vocab_size=64),
+                         max_running_requests=2, max_sequence_length=32).start()
+
+    async def scenario():
+        client = redis.from_url(redis_server.url)
+        empty = WeightWatcher(client, "nothing-announced", engine_applier(
+            TorchInferenceEngine(engine), tmp_path / "cache"))
+        first = asyncio.create_task(empty.run())
+        await asyncio.wait_for(empty.caught_up.wait(), 30)
+        assert engine.version == 0
+
+        release = asyncio.Event()
+        apply = engine_applier(TorchInferenceEngine(engine), tmp_path / "cache")
+
+        async def slow_apply(announced):
+            await release.wait()  # a large snapshot still loading
+            await apply(announced)
+
+        job = "announced-before-start"
+        await client.hset(weights_key(job), mapping=WeightVersion(5, str(path), 1).to_hash())
+        watcher = WeightWatcher(client, job, slow_apply)
+        second = asyncio.create_task(watcher.run())
+        await asyncio.sleep(0.5)
+        assert not watcher.caught_up.is_set() and engine.version == 0
+        release.set()
+        await asyncio.wait_for(watcher.caught_up.wait(), 30)
+        assert engine.version == 5
+        first.cancel()
+        second.cancel()
+        await client.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.stop()
+
+
 def test_watcher_survives_a_redis_restart(redis_server, tmp_path, caplog):
     path = tmp_path / "v1.safetensors"
     write_snapshot(path, 5, vocab_size=64)
