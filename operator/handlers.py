@@ -5,7 +5,8 @@ and talk to the API.
 
 A job is reconciled on create, spec update and operator start (resume); its children are
 watched (filtered by the job label), and a child's change reconciles its job again or
-refreshes its status; its figures are refreshed every `ASYNCRL_OPERATOR_INTERVAL` seconds,
+refreshes its status; its figures, and its lifetime rules (asyncrl.operator.lifetime: TTL, deadline), are checked every
+`ASYNCRL_OPERATOR_INTERVAL` seconds,
 and every RLJob is reconciled every `ASYNCRL_OPERATOR_RESYNC_INTERVAL` seconds, which repairs
 drift a watch missed. That loop is operator-wide rather than a kopf timer so that RLJobs
 carry no finalizer: deletion is the garbage collector's job, through owner references, even
@@ -21,7 +22,7 @@ import functools
 
 import kopf
 
-from asyncrl.operator import builders, reconcile
+from asyncrl.operator import builders, lifetime, reconcile
 from asyncrl.operator.builders import OperatorConfig
 from asyncrl.operator.state import OperatorState
 from asyncrl.spec import GROUP, PLURAL, VERSION
@@ -57,7 +58,10 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_)
     child_work = functools.partial(reconcile.reconcile_by_name, STATE)
     memo.tasks = [asyncio.create_task(reconcile.resync_forever(STATE, logger)),
                   asyncio.create_task(STATE.registry.child_events.run(child_work, logger)),
-                  asyncio.create_task(reconcile.refresh_figures_forever(STATE, logger))]
+                  asyncio.create_task(reconcile.refresh_figures_forever(STATE, logger)),
+                  asyncio.create_task(lifetime.lifetime_forever(
+                      STATE.interval, reconcile.parsed_job,
+                      functools.partial(reconcile.reconcile_quietly, STATE), logger))]
 
 
 @kopf.on.cleanup()

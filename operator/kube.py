@@ -156,6 +156,19 @@ def read_job(namespace: str, name: str) -> dict | None:
         return None
 
 
+def delete_job(namespace: str, name: str) -> None:
+    """Deletes an RLJob (ttlSecondsAfterFinished); what it owns goes by garbage collection, in
+    the background. Gone already is fine."""
+    from kubernetes.client.rest import ApiException
+
+    try:
+        custom().delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
+                                                 propagation_policy="Background")
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+
+
 def list_jobs() -> list[dict]:
     """Every RLJob of the cluster."""
     return custom().list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]

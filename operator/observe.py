@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Sequence
 
-from asyncrl.operator import autoscaling, builders, kube
+from asyncrl.operator import autoscaling, builders, kube, lifetime
 from asyncrl.operator.state import OperatorState, job_key
 from asyncrl.operator.status import (
     BufferStats,
@@ -18,10 +18,10 @@ from asyncrl.operator.status import (
     TrainerStatus,
     Workload,
     compute_status,
+    component_failure,
     model_failure,
     seen_by_controller,
     status_changes,
-    trainer_failure,
 )
 from asyncrl.spec import RLJob
 
@@ -56,9 +56,9 @@ def observe(state: OperatorState, job: RLJob, body: Any,
     (else they are fetched here, if the operator asks the services for them at all)."""
     namespace = job.metadata.namespace
     previous = (body.get("status") or {}).get("autoscaling")
-    # Who sets the rollout replicas before this observation's decision: the Deployment has them.
-    applied = autoscaling.with_rollout_replicas(
-        job, autoscaling.rollout_replicas(job, autoscaling.settled(job, previous)))
+    # The replicas the workloads have now: the autoscaler's before this observation's
+    # decision, none for a failed job's workers.
+    applied = lifetime.as_applied(job, body)
     found = []
     for kind, component in builders.workloads(applied):
         desired = builders.desired_replicas(applied, component)
@@ -74,8 +74,9 @@ def observe(state: OperatorState, job: RLJob, body: Any,
                               current=seen_by_controller(status.observed_generation,
                                                          workload.metadata.generation)))
 
-    pods = kube.list_pods(namespace, builders.selector_labels(job, "trainer"))
-    failure = trainer_failure(pods, state.config.trainer_max_restarts)
+    pods = kube.list_pods(namespace, {builders.JOB_LABEL: job.metadata.name})
+    trainer_pods = [p for p in pods if (p["metadata"].get("labels") or {}).get(
+        "app.kubernetes.io/component") == "trainer"]
 
     if figures is None:
         figures = fetch_figures(job, found) if state.buffer_stats else Figures()
@@ -89,8 +90,10 @@ def observe(state: OperatorState, job: RLJob, body: Any,
         autoscaling.reading(figures.trainer, figures.rollout_busy), datetime.now(timezone.utc))
     observed = Observation(
         generation=body["metadata"].get("generation"), suspend=job.spec.suspend,
-        max_steps=job.spec.algorithm.max_steps, workloads=tuple(found), trainer_failure=failure,
-        model_failure=model_failure(pods, state.config.trainer_max_restarts),
+        max_steps=job.spec.algorithm.max_steps, workloads=tuple(found),
+        failure=component_failure(pods, job.spec.backoff_limit),
+        model_failure=model_failure(trainer_pods, state.config.trainer_max_restarts),
+        active_deadline_seconds=job.spec.active_deadline_seconds,
         stats=figures.stats, stats_error=figures.stats_error, samples_per_second=rate,
         trainer=figures.trainer, trainer_error=figures.trainer_error,
         now=datetime.now(timezone.utc), autoscaling=scaling,

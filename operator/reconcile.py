@@ -21,7 +21,7 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from asyncrl.operator import autoscaling, builders, kube
+from asyncrl.operator import autoscaling, builders, kube, lifetime
 from asyncrl.operator.observe import Figures, changed_figures, observe, write_status
 from asyncrl.operator.state import OperatorState, job_key
 from asyncrl.operator.status import Observation
@@ -70,29 +70,33 @@ def _reconcile(state: OperatorState, body: Any, *,
                                        suspend=False, max_steps=0, invalid=message))
         raise kopf.PermanentError(message) from None
 
-    replicas = _applied_replicas(job, body.get("status"))
-    _apply_children(state, job, body, replicas, logger)
-    return _write_and_rescale(state, job, body, replicas, observe(state, job, body), logger)
+    _apply_children(state, job, body, logger)
+    return _write_and_reapply(state, job, body, observe(state, job, body), logger)
 
 
-def _applied_replicas(job: RLJob, status: dict | None) -> int:
-    """The rollout replicas the Deployment gets before this observation's decision."""
-    previous = (status or {}).get("autoscaling")
-    return autoscaling.rollout_replicas(job, autoscaling.settled(job, previous))
+def _applied(job: RLJob, body: Any) -> tuple[int, bool]:
+    """What the workloads get from the status: the rollout replicas, and whether the
+    workers are stopped (a failed job)."""
+    applied = lifetime.as_applied(job, body)
+    return applied.spec.rollout.replicas, applied.spec.suspend
 
 
-def _apply_children(state: OperatorState, job: RLJob, body: Any, rollout_replicas: int,
-                    logger) -> None:
-    """Applies every child, the rollout's with `rollout_replicas` (the autoscaler's, or the
-    spec's). Raises kopf.TemporaryError when the API refuses one."""
+def _apply_children(state: OperatorState, job: RLJob, body: Any, logger) -> None:
+    """Applies every child as the status says (asyncrl.operator.lifetime.as_applied: the
+    autoscaler's rollout replicas, the workers at zero once the job failed). Every child is
+    owned by the RLJob but the run volume's claim with spec.keepRunVolume. Raises
+    kopf.TemporaryError when the API refuses one."""
     from kubernetes.client.rest import ApiException
 
     try:
-        scaled = autoscaling.with_rollout_replicas(job, rollout_replicas)
-        children = builders.build_children(scaled, state.config,
+        children = builders.build_children(lifetime.as_applied(job, body), state.config,
                                            redis_password=redis_password(job))
+        run_claim = builders.child_name(job, "run")
         for child in children:
-            kopf.adopt(child, owner=body)
+            unowned = (job.spec.keep_run_volume and child["kind"] == "PersistentVolumeClaim"
+                       and child["metadata"]["name"] == run_claim)
+            if not unowned:
+                kopf.adopt(child, owner=body)
             kube.apply(child)
         logger.debug(f"applied {len(children)} children")
     except ApiException as exc:
@@ -100,14 +104,15 @@ def _apply_children(state: OperatorState, job: RLJob, body: Any, rollout_replica
                                   f"{kube.api_message(exc)}", delay=5) from exc
 
 
-def _write_and_rescale(state: OperatorState, job: RLJob, body: Any, applied: int,
-                       observed, logger) -> dict:
-    """Writes the status observed; a decision of the autoscaler that changed the rollout
-    replicas reaches the Deployment at once, not at the next reconcile."""
+def _write_and_reapply(state: OperatorState, job: RLJob, body: Any, observed, logger) -> dict:
+    """Writes the status observed; where it changes what the workloads get (the autoscaler
+    changed the rollout replicas, the job failed), the children are applied again at once,
+    not at the next reconcile."""
+    before = _applied(job, body)
     status = write_status(body, observed)
-    wanted = autoscaling.rollout_replicas(job, status.get("autoscaling"))
-    if wanted != applied:
-        _apply_children(state, job, body, wanted, logger)
+    now = {**body, "status": status}
+    if _applied(job, now) != before:
+        _apply_children(state, job, now, logger)
     return status
 
 
@@ -120,9 +125,7 @@ def refresh_status(state: OperatorState, body: Any,
     except ValidationError:
         return None  # an invalid spec's status says so already
     with state.registry.lock(job_key(body)):
-        applied = _applied_replicas(job, body.get("status"))
-        return _write_and_rescale(state, job, body, applied, observe(state, job, body, figures),
-                                  log)
+        return _write_and_reapply(state, job, body, observe(state, job, body, figures), log)
 
 
 def reconcile_by_name(state: OperatorState, namespace: str, name: str, full: bool,
@@ -140,6 +143,22 @@ def reconcile_by_name(state: OperatorState, namespace: str, name: str, full: boo
             pass  # status already says why
     else:
         refresh_status(state, body, figures)
+
+
+def parsed_job(body: Any) -> RLJob | None:
+    """The RLJob of a body, None for an invalid spec (its status says so already)."""
+    try:
+        return parse_manifest(job_manifest(body))
+    except ValidationError:
+        return None
+
+
+def reconcile_quietly(state: OperatorState, body: Any) -> None:
+    """`reconcile`, for periodic work: an invalid spec's status says so already."""
+    try:
+        reconcile(state, body)
+    except kopf.PermanentError:
+        pass
 
 
 def resync_all(state: OperatorState) -> None:

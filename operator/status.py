@@ -31,8 +31,9 @@ ALL_READY, NOT_READY, NOT_CREATED = "AllWorkloadsReady", "WorkloadsNotReady", "C
 SUSPENDED_BY_SPEC, RESUMED = "SuspendedBySpec", "NotSuspended"
 REACHABLE, UNREACHABLE = "GetStatsAnswered", "GetStatsFailed"
 TRAINER_REACHABLE, TRAINER_UNREACHABLE = "GetStatusAnswered", "GetStatusFailed"
-TRAINER_FAILED, NO_FAILURE = "TrainerFailed", "NoFailure"
+NO_FAILURE = "NoFailure"  # a failure's own reason is <Component>Failed (ComponentFailure)
 MODEL_FAILED = "ModelDownloadFailed"
+DEADLINE_EXCEEDED = "DeadlineExceeded"  # spec.activeDeadlineSeconds
 MAX_STEPS, DATA_USED, IN_PROGRESS = "MaxStepsReached", "DatasetUsedUp", "Training"
 
 
@@ -95,14 +96,29 @@ class TrainerStatus:
 
 
 @dataclass(frozen=True)
+class ComponentFailure:
+    """A component whose pods failed (restarted past spec.backoffLimit, or ended Failed)."""
+
+    component: str
+    message: str
+
+    @property
+    def reason(self) -> str:
+        """TrainerFailed, RolloutFailed, RewardFailed, BufferFailed or RedisFailed."""
+        return f"{self.component.capitalize()}Failed"
+
+
+@dataclass(frozen=True)
 class Observation:
     generation: int | None
     suspend: bool
     max_steps: int
     workloads: tuple[Workload, ...] = ()
     invalid: str | None = None          # validation message, when the spec is invalid
-    trainer_failure: str | None = None  # why the trainer is considered failed
+    failure: ComponentFailure | None = None  # a component whose pods keep failing
     model_failure: str | None = None    # why the trainer pods could not download the model
+    #: spec.activeDeadlineSeconds (None: no deadline).
+    active_deadline_seconds: int | None = None
     stats: BufferStats | None = None
     stats_error: str | None = None
     trainer: TrainerStatus | None = None
@@ -122,17 +138,21 @@ def compute_status(observed: Observation, previous: dict[str, Any] | None) -> di
     previous = previous or {}
     conditions: list[tuple[str, bool, str, str]] = []
 
+    failure = None
     if observed.invalid is not None:
         conditions.append((VALID, False, SPEC_INVALID, observed.invalid))
         phase = "Failed"
     else:
         conditions.append((VALID, True, SPEC_VALID, "The spec is valid."))
-        phase = _phase(observed, conditions)
+        failure = _failure(observed, previous)
+        phase = _phase(observed, conditions, failure)
 
     status: dict[str, Any] = {
         "phase": phase,
         "observedGeneration": observed.generation,
         "conditions": _conditions(conditions, previous.get("conditions") or [], observed),
+        "failure": failure,
+        **_times(observed, previous, phase),
     }
     rollout = next((w for w in observed.workloads if w.component == "rollout"), None)
     if rollout is not None:
@@ -171,18 +191,67 @@ _FIGURES = ("policyVersion", "trainerStep", "tokensPerSecond", "samplesPerSecond
             "stalenessMean", "rewardMean", "evalAccuracy", "evalStderr")
 
 
-def _phase(observed: Observation, conditions: list) -> str:
+def _finished(observed: Observation) -> tuple[bool, bool]:
+    """(maxSteps reached, the dataset's epochs used up first)."""
     stats = observed.stats
     reached = stats is not None and stats.trainer_step >= observed.max_steps
     # A job with dataset.epochs may end before maxSteps: its trainer announces the end.
     used_up = stats is not None and stats.trainer_finished and not reached
-    done = reached or used_up
+    return reached, used_up
+
+
+def _failure(observed: Observation, previous: dict[str, Any]) -> dict[str, Any] | None:
+    """status.failure: what failed the job. Terminal: kept (the workers stopped, so what
+    caused it is no longer observed) until the spec changes (metadata.generation)."""
+    kept = previous.get("failure")
+    if kept and kept.get("generation") == observed.generation:
+        return kept
     # A finished job stays Succeeded: its trainer exits once done and the StatefulSet restarts it.
-    if observed.model_failure and not done:
-        conditions.append((FAILED, True, MODEL_FAILED, observed.model_failure))
-        return "Failed"
-    if observed.trainer_failure and not done:
-        conditions.append((FAILED, True, TRAINER_FAILED, observed.trainer_failure))
+    if any(_finished(observed)):
+        return None
+    found = None
+    if observed.model_failure:
+        found = (MODEL_FAILED, "trainer", observed.model_failure)
+    elif observed.failure:
+        found = (observed.failure.reason, observed.failure.component, observed.failure.message)
+    elif observed.active_deadline_seconds and previous.get("startTime") and not observed.suspend:
+        started = _parse_time(previous["startTime"], observed.now)
+        elapsed = (observed.now - started).total_seconds()
+        if elapsed >= observed.active_deadline_seconds:
+            found = (DEADLINE_EXCEEDED, "job",
+                     f"The job ran {elapsed:.0f} s since {previous['startTime']}, past "
+                     f"activeDeadlineSeconds {observed.active_deadline_seconds}.")
+    if found is None:
+        return None
+    reason, component, message = found
+    return {"reason": reason, "component": component,
+            "message": f"{message} Its workers are stopped and its state kept; change the "
+            "spec to start them again.", "generation": observed.generation}
+
+
+def _times(observed: Observation, previous: dict[str, Any], phase: str) -> dict[str, Any]:
+    """startTime (activeDeadlineSeconds counts from it; a suspend clears it, so a resumed job
+    counts again, as a Job does) and completionTime (ttlSecondsAfterFinished counts from it)."""
+    stamp = observed.now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    start = previous.get("startTime")
+    if phase == "Suspended":
+        start = None
+    elif start is None and phase in ("Starting", "Running"):
+        start = stamp
+    finished = phase in ("Succeeded", "Failed")
+    completion = (previous.get("completionTime") or stamp) if finished else None
+    return {"startTime": start, "completionTime": completion}
+
+
+def _parse_time(text: str, like: datetime) -> datetime:
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=like.tzinfo)
+
+
+def _phase(observed: Observation, conditions: list, failure: dict[str, Any] | None) -> str:
+    reached, used_up = _finished(observed)
+    done = reached or used_up
+    if failure is not None:
+        conditions.append((FAILED, True, failure["reason"], failure["message"]))
         return "Failed"
     conditions.append((FAILED, False, NO_FAILURE, "No component has failed."))
 
@@ -262,29 +331,55 @@ def status_changes(current: dict[str, Any] | None, new: dict[str, Any]) -> dict[
     return {key: value for key, value in new.items() if current.get(key) != value}
 
 
-def trainer_failure(pods: list[dict[str, Any]], max_restarts: int) -> str | None:
-    """Why the trainer counts as failed, from its pods (dicts as the API returns them)."""
+#: The components whose pods spec.backoffLimit counts, in the order a failure is named.
+FAILING_COMPONENTS = ("trainer", "rollout", "reward", "buffer", "redis")
+#: How many of a failed container's last log lines (its termination message) a failure quotes.
+LOG_LINES = 8
+
+
+def component_failure(pods: list[dict[str, Any]], backoff_limit: int) -> ComponentFailure | None:
+    """The first component (FAILING_COMPONENTS) whose pods (dicts as the API returns them, all
+    of the job's) restarted their containers more than `backoff_limit` times in all, or one
+    of whose pods ended Failed. Exit code 0 is not a failure (a trainer that finished exits).
+    A pod being deleted (a suspend, a rollout of new pods) is not counted."""
+    by_component: dict[str, list[dict]] = {}
     for pod in pods:
-        name = pod.get("metadata", {}).get("name", "trainer")
-        if pod.get("metadata", {}).get("deletionTimestamp"):
-            continue  # stopped on purpose (suspend, a rollout of new pods): not a failure
+        meta = pod.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            continue
+        component = (meta.get("labels") or {}).get("app.kubernetes.io/component", "")
+        by_component.setdefault(component, []).append(pod)
+    for component in FAILING_COMPONENTS:
+        found = _failed(component, by_component.get(component, []), backoff_limit)
+        if found is not None:
+            return ComponentFailure(component, found)
+    return None
+
+
+def _failed(component: str, pods: list[dict[str, Any]], backoff_limit: int) -> str | None:
+    restarts, last = 0, None  # last: (pod, its container's last termination), not exit 0
+    for pod in pods:
+        name = pod.get("metadata", {}).get("name", component)
         status = pod.get("status") or {}
         if status.get("phase") == "Failed":
             why = status.get("reason") or status.get("message") or "its container exited"
-            return f"trainer pod {name} failed: {why}"
+            return f"{component} pod {name} failed: {why}."
         for container in status.get("containerStatuses") or []:
-            waiting = (container.get("state") or {}).get("waiting") or {}
-            restarts = container.get("restartCount", 0)
-            last = ((container.get("lastState") or {}).get("terminated") or {})
-            # Exit code 0 is a trainer that finished (it exits at maxSteps), not a crash.
-            if waiting.get("reason") == "CrashLoopBackOff" and restarts >= max_restarts \
-                    and last.get("exitCode") != 0:
-                why = last.get("reason") or "error"
-                code = last.get("exitCode")
-                return (f"trainer pod {name} is in CrashLoopBackOff after {restarts} restarts "
-                        f"(last exit: {why}{f', code {code}' if code is not None else ''})")
-    return None
-
+            restarts += container.get("restartCount", 0)
+            terminated = (container.get("lastState") or {}).get("terminated") or {}
+            if terminated and terminated.get("exitCode") != 0:
+                last = (name, terminated)
+    if restarts <= backoff_limit or last is None:
+        return None
+    name, terminated = last
+    code = terminated.get("exitCode")
+    message = (f"{component} pods restarted {restarts} times, more than backoffLimit "
+               f"{backoff_limit}; pod {name} last exited: {terminated.get('reason') or 'error'}"
+               f"{f', code {code}' if code is not None else ''}.")
+    lines = (terminated.get("message") or "").strip().splitlines()[-LOG_LINES:]
+    if lines:
+        message += " Its last log lines:\n" + "\n".join(lines)
+    return message
 
 
 def model_failure(pods: list[dict[str, Any]], max_restarts: int) -> str | None:

@@ -1443,6 +1443,32 @@ class RLJobSpec(SpecModel):
         default=False,
         description="Stop all workers while keeping the job's state; set back to false to resume.",
     )
+    backoff_limit: int = Field(
+        default=6, ge=0,
+        description="Container restarts of one component's pods (trainer, rollout, reward, "
+        "buffer, Redis; counted per component, over the pods it has now) after which the job "
+        "fails, its workers stopped and its state kept; the reason names the component and "
+        "quotes its last log lines. A change of the spec starts it again. As a Job's "
+        "backoffLimit (default 6).",
+    )
+    active_deadline_seconds: int | None = Field(
+        default=None, ge=1,
+        description="Seconds the job may run, from its start (or its last resume from "
+        "suspend), before it fails with reason DeadlineExceeded, its workers stopped and its "
+        "state kept; unset: no limit. As a Job's activeDeadlineSeconds.",
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        default=None, ge=0,
+        description="Seconds after the job succeeded or failed at which the operator deletes "
+        "the RLJob, and with it everything it owns; unset: it stays. As a Job's "
+        "ttlSecondsAfterFinished.",
+    )
+    keep_run_volume: bool = Field(
+        default=False,
+        description="The run volume's claim (checkpoints, final weights) is not owned by the "
+        "RLJob, so it outlives it (its deletion, or ttlSecondsAfterFinished) for `asyncrl "
+        "export`; delete it yourself when done. Set when the job is created.",
+    )
 
     @property
     def trainer_compute_dtype(self) -> str:

@@ -55,6 +55,19 @@ class AutoscalingStatus(SpecModel):
         default=None, description="Wanted over current rollout replicas (the scaling signal).")
 
 
+class FailureStatus(SpecModel):
+    """What failed the job (spec.backoffLimit, activeDeadlineSeconds, a model download)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    reason: str = Field(description="CamelCase reason, e.g. RolloutFailed or DeadlineExceeded.")
+    component: str = Field(description="The component that failed, or job for a deadline.")
+    message: str = Field(description="What happened, with the failed container's last log lines.")
+    generation: int | None = Field(
+        default=None, description="metadata.generation it failed at: the job stays Failed, its "
+        "workers stopped, until the spec changes.")
+
+
 class RLJobStatus(SpecModel):
     """Observed state, written by the operator."""
 
@@ -83,6 +96,17 @@ class RLJobStatus(SpecModel):
     )
     rollout_ready_replicas: int | None = Field(
         default=None, description="Rollout worker pods that are ready."
+    )
+    failure: FailureStatus | None = Field(
+        default=None, description="What failed the job, while it is Failed."
+    )
+    start_time: datetime | None = Field(
+        default=None, description="When the job started, or last resumed from suspend "
+        "(activeDeadlineSeconds counts from it)."
+    )
+    completion_time: datetime | None = Field(
+        default=None, description="When the job succeeded or failed (ttlSecondsAfterFinished "
+        "counts from it)."
     )
     autoscaling: AutoscalingStatus | None = Field(
         default=None, description="The rollout autoscaler's last decision (rollout.autoscale)."

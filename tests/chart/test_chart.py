@@ -107,10 +107,12 @@ def test_rbac_grants_only_what_the_operator_uses(helm):
     grants = {(group, resource): set(rule["verbs"])
               for rule in cluster_role["rules"]
               for group in rule["apiGroups"] for resource in rule["resources"]}
-    # Nothing wide: no wildcards, no deletes (children go by garbage collection), no pods/exec.
+    # Nothing wide: no wildcards, no deletes (children go by garbage collection) but of an
+    # RLJob past its ttlSecondsAfterFinished, no pods/exec.
     for (group, resource), verbs in grants.items():
         assert "*" not in verbs and group != "*" and resource != "*"
-        assert not verbs & {"delete", "deletecollection", "escalate", "bind", "impersonate"}
+        assert not verbs & {"deletecollection", "escalate", "bind", "impersonate"}
+        assert "delete" not in verbs or (group, resource) == ("asyncrl.io", "rljobs")
     assert not any(resource.startswith("pods/") for _, resource in grants)
     # Every kind the operator applies (server-side apply is a patch that may create).
     plural = {"ConfigMap": ("", "configmaps"), "Secret": ("", "secrets"),
@@ -127,7 +129,7 @@ def test_rbac_grants_only_what_the_operator_uses(helm):
         verbs = {"get", "create", "patch"} | ({"list", "watch"} if key[1] in watched else set())
         assert grants[key] == verbs, kind
     assert grants[("", "secrets")] == {"get", "create", "patch"}
-    assert grants[("asyncrl.io", "rljobs")] == {"get", "list", "watch", "patch"}
+    assert grants[("asyncrl.io", "rljobs")] == {"get", "list", "watch", "patch", "delete"}
     assert grants[("asyncrl.io", "rljobs/status")] == {"get", "patch"}
     assert grants[("", "pods")] == {"list", "watch"}
     assert grants[("", "events")] == {"create"}

@@ -7,7 +7,7 @@ import os
 import socket
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import kopf
 import kubernetes_validate
@@ -23,9 +23,10 @@ from asyncrl.operator.status import (
     Observation,
     TrainerStatus,
     Workload,
+    ComponentFailure,
     compute_status,
+    component_failure,
     status_changes,
-    trainer_failure,
 )
 from asyncrl.platform.settings import SGLANG_STARTUP_SECONDS
 from asyncrl.spec import load_manifest, parse_manifest
@@ -819,10 +820,52 @@ def test_a_job_whose_dataset_is_used_up_succeeds_before_max_steps():
     assert complete["message"] == "Step 4 of 10 published. The dataset's epochs are used up."
 
 
-def test_trainer_failure_is_failed():
-    status = compute_status(observation(trainer_failure="trainer pod x crashed"), None)
+def test_a_component_failure_fails_the_job_until_the_spec_changes():
+    crashed = ComponentFailure("rollout", "rollout pods restarted 7 times, more than "
+                               "backoffLimit 6; pod x last exited: Error, code 1.")
+    status = compute_status(observation(failure=crashed), None)
     assert status["phase"] == "Failed"
-    assert condition(status, "Failed")["reason"] == "TrainerFailed"
+    failed = condition(status, "Failed")
+    assert failed["reason"] == "RolloutFailed"
+    assert failed["message"].startswith("rollout pods restarted 7 times")
+    assert "Its workers are stopped and its state kept" in failed["message"]
+    assert status["failure"] == {"reason": "RolloutFailed", "component": "rollout",
+                                 "message": failed["message"], "generation": 3}
+    assert status["completionTime"] == "2026-01-01T00:00:00Z"
+    # The workers stop, so the crash is no longer seen: the job stays Failed ...
+    again = compute_status(observation(), copy.deepcopy(status))
+    assert again["phase"] == "Failed" and again["failure"] == status["failure"]
+    # ... until the spec changes.
+    edited = compute_status(observation(generation=4), copy.deepcopy(status))
+    assert edited["phase"] == "Running" and edited["failure"] is None
+    assert edited["completionTime"] is None
+
+
+def test_the_deadline_counts_from_the_start_and_again_after_a_resume():
+    started = compute_status(observation(active_deadline_seconds=60), None)
+    assert (started["phase"], started["startTime"]) == ("Running", "2026-01-01T00:00:00Z")
+    minute = NOW + timedelta(seconds=59)
+    assert compute_status(observation(active_deadline_seconds=60, now=minute),
+                          copy.deepcopy(started))["phase"] == "Running"
+    late = compute_status(observation(active_deadline_seconds=60,
+                                      now=NOW + timedelta(seconds=61)), copy.deepcopy(started))
+    failed = condition(late, "Failed")
+    assert (late["phase"], failed["reason"]) == ("Failed", "DeadlineExceeded")
+    assert failed["message"].startswith("The job ran 61 s since 2026-01-01T00:00:00Z, past "
+                                        "activeDeadlineSeconds 60.")
+    # Suspended, the clock stops; resumed, it starts again.
+    suspended = compute_status(observation(suspend=True, active_deadline_seconds=60,
+                                           now=minute), copy.deepcopy(started))
+    assert suspended["startTime"] is None
+    resumed = compute_status(observation(active_deadline_seconds=60,
+                                         now=NOW + timedelta(seconds=100)), suspended)
+    assert (resumed["phase"], resumed["startTime"]) == ("Running", "2026-01-01T00:01:40Z")
+    # A finished job has no deadline.
+    done = BufferStats(trainer_version=10, trainer_step=10, accepted_total=80, consumed_total=80)
+    finished = compute_status(observation(stats=done, active_deadline_seconds=60,
+                                          now=NOW + timedelta(seconds=61)), copy.deepcopy(started))
+    assert finished["phase"] == "Succeeded"
+    assert finished["completionTime"] == "2026-01-01T00:01:01Z"
 
 
 def test_transition_time_only_moves_when_a_condition_flips():
@@ -834,42 +877,61 @@ def test_transition_time_only_moves_when_a_condition_flips():
     flipped = compute_status(observation(suspend=True,
                                          now=datetime(2026, 1, 3, tzinfo=timezone.utc)), first)
     assert condition(flipped, "Suspended")["lastTransitionTime"] == "2026-01-03T00:00:00Z"
-    assert set(status_changes(first, flipped)) == {"phase", "conditions"}
+    # Suspended, the deadline's clock stops (startTime goes).
+    assert set(status_changes(first, flipped)) == {"phase", "conditions", "startTime"}
 
 
-def test_trainer_failure_from_pods():
-    crashing = {"metadata": {"name": "j-trainer-0"}, "status": {"phase": "Running",
-                "containerStatuses": [{"restartCount": 6,
-                                       "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-                                       "lastState": {"terminated": {"reason": "Error",
-                                                                    "exitCode": 1}}}]}}
-    assert "CrashLoopBackOff after 6 restarts (last exit: Error, code 1)" in \
-        trainer_failure([crashing], 5)
-    assert trainer_failure([crashing], 10) is None
-    assert trainer_failure([], 5) is None
-    finished = copy.deepcopy(crashing)
-    finished["status"]["containerStatuses"][0]["lastState"] = {
-        "terminated": {"reason": "Completed", "exitCode": 0}}
-    assert trainer_failure([finished], 5) is None
-    failed = {"metadata": {"name": "j-trainer-0"}, "status": {"phase": "Failed"}}
-    assert trainer_failure([failed], 5) == \
-        "trainer pod j-trainer-0 failed: its container exited"
-    # A pod stopped on purpose (suspend) ends Failed too, while it is being deleted.
-    stopping = {"metadata": {"name": "j-trainer-0", "deletionTimestamp": "2026-01-01T00:00:00Z"},
-                "status": {"phase": "Failed"}}
-    assert trainer_failure([stopping], 5) is None
+def pod(component: str, name: str, restarts: int = 0, exit_code: int = 1,
+        message: str = "", phase: str = "Running", deleting: bool = False) -> dict:
+    meta = {"name": name, "labels": {"app.kubernetes.io/component": component}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    terminated = {"reason": "Error" if exit_code else "Completed", "exitCode": exit_code,
+                  "message": message}
+    return {"metadata": meta, "status": {"phase": phase, "containerStatuses": [{
+        "restartCount": restarts, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+        "lastState": {"terminated": terminated} if restarts else {}}]}}
+
+
+def test_restarts_are_counted_per_component_against_the_backoff_limit():
+    logs = "\n".join(f"line {i}" for i in range(20)) + "\nValueError: boom"
+    # Two rollout pods restarted 4 and 3 times: 7 for the component, more than 6.
+    pods = [pod("rollout", "j-rollout-a", 4), pod("rollout", "j-rollout-b", 3, message=logs),
+            pod("trainer", "j-trainer-0", 6), pod("reward", "j-reward-a", 5)]
+    failure = component_failure(pods, 6)
+    assert (failure.component, failure.reason) == ("rollout", "RolloutFailed")
+    assert failure.message.startswith("rollout pods restarted 7 times, more than backoffLimit 6;"
+                                      " pod j-rollout-b last exited: Error, code 1. Its last "
+                                      "log lines:\nline 13\n")
+    assert failure.message.endswith("line 19\nValueError: boom")
+    assert component_failure(pods, 7) is None
+    assert component_failure([], 0) is None
+    # The trainer first, whatever the order of the pods.
+    assert component_failure(pods + [pod("trainer", "j-trainer-1", 2)], 6).component == "trainer"
+
+
+def test_what_does_not_count_as_a_failure():
+    # Exit code 0 is a finished trainer; a pod being deleted was stopped on purpose.
+    assert component_failure([pod("trainer", "j-trainer-0", 9, exit_code=0)], 5) is None
+    assert component_failure([pod("rollout", "j-rollout-a", 9, deleting=True)], 5) is None
+    stopping = pod("trainer", "j-trainer-0", phase="Failed", deleting=True)
+    assert component_failure([stopping], 5) is None
+    failed = component_failure([pod("buffer", "j-buffer-a", phase="Failed")], 5)
+    assert (failed.reason, failed.message) == ("BufferFailed",
+                                               "buffer pod j-buffer-a failed: its container "
+                                               "exited.")
 
 
 def test_a_finished_job_stays_succeeded_whatever_its_trainer_pod_does():
     stats = BufferStats(trainer_version=10, trainer_step=10, accepted_total=80,
                         consumed_total=80, staleness_counts=(2, 1, 1))
-    status = compute_status(observation(stats=stats, trainer_failure="trainer pod x crashed"),
-                            None)
+    crashed = ComponentFailure("trainer", "trainer pod x crashed")
+    status = compute_status(observation(stats=stats, failure=crashed), None)
     assert status["phase"] == "Succeeded"
     assert condition(status, "Failed")["status"] == "False"
     unfinished = BufferStats(trainer_version=9, trainer_step=9, accepted_total=72,
                              consumed_total=72, staleness_counts=(2, 1, 1))
-    assert compute_status(observation(stats=unfinished, trainer_failure="trainer pod x crashed"),
+    assert compute_status(observation(stats=unfinished, failure=crashed),
                           None)["phase"] == "Failed"
 
 

@@ -120,7 +120,9 @@ def test_a_refused_download_fails_the_job_at_once_saying_why():
                                         model_failure=why), None)
     assert status["phase"] == "Failed"
     (failed,) = [c for c in status["conditions"] if c["type"] == "Failed"]
-    assert (failed["status"], failed["reason"], failed["message"]) == ("True", MODEL_FAILED, why)
+    assert (failed["status"], failed["reason"]) == ("True", MODEL_FAILED)
+    assert failed["message"] == (f"{why} Its workers are stopped and its state kept; change "
+                                 "the spec to start them again.")
 
 
 def test_an_unreachable_hub_is_retried_until_the_restart_limit():
