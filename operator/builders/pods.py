@@ -128,6 +128,9 @@ def service_container(job: RLJob, config: OperatorConfig, component: str, args: 
                            "failureThreshold": 3},
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
         "resources": resources,
+        # A container that fails leaves its last log lines in its status: what the operator
+        # quotes when spec.backoffLimit fails the job.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": container_security(read_only_root=True),
         "volumeMounts": [{"name": "config", "mountPath": "/etc/asyncrl", "readOnly": True},
                          {"name": "tmp", "mountPath": "/tmp"}, *mounts],

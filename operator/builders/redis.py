@@ -92,6 +92,7 @@ def redis_statefulset(job: RLJob, config: OperatorConfig) -> dict[str, Any] | No
                           "periodSeconds": 10, "failureThreshold": 6},
         "resources": resource_requirements(job.spec.buffer.resources, "redis", gpus=0,
                                            custom=False),
+        "terminationMessagePolicy": "FallbackToLogsOnError",  # quoted by spec.backoffLimit
         "securityContext": container_security(read_only_root=True),
         "volumeMounts": [{"name": "data", "mountPath": "/data"}],
     }

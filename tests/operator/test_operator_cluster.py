@@ -36,6 +36,7 @@ from support.operator_cluster import (  # noqa: F401 - fixtures among them
     _exists,
     manifest,
     provide_claim,
+    provide_run_volume,
     create_job,
     read_job,
     patch_spec,
@@ -501,30 +502,80 @@ def test_examples_gpu_cluster_gets_gpu_pods_that_can_run_it(kube, operator, name
         assert container["image"] == "example.org/asyncrl:test", name
 
 
-def test_a_crash_looping_trainer_fails_the_job(kube, operator, namespace):
+def test_a_component_past_its_backoff_limit_fails_the_job_and_stops_its_workers(
+        kube, operator, namespace):
     start_running_job(kube, operator, namespace)
-    (pod,) = pods_of(kube, namespace, "tiny", "trainer")
-    # Take the pod's status away from kwok, then report what a kubelet reports for a trainer
-    # that keeps crashing.
+    (pod,) = pods_of(kube, namespace, "tiny", "rollout")
+    # Take the pod's status away from kwok, then report what a kubelet reports for a rollout
+    # worker that keeps crashing, its last log lines in its termination message
+    # (terminationMessagePolicy FallbackToLogsOnError).
     kube.core.patch_namespaced_pod(pod.metadata.name, namespace, {"metadata": {"annotations": {
         "kwok.x-k8s.io/status": "custom"}}})
     container = pod.spec.containers[0]
+    assert container.termination_message_policy == "FallbackToLogsOnError"
+    log_tail = "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: boom"
     kube.core.patch_namespaced_pod_status(pod.metadata.name, namespace, {"status": {
         "containerStatuses": [{
             "name": container.name, "image": container.image, "imageID": "", "ready": False,
             "restartCount": 7, "started": False,
             "state": {"waiting": {"reason": "CrashLoopBackOff",
                                   "message": "back-off 5m0s restarting failed container"}},
-            "lastState": {"terminated": {"reason": "Error", "exitCode": 1,
+            "lastState": {"terminated": {"reason": "Error", "exitCode": 1, "message": log_tail,
                                          "startedAt": "2026-01-01T00:00:00Z",
                                          "finishedAt": "2026-01-01T00:00:01Z"}},
         }]}})
     status = wait_for(phase_is(kube, namespace, "tiny", "Failed"), 30, "Failed", operator)
     failed = next(c for c in status["conditions"] if c["type"] == "Failed")
-    assert failed["reason"] == "TrainerFailed"
-    assert "CrashLoopBackOff after 7 restarts (last exit: Error, code 1)" in failed["message"]
-    events = events_about(kube, namespace, "tiny", "TrainerFailed", operator)
-    assert any(e.type == "Warning" and e.reason == "TrainerFailed" for e in events)
+    assert failed["reason"] == "RolloutFailed"
+    assert failed["message"].startswith(
+        f"rollout pods restarted 7 times, more than backoffLimit 6; pod {pod.metadata.name} "
+        "last exited: Error, code 1. Its last log lines:\nTraceback")
+    assert status["failure"]["component"] == "rollout"
+    events = events_about(kube, namespace, "tiny", "RolloutFailed", operator)
+    [event] = [e for e in events if e.reason == "RolloutFailed"]
+    assert event.type == "Warning" and "ValueError: boom" in event.message
+    # Its workers stop (no GPU held by a job that cannot go on); its state stays.
+    for kind, component in (("deployment", "rollout"), ("deployment", "reward"),
+                            ("stateful_set", "trainer")):
+        read = getattr(kube.apps, f"read_namespaced_{kind}")
+        wait_for(lambda: read(f"tiny-{component}", namespace).spec.replicas == 0, 30,
+                 f"the {component} at zero", operator)
+    assert kube.apps.read_namespaced_stateful_set("tiny-redis", namespace).spec.replicas == 1
+    assert kube.apps.read_namespaced_deployment("tiny-buffer", namespace).spec.replicas == 1
+    # Failed it stays, though the crashing pod is gone ...
+    time.sleep(2 * RESYNC_SECONDS)
+    assert status_of(kube, namespace, "tiny")["phase"] == "Failed"
+    # ... until the spec changes: the workers come back.
+    patch_spec(kube, namespace, "tiny", {"algorithm": {"learningRate": 0.002}})
+    wait_for(lambda: kube.apps.read_namespaced_deployment("tiny-rollout", namespace)
+             .spec.replicas == 1, 30, "the rollout back", operator)
+    status = wait_for(lambda: (s := status_of(kube, namespace, "tiny"))["phase"] != "Failed"
+                      and s, 60, "the job out of Failed", operator)
+    assert status.get("failure") is None
+
+
+def test_a_job_past_its_deadline_fails_and_is_deleted_after_its_ttl_keeping_its_volume(
+        kube, operator, namespace):
+    provide_run_volume(kube, namespace, "brief")
+    create_job(kube, manifest("brief", namespace, activeDeadlineSeconds=4,
+                              ttlSecondsAfterFinished=3, keepRunVolume=True))
+    started = wait_for(lambda: status_of(kube, namespace, "brief").get("startTime"), 60,
+                       "a start time", operator)
+    # The operator's lifetime pass fails it without waiting for any event of its children.
+    status = wait_for(phase_is(kube, namespace, "brief", "Failed"), 60, "Failed", operator)
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "DeadlineExceeded"
+    assert f"since {started}, past activeDeadlineSeconds 4." in failed["message"]
+    events_about(kube, namespace, "brief", "DeadlineExceeded", operator)
+    assert status["completionTime"]
+    # ttlSecondsAfterFinished later the RLJob is gone, its children with it, but for the run
+    # volume's claim, which it never owned.
+    wait_for(lambda: not _exists(lambda: read_job(kube, namespace, "brief")), 60,
+             "the RLJob deleted", operator)
+    wait_for(lambda: not _exists(lambda: kube.apps.read_namespaced_deployment(
+        "brief-buffer", namespace)), 60, "its children garbage-collected")
+    claim = kube.core.read_namespaced_persistent_volume_claim("brief-run", namespace)
+    assert not claim.metadata.owner_references
 
 
 def test_a_replica_that_loses_the_lease_exits(kube, crd, namespace, control_plane, tmp_path):
