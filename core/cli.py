@@ -203,7 +203,7 @@ def run(
                   f"{local.rollout_threads} threads); logs in {options.run_dir / 'logs'}")
     for line in local.rollout_lines() + local.device_lines():
         console.print(line, markup=False)
-    for line in local.gate_lines():
+    for line in local.gate_lines() + local.lifetime_lines():
         console.print(line, style="yellow", markup=False, soft_wrap=True)
     if metrics:
         console.print(f"metrics: Prometheus targets in {local.prometheus_dir / 'targets.json'}; "
@@ -222,12 +222,16 @@ def run(
         if metrics:
             autoscaler.metrics.serve(local.metrics_ports["operator"], host="127.0.0.1")
     code = 0
+    deadline = local.job.spec.active_deadline_seconds
     try:
+        started = time.monotonic()
         local.start()
         with Live(progress.table(None, None), console=console, refresh_per_second=2) as live:
             status = None
             while not local.trainer_done():
                 local.check()
+                if deadline and time.monotonic() - started > deadline:
+                    raise DeadlineExceeded(f"the run passed activeDeadlineSeconds {deadline}")
                 # The trainer's last answer is kept: once it exits it answers no more, and the
                 # final frame must show where it ended, not "starting".
                 status = local.trainer_status() or status
@@ -249,6 +253,10 @@ def run(
     except TimeoutError as exc:
         console.print(f"[red]{exc}[/]")
         code = 1
+    except DeadlineExceeded as exc:
+        console.print(f"[red]{exc}[/]; rerun the same command (with a later deadline) to "
+                      f"resume from the last checkpoint in {options.run_dir}")
+        code = 1
     finally:
         local.stop()
     records = read_metrics(options.run_dir)
@@ -257,6 +265,10 @@ def run(
         report = write_report(options.run_dir, job.metadata.name, records, sync)
         console.print(report.read_text())
     raise typer.Exit(code)
+
+
+class DeadlineExceeded(Exception):
+    """`asyncrl run` past the job's activeDeadlineSeconds."""
 
 
 def _workers_row(local, autoscaler) -> str | None:

@@ -292,6 +292,7 @@ class LocalJob:
         self._env: dict[str, str] = {}
         self._addresses: dict[str, str | None] = {}
         self._requested_transfer = requested.spec.trainer.weight_transfer
+        self._requested_fields = requested.spec.model_fields_set  # what the manifest sets
 
     def device_lines(self) -> list[str]:
         """The run's first lines: what each service computes on, and how weights travel when
@@ -304,6 +305,24 @@ class LocalJob:
             lines.append(f"weights: {path}, not {self._requested_transfer} ({reason})")
         elif path == "ipc":
             lines.append(f"weights: ipc (CUDA IPC on {devices.trainer.device})")
+        return lines
+
+    def lifetime_lines(self) -> list[str]:
+        """A line for the lifetime rules the job sets that only a cluster applies; the run's
+        deadline (activeDeadlineSeconds) `asyncrl run` applies itself."""
+        spec = self.job.spec
+        cluster_only = [name for name, field in (("backoffLimit", "backoff_limit"),
+                                                 ("ttlSecondsAfterFinished",
+                                                  "ttl_seconds_after_finished"),
+                                                 ("keepRunVolume", "keep_run_volume"))
+                        if field in self._requested_fields]
+        lines = []
+        if cluster_only:
+            lines.append(f"{', '.join(cluster_only)}: the operator's, in a cluster; here a "
+                         "service that exits stops the run, and the run folder stays")
+        if spec.active_deadline_seconds:
+            lines.append(f"activeDeadlineSeconds {spec.active_deadline_seconds}: the run stops "
+                         "(resumable) once it has run that long")
         return lines
 
     def gate_lines(self) -> list[str]:

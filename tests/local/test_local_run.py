@@ -314,6 +314,28 @@ def test_rollout_replicas_start_as_many_worker_processes_and_no_prompt_is_used_t
 
 
 @pytest.mark.slow
+def test_a_run_past_its_active_deadline_stops_resumable_and_says_what_is_the_clusters(tmp_path):
+    manifest = yaml.safe_load(TINY.read_text())
+    manifest["spec"].update(activeDeadlineSeconds=30, ttlSecondsAfterFinished=60)
+    job_file = tmp_path / "tiny-deadline.yaml"
+    job_file.write_text(yaml.safe_dump(manifest))
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    done = subprocess.run([ASYNCRL, "run", str(job_file), "--run-dir", str(run_dir),
+                           "--steps", "100000"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stdout + done.stderr
+    output = flat(done.stdout)
+    assert ("ttlSecondsAfterFinished: the operator's, in a cluster; here a service that exits "
+            "stops the run, and the run folder stays") in output
+    assert "activeDeadlineSeconds 30: the run stops (resumable) once it has run that long" \
+        in output
+    assert "the run passed activeDeadlineSeconds 30; rerun the same command" in output
+    assert time.monotonic() - started < 120
+    assert metrics(run_dir)  # it trained until then, and wrote its report
+    assert (run_dir / "report.md").is_file()
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_ctrl_c_stops_every_process_and_the_same_command_resumes_with_the_buffer_intact(tmp_path):
     run_dir = tmp_path / "run"
