@@ -60,8 +60,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_)
                   asyncio.create_task(STATE.registry.child_events.run(child_work, logger)),
                   asyncio.create_task(reconcile.refresh_figures_forever(STATE, logger)),
                   asyncio.create_task(lifetime.lifetime_forever(
-                      STATE.interval, reconcile.parsed_job,
-                      functools.partial(reconcile.reconcile_quietly, STATE), logger))]
+                      STATE.interval, STATE.registry.timers,
+                      functools.partial(reconcile.reconcile_by_name, STATE, full=True),
+                      logger))]
 
 
 @kopf.on.cleanup()

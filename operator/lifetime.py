@@ -2,13 +2,14 @@
 (spec.backoffLimit, spec.activeDeadlineSeconds: status.failure, kept until the spec changes),
 and a finished job is deleted spec.ttlSecondsAfterFinished after status.completionTime (its
 children by garbage collection; the run volume's claim too, unless spec.keepRunVolume left it
-unowned). `lifetime_forever` enforces the times without waiting for a watch event."""
+unowned). `lifetime_forever` enforces the times without waiting for a watch event, from the
+times each job's last status gave (no API call for an idle job)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Mapping
 
 from asyncrl.operator import autoscaling, kube
@@ -37,66 +38,54 @@ def as_applied(job: RLJob, body: Mapping[str, Any]) -> RLJob:
     return applied
 
 
-def _seconds_since(stamp: str | None, now: datetime) -> float | None:
+def _parse(stamp: str | None) -> datetime | None:
     if not stamp:
         return None
-    return (now - datetime.strptime(stamp, _STAMP).replace(tzinfo=timezone.utc)).total_seconds()
+    return datetime.strptime(stamp, _STAMP).replace(tzinfo=timezone.utc)
 
 
-def due_for_deletion(job: RLJob, body: Mapping[str, Any], now: datetime) -> bool:
-    """ttlSecondsAfterFinished has passed since the job succeeded or failed."""
-    ttl = job.spec.ttl_seconds_after_finished
-    since = _seconds_since((body.get("status") or {}).get("completionTime"), now)
-    return ttl is not None and since is not None and since >= ttl
+def due_times(job: RLJob, status: Mapping[str, Any]) -> tuple[datetime | None, datetime | None]:
+    """(when the RLJob is to be deleted: completionTime + ttlSecondsAfterFinished, when it is
+    past its deadline: startTime + activeDeadlineSeconds), each None where it does not apply.
+    The operator keeps them in memory (JobRegistry.timers), so an idle job costs no API call."""
+    delete_at = deadline_at = None
+    completed, started = _parse(status.get("completionTime")), _parse(status.get("startTime"))
+    if completed and job.spec.ttl_seconds_after_finished is not None:
+        delete_at = completed + timedelta(seconds=job.spec.ttl_seconds_after_finished)
+    if started and job.spec.active_deadline_seconds and \
+            status.get("phase") not in ("Succeeded", "Failed"):
+        deadline_at = started + timedelta(seconds=job.spec.active_deadline_seconds)
+    return delete_at, deadline_at
 
 
-def past_deadline(job: RLJob, body: Mapping[str, Any], now: datetime) -> bool:
-    """activeDeadlineSeconds has passed since the job started, and it has not finished."""
-    status = body.get("status") or {}
-    deadline = job.spec.active_deadline_seconds
-    since = _seconds_since(status.get("startTime"), now)
-    return (deadline is not None and since is not None and since >= deadline
-            and status.get("phase") not in ("Succeeded", "Failed"))
-
-
-def enforce(body: Mapping[str, Any], parse: Callable[[Mapping], RLJob | None],
-            reconcile: Callable[[Mapping], Any], now: datetime) -> str | None:
+def enforce(key: tuple[str, str], delete_at: datetime | None, deadline_at: datetime | None,
+            reconcile_by_name: Callable[[str, str], Any], now: datetime) -> str | None:
     """One job's times: deleted past its TTL, reconciled (and so failed) past its deadline.
     Returns what was done, for the log."""
-    job = parse(body)
-    if job is None:
-        return None
-    meta = body["metadata"]
-    if due_for_deletion(job, body, now):
-        kube.delete_job(meta["namespace"], meta["name"])
-        return (f"deleted: {(body.get('status') or {}).get('phase', 'finished')} since "
-                f"{body['status']['completionTime']}, ttlSecondsAfterFinished "
-                f"{job.spec.ttl_seconds_after_finished}")
-    if past_deadline(job, body, now):
-        reconcile(body)
-        return f"past activeDeadlineSeconds {job.spec.active_deadline_seconds}: reconciled"
+    namespace, name = key
+    if delete_at is not None and now >= delete_at:
+        kube.delete_job(namespace, name)
+        return f"deleted: finished, and ttlSecondsAfterFinished passed at {delete_at:%H:%M:%S}"
+    if deadline_at is not None and now >= deadline_at:
+        reconcile_by_name(namespace, name)
+        return f"activeDeadlineSeconds passed at {deadline_at:%H:%M:%S}: reconciled"
     return None
 
 
-async def lifetime_forever(interval: float, parse, reconcile, logger) -> None:
-    """Every `interval`: each RLJob's TTL and deadline (`enforce`)."""
+async def lifetime_forever(interval: float, timers: dict, reconcile_by_name, logger) -> None:
+    """Every `interval`: each job's TTL and deadline (`enforce`), from the times its last
+    status gave (`timers`, by job)."""
     while True:
         await asyncio.sleep(interval)
-        try:
-            bodies = await asyncio.to_thread(kube.list_jobs)
-        except Exception as exc:  # noqa: BLE001 - the next pass tries again
-            logger.warning(f"listing RLJobs for their lifetime rules failed: {exc}")
-            continue
-        for body in bodies:
-            if body["metadata"].get("deletionTimestamp"):
-                continue
+        now = datetime.now(timezone.utc)
+        for key, (delete_at, deadline_at) in list(timers.items()):
             try:
-                done = await asyncio.to_thread(enforce, body, parse, reconcile,
-                                               datetime.now(timezone.utc))
+                done = await asyncio.to_thread(enforce, key, delete_at, deadline_at,
+                                               reconcile_by_name, now)
             except Exception as exc:  # noqa: BLE001 - one job's trouble must not stop others
-                logger.warning(f"lifetime of {body['metadata'].get('namespace')}/"
-                               f"{body['metadata']['name']}: {exc}")
+                logger.warning(f"lifetime of {key[0]}/{key[1]}: {exc}")
                 continue
             if done:
-                logger.info(f"{body['metadata'].get('namespace')}/{body['metadata']['name']}: "
-                            f"{done}")
+                if done.startswith("deleted"):
+                    timers.pop(key, None)
+                logger.info(f"{key[0]}/{key[1]}: {done}")

@@ -110,6 +110,11 @@ def _write_and_reapply(state: OperatorState, job: RLJob, body: Any, observed, lo
     not at the next reconcile."""
     before = _applied(job, body)
     status = write_status(body, observed)
+    times = lifetime.due_times(job, status)
+    if any(times):
+        state.registry.timers[job_key(body)] = times
+    else:
+        state.registry.timers.pop(job_key(body), None)
     now = {**body, "status": status}
     if _applied(job, now) != before:
         _apply_children(state, job, now, logger)
@@ -143,22 +148,6 @@ def reconcile_by_name(state: OperatorState, namespace: str, name: str, full: boo
             pass  # status already says why
     else:
         refresh_status(state, body, figures)
-
-
-def parsed_job(body: Any) -> RLJob | None:
-    """The RLJob of a body, None for an invalid spec (its status says so already)."""
-    try:
-        return parse_manifest(job_manifest(body))
-    except ValidationError:
-        return None
-
-
-def reconcile_quietly(state: OperatorState, body: Any) -> None:
-    """`reconcile`, for periodic work: an invalid spec's status says so already."""
-    try:
-        reconcile(state, body)
-    except kopf.PermanentError:
-        pass
 
 
 def resync_all(state: OperatorState) -> None:

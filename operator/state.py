@@ -138,6 +138,9 @@ class JobRegistry:
         self.child_events = ChildEvents(self.observed)
         #: With rollout.autoscale: the readings of the autoscaler's window.
         self._autoscale: dict[JobKey, AutoscaleMemory] = {}
+        #: When each job is due for deletion (ttlSecondsAfterFinished) and past its deadline
+        #: (activeDeadlineSeconds), from its last status (asyncrl.operator.lifetime.due_times).
+        self.timers: dict[JobKey, tuple] = {}
 
     def autoscale_memory(self, key: JobKey) -> AutoscaleMemory:
         return self._autoscale.setdefault(key, AutoscaleMemory())
@@ -170,6 +173,7 @@ class JobRegistry:
         self.observed.pop(key, None)
         self._accepted.pop(uid or name, None)
         self._autoscale.pop(key, None)
+        self.timers.pop(key, None)
         self.child_events.forget(key)
 
 
