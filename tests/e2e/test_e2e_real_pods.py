@@ -574,65 +574,6 @@ def test_an_episode_job_runs_the_users_code_from_their_claim_to_succeeded(instal
                           check=False)
 
 
-def test_the_operator_scales_the_rollout_out_and_in_from_its_pods_signals(installed,
-                                                                          tmp_path_factory):
-    """The autoscaler in real pods: the operator reads the trainer's waited seconds and each
-    rollout pod's engine busy seconds over gRPC, and rescales the Deployment. The targets are
-    set so that each phase's decision cannot depend on this machine's speed: first any wait
-    of the trainer asks for more workers (target idle 0, tolerance 0), then, the section
-    changed, workers less than fully busy beside a trainer waiting under 45% ask for fewer.
-    A new pod generates on the current policy; the prompts of the one scaled away go to the
-    other, none twice."""
-    volumes = tmp_path_factory.mktemp("autoscale")
-
-    def autoscaled(manifest: dict) -> None:
-        spec = manifest["spec"]
-        spec["algorithm"]["maxSteps"] = 5000  # deleted before its end
-        spec["dataset"]["numPrompts"] = 20000  # one epoch: each prompt once
-        spec["trainer"]["weightTransfer"] = "disk"
-        spec["rollout"]["autoscale"] = {"maxReplicas": 2, "cooldownSeconds": 10,
-                                        "tolerance": 0, "targetTrainerIdle": 0,
-                                        "targetRolloutBusy": 0.01}
-
-    scaled = start_job(installed, volumes, autoscaled)
-    try:
-        wait_for(lambda: (scaled.status().get("autoscaling") or {}).get("replicas") == 2, 600,
-                 "the autoscaler to scale out", scaled.describe)
-        scaling = scaled.status()["autoscaling"]
-        assert scaling["reason"] == "ScaledOut" and scaling["trainerIdle"] > 0, scaling
-        version_then = scaled.status().get("policyVersion") or 0
-        wait_for(lambda: len(scaled.ready_pods("rollout")) == 2, 300, "two ready rollout pods",
-                 scaled.describe)
-        events = scaled.cluster.kubectl("-n", scaled.namespace, "get", "events",
-                                        "--field-selector", "reason=ScaledOut").stdout
-        assert "1 -> 2 rollout replicas" in events, events
-        # The new pod took the newest version before generating anything.
-        newest = max(scaled.ready_pods("rollout"), key=lambda p: p.metadata.creation_timestamp)
-        log = scaled.cluster.kubectl("-n", scaled.namespace, "logs", newest.metadata.name).stdout
-        applied = [int(v) for v in re.findall(r"version (\d+) applied", log)]
-        assert applied and applied[0] >= version_then, log[-2000:]
-
-        scaled.cluster.kubectl("-n", scaled.namespace, "patch", f"rljob/{JOB}", "--type=merge",
-                               "-p", json.dumps({"spec": {"rollout": {"autoscale": {
-                                   "targetTrainerIdle": 0.9, "targetRolloutBusy": 1.0}}}}))
-        wait_for(lambda: (scaled.status().get("autoscaling") or {}).get("replicas") == 1, 600,
-                 "the autoscaler to scale in", scaled.describe)
-        assert scaled.status()["autoscaling"]["reason"] == "ScaledIn"
-        wait_for(lambda: len(scaled.pods("rollout")) == 1, 300, "one rollout pod left",
-                 scaled.describe)
-        at = scaled.step()
-        scaled.wait_step(at + 3)  # generation goes on with the one left
-
-        scaled.cluster.kubectl("-n", scaled.namespace, "delete", "rljob", JOB, "--wait=true")
-        wait_for(lambda: not scaled.pods(), 300, "every pod to go", scaled.describe)
-        fates = group_fates(scaled.redis_dir, JOB)
-        prompts = [group.split("#")[0] for group in fates.accepted]
-        assert len(prompts) == len(set(prompts)), "a prompt was accepted twice"
-        assert sorted(fates.trained + fates.dropped + fates.waiting) == sorted(fates.accepted)
-    finally:
-        installed.kubectl("delete", "namespace", scaled.namespace, "--wait=false", check=False)
-
-
 def hub_model(source: str, token_secret: str | None = None):
     """A change for start_job: a two-step job on the Hub model `source`."""
     def change(manifest: dict) -> None:
