@@ -32,6 +32,15 @@ def run(run_dir, *extra, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
 
 
+def tiny_with(tmp_path: Path, name: str, change) -> Path:
+    """examples/tiny.yaml after `change(spec)`, written as tmp_path/<name>.yaml."""
+    manifest = yaml.safe_load(TINY.read_text())
+    change(manifest["spec"])
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    return path
+
+
 def metrics(run_dir, kind="train"):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if r["kind"] == kind]
@@ -267,10 +276,9 @@ def test_run_as_the_readme_types_it_relative_file_and_default_run_folder(tmp_pat
 
 @pytest.mark.slow
 def test_distributed_weight_transfer_carries_every_version_to_the_rollout_worker(tmp_path):
-    manifest = yaml.safe_load(TINY.read_text())
-    manifest["spec"]["trainer"]["weightTransfer"] = "distributed"
-    job_file = tmp_path / "tiny-distributed.yaml"
-    job_file.write_text(yaml.safe_dump(manifest))
+    job_file = tiny_with(tmp_path, "tiny-distributed",
+                         lambda spec: spec["trainer"].update(weightTransfer="distributed"))
+    manifest = yaml.safe_load(job_file.read_text())
     run_dir = tmp_path / "run"
     done = subprocess.run([ASYNCRL, "run", str(job_file), "--run-dir", str(run_dir),
                            "--steps", "3"], capture_output=True, text=True, timeout=600)
@@ -287,10 +295,9 @@ def test_distributed_weight_transfer_carries_every_version_to_the_rollout_worker
 
 @pytest.mark.slow
 def test_rollout_replicas_start_as_many_worker_processes_and_no_prompt_is_used_twice(tmp_path):
-    manifest = yaml.safe_load(TINY.read_text())
-    manifest["spec"]["rollout"]["replicas"] = 2
-    job_file = tmp_path / "tiny-two-workers.yaml"
-    job_file.write_text(yaml.safe_dump(manifest))
+    job_file = tiny_with(tmp_path, "tiny-two-workers",
+                         lambda spec: spec["rollout"].update(replicas=2))
+    manifest = yaml.safe_load(job_file.read_text())
     run_dir = tmp_path / "run"
     done = subprocess.run([ASYNCRL, "run", str(job_file), "--run-dir", str(run_dir),
                            "--steps", "4", "--rollout-threads", "2"],
@@ -315,10 +322,8 @@ def test_rollout_replicas_start_as_many_worker_processes_and_no_prompt_is_used_t
 
 @pytest.mark.slow
 def test_a_run_past_its_active_deadline_stops_resumable_and_says_what_is_the_clusters(tmp_path):
-    manifest = yaml.safe_load(TINY.read_text())
-    manifest["spec"].update(activeDeadlineSeconds=30, ttlSecondsAfterFinished=60)
-    job_file = tmp_path / "tiny-deadline.yaml"
-    job_file.write_text(yaml.safe_dump(manifest))
+    job_file = tiny_with(tmp_path, "tiny-deadline", lambda spec: spec.update(
+        activeDeadlineSeconds=30, ttlSecondsAfterFinished=60))
     run_dir = tmp_path / "run"
     started = time.monotonic()
     done = subprocess.run([ASYNCRL, "run", str(job_file), "--run-dir", str(run_dir),
@@ -390,11 +395,8 @@ def test_ctrl_c_stops_every_process_and_the_same_command_resumes_with_the_buffer
 
 def job_with_trainer_processes(tmp_path: Path, processes: int) -> Path:
     """examples/tiny.yaml, its trainer `processes` processes (more than one: under torchrun)."""
-    manifest = yaml.safe_load(TINY.read_text())
-    manifest["spec"]["trainer"]["processesPerReplica"] = processes
-    path = tmp_path / f"tiny-{processes}.yaml"
-    path.write_text(yaml.safe_dump(manifest))
-    return path
+    return tiny_with(tmp_path, f"tiny-{processes}",
+                     lambda spec: spec["trainer"].update(processesPerReplica=processes))
 
 
 def wait_for_every_process(run: Run, trainer_processes: int = 1) -> None:
