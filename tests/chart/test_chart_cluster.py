@@ -88,6 +88,9 @@ class ChartOperator(OperatorProcess):
                 env[item.name] = item.value
         env["POD_NAME"], env["POD_NAMESPACE"] = self.name, RELEASE_NAMESPACE
         env.pop("HOME", None)  # the pod's /tmp home; here the test's own is fine
+        # Each pod has its own network; these processes share this machine's.
+        if "ASYNCRL_OPERATOR_METRICS_PORT" in env:
+            env["ASYNCRL_OPERATOR_METRICS_PORT"] = str(free_port())
         args = [a for a in container.args if not a.startswith("--liveness")]
         args.append(f"--liveness=http://127.0.0.1:{free_port()}/healthz")
         assert container.command == ["asyncrl"]
