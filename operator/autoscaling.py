@@ -34,11 +34,11 @@ from asyncrl.algorithms.autoscale import (
     spec_hash,
     window_signals,
 )
+from asyncrl.operator.status import STAMP, parse_stamp
 from asyncrl.spec import RLJob
 
 #: Reasons of status.autoscaling beyond the rule's own.
 AUTOSCALING_ON, EXTERNAL, SUSPENDED = "AutoscalingOn", "ExternalScaler", "JobSuspended"
-_STAMP = "%Y-%m-%dT%H:%M:%SZ"
 
 #: When a reading is taken (seconds); tests give the readings a clock of their own.
 clock = time.monotonic
@@ -135,8 +135,7 @@ def next_autoscaling(job: RLJob, previous: Mapping[str, Any] | None, memory: Aut
         memory.window.add(now_reading)
     since = None
     if current.get("lastScaleTime"):
-        last = datetime.strptime(current["lastScaleTime"], _STAMP).replace(tzinfo=now.tzinfo)
-        since = (now - last).total_seconds()
+        since = (now - parse_stamp(current["lastScaleTime"])).total_seconds()
     decision = decide(job.spec.rollout.autoscale, current["replicas"], memory.window.first,
                       memory.window.last, since)
     signals = (window_signals(memory.window.first, memory.window.last)
@@ -149,7 +148,7 @@ def next_autoscaling(job: RLJob, previous: Mapping[str, Any] | None, memory: Aut
         return current, events  # the signal only: someone else sets the replicas
     current.update(reason=decision.reason, message=decision.message)
     if decision.scales:
-        current.update(replicas=decision.replicas, lastScaleTime=now.strftime(_STAMP))
+        current.update(replicas=decision.replicas, lastScaleTime=now.strftime(STAMP))
         memory.window.restart()
         events.append(AutoscaleEvent(decision.reason, decision.message))
     return current, events

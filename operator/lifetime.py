@@ -13,11 +13,10 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Mapping
 
 from asyncrl.operator import autoscaling, kube
+from asyncrl.operator.status import parse_stamp
 from asyncrl.spec import RLJob
 
 log = logging.getLogger("asyncrl.operator")
-
-_STAMP = "%Y-%m-%dT%H:%M:%SZ"
 
 
 def stopped_by_failure(body: Mapping[str, Any]) -> bool:
@@ -39,9 +38,7 @@ def as_applied(job: RLJob, body: Mapping[str, Any]) -> RLJob:
 
 
 def _parse(stamp: str | None) -> datetime | None:
-    if not stamp:
-        return None
-    return datetime.strptime(stamp, _STAMP).replace(tzinfo=timezone.utc)
+    return parse_stamp(stamp) if stamp else None
 
 
 def due_times(job: RLJob, status: Mapping[str, Any]) -> tuple[datetime | None, datetime | None]:

@@ -215,7 +215,7 @@ def _failure(observed: Observation, previous: dict[str, Any]) -> dict[str, Any] 
     elif observed.failure:
         found = (observed.failure.reason, observed.failure.component, observed.failure.message)
     elif observed.active_deadline_seconds and previous.get("startTime") and not observed.suspend:
-        started = _parse_time(previous["startTime"], observed.now)
+        started = parse_stamp(previous["startTime"])
         elapsed = (observed.now - started).total_seconds()
         if elapsed >= observed.active_deadline_seconds:
             found = (DEADLINE_EXCEEDED, "job",
@@ -232,7 +232,7 @@ def _failure(observed: Observation, previous: dict[str, Any]) -> dict[str, Any] 
 def _times(observed: Observation, previous: dict[str, Any], phase: str) -> dict[str, Any]:
     """startTime (activeDeadlineSeconds counts from it; a suspend clears it, so a resumed job
     counts again, as a Job does) and completionTime (ttlSecondsAfterFinished counts from it)."""
-    stamp = observed.now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    stamp = observed.now.strftime(STAMP)
     start = previous.get("startTime")
     if phase == "Suspended":
         start = None
@@ -243,8 +243,13 @@ def _times(observed: Observation, previous: dict[str, Any], phase: str) -> dict[
     return {"startTime": start, "completionTime": completion}
 
 
-def _parse_time(text: str, like: datetime) -> datetime:
-    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=like.tzinfo)
+#: How status writes a time (startTime, completionTime, lastScaleTime, conditions').
+STAMP = "%Y-%m-%dT%H:%M:%SZ"
+
+
+def parse_stamp(text: str) -> datetime:
+    """A time as status writes it (STAMP), in UTC."""
+    return datetime.strptime(text, STAMP).replace(tzinfo=timezone.utc)
 
 
 def _phase(observed: Observation, conditions: list, failure: dict[str, Any] | None) -> str:
@@ -311,7 +316,7 @@ def _conditions(found: list[tuple[str, bool, str, str]], previous: list[dict],
                 observed: Observation) -> list[dict[str, Any]]:
     """Kubernetes conditions; lastTransitionTime only moves when the status flips."""
     before = {c.get("type"): c for c in previous}
-    stamp = observed.now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    stamp = observed.now.strftime(STAMP)
     out = []
     for kind, value, reason, message in found:
         status = "True" if value else "False"
