@@ -54,7 +54,7 @@ import time
 import torch
 
 from asyncrl.algorithms.packing import pack_sequences, pack_sharing_prefixes
-from asyncrl.platform.devices import make_current, native_bf16
+from asyncrl.platform.devices import make_current, fast_bf16
 from asyncrl.model.policy import SMOLLM2, load_model, packed_token_logprobs
 from asyncrl.model.packed_attention import PACKED_SDPA
 from asyncrl.model.lora import trained_model, with_adapter
@@ -317,7 +317,7 @@ def cpu_report(model: torch.nn.Module, name: str, samples: list[TrainSample],
     # transformers' SDPA knows nothing of shared prompts: both attentions on whole sequences.
     fp32_block_mask = timed_steps("float32", attention="sdpa", batch=unshared)
     # Where the CPU emulates bf16 a step takes minutes and means nothing (auto: float32).
-    bf16 = timed_steps("bfloat16") if args.bf16 or native_bf16(torch.device("cpu")) else None
+    bf16 = timed_steps("bfloat16") if args.bf16 or fast_bf16(torch.device("cpu")) else None
     # Last, on a copy: checkpointing wraps the model's layers for good.
     checkpointed = timed_steps("float32", checkpointing=True, policy=copy.deepcopy(model))
     megatron = megatron_step(model, unshared, args) if args.megatron else None

@@ -7,8 +7,10 @@ local rank is the process's index on its node, so each process of a pod gets its
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import time
 
 from pathlib import Path
 
@@ -87,9 +89,10 @@ def distributed_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def native_bf16(device: torch.device) -> bool:
-    """Whether `device` computes bf16 matmuls natively (a CUDA GPU; a CPU with AVX-512 BF16 or
-    AMX). Elsewhere bf16 autocast is emulated and slower than float32."""
+def fast_bf16(device: torch.device) -> bool:
+    """Whether bf16 matmuls run faster than float32 on `device`: on a CUDA GPU always; on a
+    CPU, where it has bf16 instructions and a bf16 matrix multiply measured here beats float32
+    by BF16_SPEEDUP_NEEDED (once per process: cpu_bf16_speedup)."""
     if device.type == "cuda":
         return True
     try:
@@ -98,14 +101,48 @@ def native_bf16(device: torch.device) -> bool:
         return False
     # oneDNN "supports" bf16 on any AVX-512 CPU, emulating it where the instructions are
     # missing: on an Ice Lake Xeon a bf16 matmul took 3.3x as long as float32. The CPU's own
-    # flags say whether it has them (Linux; elsewhere oneDNN's answer stands).
+    # flags say whether they are there (Linux; elsewhere the measurement alone decides).
     flags = cpu_flags()
-    return supported and (flags is None or bool(flags & _BF16_CPU_FLAGS))
+    if not supported or (flags is not None and not flags & _BF16_CPU_FLAGS):
+        return False
+    # The instructions are not enough: AVX-512 BF16 made a SmolLM2 trainer step 1.78x faster
+    # than float32 on a 2-core AMD EPYC, and 1.39x slower on a 2-core Xeon VM with the same
+    # flag and no AMX (2026-11-29, bench/trainer_step.py). So measure.
+    speedup = cpu_bf16_speedup()
+    log.info("a bf16 matrix multiply runs %.2fx as fast as float32 on this CPU", speedup)
+    return speedup >= BF16_SPEEDUP_NEEDED
 
 
-#: CPU flags (Linux /proc/cpuinfo) of instructions that compute bf16 natively: AVX-512 BF16,
-#: AMX, Arm's BF16 extension.
+#: CPU flags (Linux /proc/cpuinfo) of instructions that compute bf16: AVX-512 BF16, AMX,
+#: Arm's BF16 extension.
 _BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+#: How much faster than float32 a bf16 matmul must measure for bf16 to pay on a CPU (its
+#: autocast also casts the weights every pass); the machines measured so far sat at 0.4-0.6x
+#: and about 2x, far from it on either side.
+BF16_SPEEDUP_NEEDED = 1.2
+
+
+@functools.cache
+def cpu_bf16_speedup(rounds: int = 3, repeats: int = 4) -> float:
+    """float32 time / bf16 time of a transformer-sized matrix multiply (512 x 576 by
+    576 x 1536, SmolLM2's MLP) on this CPU at the process's thread count: the best of
+    `rounds` interleaved timings of `repeats` products each, so a busy machine slows both
+    alike. Tens to hundreds of milliseconds, once per process."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = {dtype: (torch.randn(512, 576, generator=generator).to(dtype),
+                      torch.randn(576, 1536, generator=generator).to(dtype))
+              for dtype in (torch.float32, torch.bfloat16)}
+    for a, b in inputs.values():  # oneDNN's first call of a shape plans it: not counted
+        torch.mm(a, b)
+    best = dict.fromkeys(inputs, float("inf"))
+    for _ in range(rounds):
+        for dtype, (a, b) in inputs.items():
+            started = time.perf_counter()
+            for _ in range(repeats):
+                torch.mm(a, b)
+            best[dtype] = min(best[dtype], time.perf_counter() - started)
+    return best[torch.float32] / best[torch.bfloat16]
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str] | None:
@@ -128,7 +165,7 @@ AUTOCAST_DEVICES = ("cpu", "cuda")
 def auto_compute_dtype(device: torch.device,
                        autocast_devices: tuple[str, ...] = AUTOCAST_DEVICES) -> str:
     """What trainer.computeDtype `auto` computes in on `device`: bfloat16 where the device
-    computes it natively and the model autocasts on that kind of device (`autocast_devices`),
-    float32 elsewhere."""
-    native = device.type in autocast_devices and native_bf16(device)
-    return "bfloat16" if native else "float32"
+    computes it faster than float32 and the model autocasts on that kind of device
+    (`autocast_devices`), float32 elsewhere."""
+    fast = device.type in autocast_devices and fast_bf16(device)
+    return "bfloat16" if fast else "float32"

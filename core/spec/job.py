@@ -1296,9 +1296,10 @@ class TrainerSpec(SpecModel):
         "autocast over float32 master weights and optimizer state. Unset: model.dtype. "
         "bfloat16 with model.dtype float32 trains at bf16 speed while the rollout engines "
         "keep float32 weights, in which each step's small update is not rounded away. auto: "
-        "bfloat16 where the trainer's device computes it natively (a GPU; a CPU with AVX-512 "
-        "BF16 or AMX) and the backend autocasts there, float32 elsewhere (a CPU that emulates "
-        "bf16 runs it several times slower than float32).",
+        "bfloat16 where the trainer's device computes it faster than float32 (a GPU; a CPU with "
+        "bf16 instructions where a bf16 matrix multiply, timed at start, is at least 1.2x as "
+        "fast) and the backend autocasts there, float32 elsewhere (a CPU that emulates bf16, or "
+        "has AVX-512 BF16 without paying for it, runs it slower than float32).",
     )
     activation_checkpointing: bool = Field(
         default=False,

@@ -39,7 +39,7 @@ from asyncrl.algorithms.ppo import (
     kl_penalty,
     loglinear_proximal_logprobs,
 )
-from asyncrl.platform.devices import AUTOCAST_DEVICES, auto_compute_dtype, native_bf16
+from asyncrl.platform.devices import AUTOCAST_DEVICES, auto_compute_dtype, fast_bf16
 from asyncrl.model.lora import adapter_dropout
 from asyncrl.model.policy import RECOMPUTED_HEADS, load_policy, packed_token_logprobs
 from asyncrl.model.packed_attention import use_packed_attention
@@ -302,9 +302,9 @@ class PolicyUpdater:
             log.info("the trainer computes in %s (trainer.computeDtype auto, on %s)",
                      resolved, self.device)
             config = dataclasses.replace(config, compute_dtype=resolved)
-        elif config.compute_dtype == "bfloat16" and not native_bf16(self.device):
-            log.warning("the trainer computes in bfloat16, which this %s emulates: slower than "
-                        "float32 here (set trainer.computeDtype: auto or float32)",
+        elif config.compute_dtype == "bfloat16" and not fast_bf16(self.device):
+            log.warning("the trainer computes in bfloat16, which this %s computes more slowly "
+                        "than float32 (set trainer.computeDtype: auto or float32)",
                         self.device.type)
         self._compute_weights = _compute_weights(model, config, self.device)
         # The ranks whose samples make up the global batch (None: all of them); a backend

@@ -100,13 +100,15 @@ def test_a_cuda_process_attends_without_cudnn_and_a_cpu_one_is_left_alone(fake_c
     assert not torch.backends.cuda.cudnn_sdp_enabled()
 
 
-@pytest.mark.parametrize("flags, native", [
-    ("fpu avx512f avx512bw avx512_vnni", False),   # Ice Lake: oneDNN emulates bf16
-    ("fpu avx512f avx512_bf16", True),             # Cooper Lake, Zen 4
-    ("fpu avx512f amx_bf16 amx_tile", True),       # Sapphire Rapids
+@pytest.mark.parametrize("flags, speedup, fast", [
+    ("fpu avx512f avx512bw avx512_vnni", None, False),   # Ice Lake: oneDNN emulates bf16
+    ("fpu avx512f avx512_bf16", 0.7, False),             # measured slower than float32
+    ("fpu avx512f avx512_bf16", 1.8, True),              # measured faster
+    ("fpu avx512f avx512_bf16 amx_bf16 amx_tile", 1.19, False),  # not enough faster
+    ("fp asimd bf16 i8mm", 2.5, True),                   # Arm with the BF16 extension
 ])
-def test_a_cpu_computes_bf16_natively_only_with_the_instructions(tmp_path, monkeypatch, flags,
-                                                                 native):
+def test_a_cpu_computes_in_bf16_where_it_has_the_instructions_and_they_pay(
+        tmp_path, monkeypatch, flags, speedup, fast):
     from asyncrl.platform import devices
 
     cpuinfo = tmp_path / "cpuinfo"
@@ -116,7 +118,23 @@ def test_a_cpu_computes_bf16_natively_only_with_the_instructions(tmp_path, monke
     monkeypatch.setattr(devices, "cpu_flags", lambda: real(cpuinfo))
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True,
                         raising=False)
-    assert devices.native_bf16(torch.device("cpu")) is native
+    measured = []
+
+    def speedup_here():
+        measured.append(speedup)
+        return speedup
+
+    monkeypatch.setattr(devices, "cpu_bf16_speedup", speedup_here)
+    assert devices.fast_bf16(torch.device("cpu")) is fast
+    assert measured == ([] if speedup is None else [speedup])  # no bf16 instructions: no timing
+
+
+def test_the_bf16_speedup_is_measured_once_per_process():
+    from asyncrl.platform.devices import cpu_bf16_speedup
+
+    first = cpu_bf16_speedup()
+    assert first > 0
+    assert cpu_bf16_speedup() == first  # cached: a second trainer in the process pays nothing
 
 
 def test_cpu_flags_are_none_without_cpuinfo(tmp_path):

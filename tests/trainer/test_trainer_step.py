@@ -303,16 +303,16 @@ def test_loglinear_needs_versions():
         PolicyUpdater(model, updater.optimizer, UpdateConfig(proximal="approx"))
 
 
-def test_bf16_on_a_cpu_that_emulates_it_is_warned_about(monkeypatch, caplog):
+def test_bf16_on_a_cpu_where_it_is_slower_is_warned_about(monkeypatch, caplog):
     import asyncrl.trainer.step as step
 
     model = tiny_model()
-    monkeypatch.setattr(step, "native_bf16", lambda device: False)
+    monkeypatch.setattr(step, "fast_bf16", lambda device: False)
     PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1),
                   UpdateConfig(compute_dtype="bfloat16"))
     assert "trainer.computeDtype: auto or float32" in caplog.text
     caplog.clear()
-    monkeypatch.setattr(step, "native_bf16", lambda device: True)
+    monkeypatch.setattr(step, "fast_bf16", lambda device: True)
     PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1),
                   UpdateConfig(compute_dtype="bfloat16"))
     PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1), UpdateConfig())
@@ -396,19 +396,19 @@ def test_an_evaluator_sharing_the_trainers_weights_generates_with_every_update()
     assert after == evaluate(copy.deepcopy(model))
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_auto_compute_dtype_is_bf16_only_where_the_device_computes_it_natively(
-        monkeypatch, caplog, native):
-    """auto steps exactly as bfloat16 where bf16 is native and as float32 where it is emulated
-    (several times slower there), without the emulation warning."""
+@pytest.mark.parametrize("fast", [True, False])
+def test_auto_compute_dtype_is_bf16_only_where_the_device_computes_it_faster(
+        monkeypatch, caplog, fast):
+    """auto steps exactly as bfloat16 where bf16 is faster than float32 and as float32
+    elsewhere (emulated or dot products only: slower there), without the warning."""
     import asyncrl.platform.devices as devices
 
-    monkeypatch.setattr(devices, "native_bf16", lambda device: native)
+    monkeypatch.setattr(devices, "fast_bf16", lambda device: fast)
     caplog.set_level("INFO", logger="asyncrl.trainer.step")
     samples = make_samples(4)
     losses = {dtype: _step(tiny_model(), samples, compute_dtype=dtype)["loss"]
               for dtype in ("auto", "bfloat16", "float32")}
-    expected = "bfloat16" if native else "float32"
+    expected = "bfloat16" if fast else "float32"
     assert losses["auto"] == losses[expected]
     assert losses["bfloat16"] != losses["float32"]  # the two are told apart
     assert f"computes in {expected} (trainer.computeDtype auto" in caplog.text
