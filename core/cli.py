@@ -162,6 +162,9 @@ def run(
         "--metrics", help="Every service serves Prometheus /metrics on a loopback port; "
         "RUN_DIR/prometheus/ gets targets.json (file_sd) and a prometheus.yml that scrapes "
         "them.")] = False,
+    lend_cores: Annotated[bool, typer.Option(
+        help="The trainer and the rollout worker compute with each other's threads while the "
+        "other waits (a job with one of each on the CPU).")] = True,
     devices: Annotated[str, typer.Option(
         help="What the trainer and rollout compute on: auto (every GPU CUDA shows, else the "
         "CPU), cpu, or GPU indices such as 0 or 0,1 (the trainer takes the first, the rollout "
@@ -191,7 +194,7 @@ def run(
         options = RunOptions(run_dir=run_dir, sync=sync,
                              max_steps=steps, trainer_threads=trainer_threads,
                              rollout_threads=rollout_threads, metrics=metrics,
-                             devices=parse_devices(devices))
+                             lend_cores=lend_cores, devices=parse_devices(devices))
         local = LocalJob(job, options,
                          notify=lambda line: console.print(line, style="yellow", markup=False))
     except DevicesError as exc:
@@ -201,7 +204,7 @@ def run(
     console.print(f"[bold]{job.metadata.name}[/]: {'sync' if sync else 'async'} run in "
                   f"{options.run_dir} (trainer {local.trainer_threads} / rollout "
                   f"{local.rollout_threads} threads); logs in {options.run_dir / 'logs'}")
-    for line in local.rollout_lines() + local.device_lines():
+    for line in local.rollout_lines() + local.device_lines() + local.lending_lines():
         console.print(line, markup=False)
     for line in local.gate_lines() + local.lifetime_lines():
         console.print(line, style="yellow", markup=False, soft_wrap=True)

@@ -13,6 +13,7 @@ from asyncrl.clients.reward import PromptScorer
 from asyncrl.data.prompts import PromptItem, PromptSet, build_prompts, max_sequence_length
 from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.engine.types import GenerationResult, SamplingParams
+from asyncrl.platform.core_lending import CoreLending
 
 
 def held_out_prompts(spec, tokenizer, count: int | None = None) -> list[PromptItem]:
@@ -36,13 +37,14 @@ def fused_decode(spec) -> bool:
 
 
 def evaluation_engine(model, spec, items: Sequence[PromptItem], tokenizer, *,
-                      samples: int = 1) -> TorchEngine:
-    """A torch engine that runs every response to `items` (`samples` each) in one batch."""
+                      samples: int = 1, lending: CoreLending | None = None) -> TorchEngine:
+    """A torch engine that runs every response to `items` (`samples` each) in one batch;
+    `lending`: the cores its process shares (each step computes with those lent too)."""
     return TorchEngine(
         model, max_running_requests=len(items) * samples,
         max_sequence_length=max_sequence_length(spec, PromptSet.of(items)),
         eos_token_ids=(tokenizer.eos_token_id,), seed=0, fused_decode=fused_decode(spec),
-        lora=spec.model.lora,
+        lora=spec.model.lora, lending=lending,
     )
 
 

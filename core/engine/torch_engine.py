@@ -38,6 +38,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from asyncrl.platform.core_lending import CoreLending
 from asyncrl.platform.devices import use_planless_attention
 from asyncrl.platform.openmp import release_idle_thread_pools
 from asyncrl.engine.decode_graphs import DecodeGraphs
@@ -151,8 +152,11 @@ class TorchEngine:
         cuda_graphs: bool | None = None,
         overlap: bool | None = None,
         lora=None,
+        lending: CoreLending | None = None,
     ):
-        """`lora`: the job's model.lora section, when versions are a LoRA adapter's tensors
+        """`lending`: cores shared with another process (asyncrl.platform.core_lending): the
+        loop lends this process's threads while it has nothing to do and computes each step
+        with its own and those lent to it. `lora`: the job's model.lora section, when versions are a LoRA adapter's tensors
         (asyncrl.model.lora.MergedAdapter applies them); None: every version is the whole
         model's. `overlap`: launch each decode step before the previous one's tokens are read
         back (None: on a GPU, where the device then works while the host reads and prepares;
@@ -206,6 +210,7 @@ class TorchEngine:
                           for _ in range(2)]
         self._readback_turn = 0
         self._version = version
+        self._lending = lending
         self._generator = torch.Generator(device=self._device)
         self._generator.manual_seed(seed if seed is not None else torch.seed())
 
@@ -277,6 +282,8 @@ class TorchEngine:
             raise RuntimeError("this engine's loop runs on its own thread; wait on the futures")
         with torch.no_grad():
             while self._waiting or self._running:
+                if self._lending is not None:
+                    self._lending.fit()
                 with self._step_lock:
                     try:
                         self._step()
@@ -549,6 +556,8 @@ class TorchEngine:
                     self._paused or self._weights_incomplete
                     or not (self._waiting or self._running)
                 ):
+                    if not self._idle and self._lending is not None:
+                        self._lending.lend()
                     self._idle = True
                     self._wake.notify_all()
                     self._wake.wait()
@@ -559,7 +568,11 @@ class TorchEngine:
                     self._idle = True
                     self._wake.notify_all()
                     break
+                if self._idle and self._lending is not None:
+                    self._lending.reclaim()
                 self._idle = False
+            if self._lending is not None:
+                self._lending.fit()
             with self._step_lock:
                 started = time.perf_counter()
                 try:

@@ -37,6 +37,7 @@ import yaml
 from google.protobuf.json_format import MessageToDict
 
 from asyncrl.platform.children import die_with_parent
+from asyncrl.platform.core_lending import create_lending_file
 from asyncrl.platform.grpc_health import is_serving_at
 from asyncrl.platform.outage import DEFAULT_OUTAGE_SECONDS
 from asyncrl.platform.redis_server import RedisServer, free_port
@@ -169,6 +170,9 @@ class RunOptions:
     trainer_threads: int | None = None
     rollout_threads: int | None = None
     metrics: bool = False  # each service serves /metrics; Prometheus files in <run_dir>/prometheus
+    # Trainer and rollout worker lend each other their threads while they wait
+    # (asyncrl.platform.core_lending), where the job has one of each on the CPU.
+    lend_cores: bool = True
     devices: DevicesOption = "auto"  # --devices: auto, cpu or GPU indices (asyncrl.local.devices)
 
 
@@ -325,6 +329,27 @@ class LocalJob:
                          "(resumable) once it has run that long")
         return lines
 
+    @property
+    def lending_file(self) -> Path | None:
+        """The file through which the trainer and the rollout worker lend each other their
+        threads (asyncrl.platform.core_lending), or None where they do not: with --sync (each
+        has every core already), --no-lend-cores, a GPU, several trainer processes or
+        rollout workers (lending is between two processes)."""
+        spec = self.job.spec
+        lends = (self.options.lend_cores and not self.options.sync
+                 and not self.devices.trainer.gpus and not self.devices.rollout.gpus
+                 and spec.trainer.processes_per_replica == 1
+                 and self.most_rollout_workers == 1 and spec.rollout.engine == "torch")
+        return self.run_dir / "cores" if lends else None
+
+    def lending_lines(self) -> list[str]:
+        """A line saying that the two lend each other their cores, where they do."""
+        if self.lending_file is None:
+            return []
+        return [f"cores: the trainer ({self.trainer_threads}) and the rollout worker "
+                f"({self.rollout_threads}) compute with each other's threads while the other "
+                f"waits (--no-lend-cores: each keeps its own)"]
+
     def gate_lines(self) -> list[str]:
         """A line when the job will wait on its own gate: at η = 0 (--sync) a group skipped as
         uniform is replaced only once it has finished, one round of generation after another."""
@@ -356,6 +381,8 @@ class LocalJob:
             # cache, and none asks the Hub again (its branch may have moved meanwhile).
             env["HF_HUB_OFFLINE"] = "1"
         job_file = self.config_path
+        if self.lending_file is not None:
+            create_lending_file(self.lending_file)
         buffer_address = f"127.0.0.1:{self.ports['buffer']}"
         self._launch("buffer", [exe, *serve_command(
             "buffer", job_file=job_file, redis_url=redis_url, grpc_port=self.ports["buffer"],
@@ -429,7 +456,7 @@ class LocalJob:
             reward_address=self._addresses["reward"], redis_url=self._addresses["redis"],
             http_port=http_port, grpc_port=grpc_port, worker=f"rollout-{index}",
             weights_address=self._addresses["weights"], threads=self.worker_threads(),
-            **extra)]
+            lend_cores_file=self.lending_file, **extra)]
         if self.options.metrics:
             self.write_prometheus_config()  # Prometheus reads the targets again by itself
         self.services.append(ServiceProcess(
@@ -469,7 +496,7 @@ class LocalJob:
             "trainer", job_file=self.config_path, buffer_address=buffer_address,
             reward_address=reward_address, run_dir=self.run_dir, grpc_port=self.ports["trainer"],
             metrics_port=self.metrics_ports["trainer"], weights_port=self.ports["trainer_weights"],
-            threads=max(1, self.trainer_threads // processes))
+            threads=max(1, self.trainer_threads // processes), lend_cores_file=self.lending_file)
         if processes == 1:
             return [exe, *serve]
         return [sys.executable, "-m", "torch.distributed.run",

@@ -76,7 +76,16 @@ class RewardSettings(ServiceSettings):
         default=DEFAULT_UID_BASE, ge=1000, le=2**31 - 70000,
         description="When root, sandbox slot i runs programs as uid sandbox_uid_base + i.")
 
-class RolloutSettings(ServiceSettings):
+class ComputeSettings(ServiceSettings):
+    """A service that computes with torch threads: the rollout worker and the trainer."""
+
+    lend_cores_file: Path | None = Field(
+        default=None, description="A file this process shares with the one other computing "
+        "process on the machine (asyncrl run: the trainer and its one rollout worker): while "
+        "one waits, the other computes with its --threads too (asyncrl.platform.core_lending).")
+
+
+class RolloutSettings(ComputeSettings):
     http_port: int = Field(default=port("rollout", "http"), ge=1, le=65535,
                            description="SGLang-compatible HTTP API (and /metrics).")
     grpc_port: int = Field(default=port("rollout", "grpc"), ge=1, le=65535,
@@ -126,7 +135,7 @@ class RolloutSettings(ServiceSettings):
         "broadcast (without it, versions come from disk)."
     )
 
-class TrainerSettings(ServiceSettings):
+class TrainerSettings(ComputeSettings):
     buffer_address: str = Field(description="host:port of the buffer service.")
     run_dir: Path = Field(description="Run folder: checkpoints, weights, metrics.jsonl.")
     grpc_port: int = Field(default=port("trainer", "grpc"), ge=1, le=65535,

@@ -23,6 +23,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from asyncrl.clients.buffer import BufferClient
+from asyncrl.platform.core_lending import lending_from
 from asyncrl.platform.devices import local_rank, select_device
 from asyncrl.platform.heap import reuse_large_blocks
 from asyncrl.model.policy import load_policy, load_tokenizer, model_directory
@@ -119,6 +120,9 @@ def serve(settings: RolloutSettings) -> None:
         eos_token_ids=tuple(t for t in (tokenizer.eos_token_id,) if t is not None),
         seed=spec.dataset.seed,
         lora=spec.model.lora,
+        # The cores this process shares with the trainer (asyncrl run): lent while the engine
+        # has nothing to generate, borrowed back before each step.
+        lending=lending_from(settings.lend_cores_file, "rollout", settings.threads),
     ).start()
     engine = TorchInferenceEngine(torch_engine)
     transfer = transfer_member(settings, spec, engine,

@@ -16,6 +16,7 @@ from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.evaluation import evaluation_engine, generate, held_out_prompts, job_scorer
 from asyncrl.evaluation import sampling, score
 from asyncrl.model.policy import load_policy, sharing_weights
+from asyncrl.platform.core_lending import CoreLending
 from asyncrl.platform.settings import TrainerSettings
 
 if TYPE_CHECKING:
@@ -25,12 +26,15 @@ if TYPE_CHECKING:
 class Evaluator:
     """`trained_model`: the trainer's model where it is the whole transformers model, held by
     this one process, with no adapter (else None): the evaluation engine may then compute with
-    its weights. `on_compute` runs work on the trainer's compute thread."""
+    its weights. `on_compute` runs work on the trainer's compute thread; `lending`: the cores
+    the trainer shares with its rollout worker (asyncrl.platform.core_lending)."""
 
     def __init__(self, settings: TrainerSettings, job, tokenizer, device: torch.device,
                  trained_model: torch.nn.Module | None,
-                 on_compute: Callable[..., Awaitable], status: Status):
+                 on_compute: Callable[..., Awaitable], status: Status,
+                 lending: CoreLending | None = None):
         self.spec, self.tokenizer, self.device = job.spec, tokenizer, device
+        self._lending = lending
         self.trained_model = trained_model
         self._on_compute = on_compute
         self.status = status
@@ -58,7 +62,8 @@ class Evaluator:
                 model, _ = await self._on_compute(load_policy, self.spec.model,
                                                   device=self.device)
             # Sharing implies no fused decoding (asyncrl.evaluation.fused_decode).
-            self._engine = evaluation_engine(model, self.spec, self.items, self.tokenizer)
+            self._engine = evaluation_engine(model, self.spec, self.items, self.tokenizer,
+                                             lending=self._lending)
         engine = self._engine
 
         def generated() -> list:

@@ -37,6 +37,7 @@ from asyncrl.algorithms.advantages import aggregation_weights, episode_advantage
 from asyncrl.algorithms.shaping import overlong_penalties
 from asyncrl.algorithms.staleness import staleness
 from asyncrl.clients.buffer import BufferClient
+from asyncrl.platform.core_lending import lending_from
 from asyncrl.platform.devices import auto_compute_dtype, local_rank, select_device
 from asyncrl.platform.grpc_service import start_server
 from asyncrl.model.lora import (
@@ -231,9 +232,13 @@ class Trainer:
                 shard_model(model, self.device, self.group.world_size)
         elif spec.trainer.sharding == "fsdp":
             log.info("trainer.sharding fsdp with one process: nothing to shard")
+        # The cores this process shares with its rollout worker (asyncrl run): lent while it
+        # waits for a batch, borrowed back before each pass.
+        self.lending = lending_from(settings.lend_cores_file, "trainer", settings.threads)
         self.updater = PolicyUpdater.from_spec(
             spec, self.model, reference,
-            reference_off=self.adapted.disable_adapter if self.adapted is not None else None)
+            reference_off=self.adapted.disable_adapter if self.adapted is not None else None,
+            before_pass=self.lending.fit if self.lending else None)
         self.optimizer = self.updater.optimizer
         self.metrics_file = settings.run_dir / "metrics.jsonl"
         self.heartbeat = heartbeat_seconds(settings.collective_timeout)
@@ -246,7 +251,7 @@ class Trainer:
         whole = self.model is self.hf_model and not self.sharded and self.adapted is None
         self.evaluator = Evaluator(
             settings, self.job, self.tokenizer, self.device, self.model if whole else None,
-            self._on_compute, self.status) if self.group.leader else None
+            self._on_compute, self.status, self.lending) if self.group.leader else None
 
     async def run(self) -> None:
         if self.group.leader:
@@ -361,7 +366,7 @@ class Trainer:
             while step < spec.algorithm.max_steps:
                 self.status.phase = "waiting_for_batch"
                 waiting = time.perf_counter()
-                async with self._alone():
+                async with self._alone(), self._lending_cores():
                     batch = await self._next_batch(client)
                 if batch is None:
                     break
@@ -426,6 +431,19 @@ class Trainer:
             await client.close()
             await self.evaluator.close()
             await asyncio.to_thread(self.tracking.close)
+
+    @contextlib.asynccontextmanager
+    async def _lending_cores(self):
+        """This process's threads lent to its rollout worker while it waits (if it shares
+        cores with one)."""
+        if self.lending is None:
+            yield
+            return
+        self.lending.lend()
+        try:
+            yield
+        finally:
+            self.lending.reclaim()
 
     async def _next_batch(self, client: BufferClient):
         """The next batch of groups, once there is one; None once the dataset is used up and

@@ -254,9 +254,15 @@ class PolicyUpdater:
         config: UpdateConfig,
         reference_model: torch.nn.Module | None = None,
         reference_off: Callable[[], contextlib.AbstractContextManager] | None = None,
+        before_pass: Callable[[], None] | None = None,
     ):
         """`reference_off`: a context in which `model` computes the reference policy (a LoRA
-        model's adapter off: peft's `disable_adapter`), instead of a `reference_model`."""
+        model's adapter off: peft's `disable_adapter`), instead of a `reference_model`.
+        `before_pass` runs before each forward, backward and optimizer step (the trainer fits
+        its thread count to the cores lent to it there: asyncrl.platform.core_lending)."""
+        self._before_pass = before_pass or (lambda: None)
+        if before_pass is not None:
+            _before_each_layer(model, before_pass)
         if reference_off is not None:
             reference_model = model
         if config.kl_coef > 0 and reference_model is None:
@@ -323,7 +329,7 @@ class PolicyUpdater:
     def from_spec(cls, spec, model: torch.nn.Module,
                   reference_model: torch.nn.Module | None = None,
                   reference_off: Callable[[], contextlib.AbstractContextManager] | None = None,
-                  ) -> PolicyUpdater:
+                  before_pass: Callable[[], None] | None = None) -> PolicyUpdater:
         """The job's optimizer (AdamW over the trainable parameters of `model`, already
         sharded if it is to be: a LoRA model's adapter) and update rule; what the trainer
         service and train-demo both train with."""
@@ -332,7 +338,7 @@ class PolicyUpdater:
                                       weight_decay=spec.algorithm.weight_decay,
                                       **fused_adamw(model))
         return cls(model, optimizer, UpdateConfig.from_spec(spec), reference_model,
-                   reference_off)
+                   reference_off, before_pass)
 
     def step(self, samples: Sequence[TrainSample], version: int | None = None,
              step: int | None = None) -> dict[str, float]:
@@ -364,8 +370,8 @@ class PolicyUpdater:
         reference = None
         if config.kl_coef > 0:
             with torch.no_grad(), self._autocast(), self._reference_off():
-                reference = [[self._logprobs(self.reference_model, mb) for mb in part.micro_batches]
-                             for part in minibatches]
+                reference = [[self._logprobs(self.reference_model, mb)
+                              for mb in part.micro_batches] for part in minibatches]
         diagnostics = _Diagnostics(self.device, version, self.data_group)
         proximal = None  # per minibatch, per micro-batch; None: the training forward's
         if passes > 1:
@@ -504,6 +510,7 @@ class PolicyUpdater:
                     loss = loss + config.kl_coef * kl / global_tokens
                     values["kl"] = kl.detach()
                 # FSDP averages the gradients across ranks: scaled, the average is the sum.
+                self._before_pass()
                 (loss * self._gradient_scale).backward()
                 values["loss"] = loss.detach()  # already divided by the global token count
                 sums += torch.stack([values[name].double() for name in names])
@@ -520,6 +527,7 @@ class PolicyUpdater:
         if tokens > 0:
             # A minibatch with no tokens on any rank (more minibatches than a small batch's
             # samples) steps nothing: AdamW would move the weights on momentum alone.
+            self._before_pass()
             self.optimizer.step()
 
         # Sum across ranks so every rank reports the figures of the global batch.
@@ -545,6 +553,7 @@ class PolicyUpdater:
         asyncrl.model.policy, another backend's model (the Megatron-Core one) through its own
         `packed_token_logprobs`, which computes the same thing. `entropy` (a transformers
         model only): (log-probs, entropies)."""
+        self._before_pass()
         # In blocks without gradients too (the reference model's pass): a micro-batch's
         # whole logits would be the largest tensor of the step even when not kept.
         compute = getattr(model, "packed_token_logprobs", None) or functools.partial(
@@ -553,6 +562,28 @@ class PolicyUpdater:
         shared = {} if mb.continues is None else {"continues": mb.continues}
         return compute(mb.input_ids, mb.position_ids, mb.cu_seqlens, self.config.temperature,
                        needed=mb.fields["loss_mask"], **shared)
+
+
+def _before_each_layer(model: torch.nn.Module, hook: Callable[[], None]) -> None:
+    """`hook` also before each decoder layer's forward and backward, where the model has
+    them as `model.model.layers` (a transformers model): a pass is seconds long on a CPU, and
+    cores lent for it must go back within a fraction of that once their owner needs them."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        return
+
+    def before_backward(grad: Tensor) -> None:
+        hook()
+
+    def after_forward(module, args, output) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output
+        if isinstance(hidden, Tensor) and hidden.requires_grad:
+            # Runs when the gradient reaches this layer's output, before its backward.
+            hidden.register_hook(before_backward)
+
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda module, args: hook())
+        layer.register_forward_hook(after_forward)
 
 
 def fused_adamw(model: torch.nn.Module) -> dict[str, bool]:

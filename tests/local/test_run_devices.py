@@ -201,3 +201,26 @@ def test_asyncrl_run_refuses_gpus_it_does_not_have_before_starting_anything(tmp_
     assert "--devices 0: CUDA is not available here; use --devices cpu" in " ".join(
         done.stdout.split())
     assert not (tmp_path / "run").exists()
+
+
+def test_trainer_and_rollout_lend_each_other_cores_where_they_are_two_on_the_cpu(tmp_path,
+                                                                                 monkeypatch):
+    monkeypatch.setattr(runner, "visible_gpus", lambda: [])
+    manifest = yaml.safe_load(TINY.read_text())
+
+    def local(options: dict, **rollout) -> LocalJob:
+        job = {**manifest, "spec": {**manifest["spec"],
+                                    "rollout": {**manifest["spec"]["rollout"], **rollout}}}
+        return LocalJob(parse_manifest(job), RunOptions(run_dir=tmp_path / "run", **options))
+
+    lending = local({})
+    assert lending.lending_file == tmp_path / "run" / "cores"
+    assert lending.lending_lines() == [
+        f"cores: the trainer ({lending.trainer_threads}) and the rollout worker "
+        f"({lending.rollout_threads}) compute with each other's threads while the other "
+        "waits (--no-lend-cores: each keeps its own)"]
+    for apart in (local({"sync": True}), local({"lend_cores": False}), local({}, replicas=2)):
+        assert apart.lending_file is None and apart.lending_lines() == []
+    monkeypatch.setattr(runner, "visible_gpus", lambda: [H200])
+    monkeypatch.setattr(runner, "runner_cuda_visible", lambda: None)
+    assert local({}).lending_file is None  # a GPU's work is not the CPU's threads

@@ -1,0 +1,84 @@
+"""Cores lent between the two computing processes of a job on one machine.
+
+`asyncrl run` splits a machine's cores between the trainer and its rollout worker, and each
+waits for the other in turn: the trainer for a batch (early in a run, when most groups are
+skipped and generation is slow), the rollout worker for the next policy version (once the
+trainer is the slower one), and the rollout worker during the trainer's evaluations. While one
+waits, its cores would idle. With lending, a process that waits lends its threads and the
+other computes with its own and the lent ones, until the owner takes them back.
+
+The state is one byte per process in a small file both map: the threads that process lends
+now (0 while it computes). Each process reads the other's byte before each pass (a trainer
+pass, an engine step) and sets its torch thread count to its own plus the lent ones, so a
+core taken back is returned within one pass; the two overlap at most for that long.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import torch
+
+#: The processes that lend to each other, by their byte in the file.
+SLOTS = ("trainer", "rollout")
+
+
+def create_lending_file(path: Path) -> Path:
+    """A file for two processes to lend through, neither lending yet."""
+    path.write_bytes(bytes(len(SLOTS)))
+    return path
+
+
+class CoreLending:
+    """One process's side: `slot` is its name in SLOTS, `threads` the torch threads it owns.
+    `fit` is called on the thread that computes (torch's thread count is that thread's)."""
+
+    def __init__(self, path: Path, slot: str, threads: int):
+        if slot not in SLOTS:
+            raise ValueError(f"core lending slot must be one of {SLOTS}, got {slot!r}")
+        if not 1 <= threads <= 255:
+            raise ValueError(f"core lending: threads must be 1 to 255, got {threads}")
+        self.threads = threads
+        self._own = SLOTS.index(slot)
+        self._other = 1 - self._own
+        with open(path, "r+b") as file:
+            self._shared = mmap.mmap(file.fileno(), len(SLOTS))
+        self._current = 0  # set by the first fit, on the compute thread
+
+    @property
+    def current(self) -> int:
+        """The threads this process computes with now."""
+        return self._current
+
+    def lend(self) -> None:
+        """This process waits: the other may compute with its threads."""
+        self._shared[self._own] = self.threads
+
+    def reclaim(self) -> None:
+        """This process computes again: the other gives its threads back at its next fit
+        (any thread may call this; the next fit here takes what the other lends now)."""
+        self._shared[self._own] = 0
+
+    def fit(self) -> None:
+        """Computes from now on with this process's threads and those the other lends now."""
+        wanted = self.threads + self._shared[self._other]
+        if wanted != self._current:
+            torch.set_num_threads(wanted)
+            self._current = wanted
+
+    def close(self) -> None:
+        """Lends nothing any more (the process is done) and unmaps the file."""
+        self._shared[self._own] = 0
+        self._shared.close()
+
+
+def lending_from(path: str | os.PathLike | None, slot: str, threads: int | None
+                 ) -> CoreLending | None:
+    """The process's side of the lending file its settings name, or None without one."""
+    if path is None:
+        return None
+    if threads is None:
+        raise ValueError("core lending needs the process's own thread count (--threads)")
+    return CoreLending(Path(path), slot, threads)
