@@ -99,6 +99,8 @@ def _refused():
 #: The most (padded) tokens one prefill forward pass takes: admitted requests prefill
 #: together up to this, so a burst of short prompts costs a few passes, not one each.
 PREFILL_MAX_TOKENS = 8192
+#: How long the loop has nothing to do before it lends its threads (`lending`).
+LEND_AFTER_IDLE_SECONDS = 0.05
 
 
 def _prefill_batches(running: list[_Request], max_tokens: int) -> list[slice]:
@@ -211,6 +213,7 @@ class TorchEngine:
         self._readback_turn = 0
         self._version = version
         self._lending = lending
+        self._lent = False  # this engine's threads are lent now
         self._generator = torch.Generator(device=self._device)
         self._generator.manual_seed(seed if seed is not None else torch.seed())
 
@@ -297,6 +300,9 @@ class TorchEngine:
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join()
+        if self._lent:  # a stopped engine lends nothing
+            self._lending.reclaim()
+            self._lent = False
         self.abort()
 
     def submit(
@@ -556,10 +562,15 @@ class TorchEngine:
                     self._paused or self._weights_incomplete
                     or not (self._waiting or self._running)
                 ):
-                    if not self._idle and self._lending is not None:
-                        self._lending.lend()
                     self._idle = True
                     self._wake.notify_all()
+                    if self._lending is not None and not self._lent:
+                        # Lent once idle for a moment, not in every gap between two groups:
+                        # each change of thread count costs both processes a little.
+                        if self._wake.wait(LEND_AFTER_IDLE_SECONDS):
+                            continue  # woken: look again
+                        self._lending.lend()
+                        self._lent = True
                     self._wake.wait()
                 if self._calls:
                     continue
@@ -568,8 +579,9 @@ class TorchEngine:
                     self._idle = True
                     self._wake.notify_all()
                     break
-                if self._idle and self._lending is not None:
+                if self._lent:
                     self._lending.reclaim()
+                    self._lent = False
                 self._idle = False
             if self._lending is not None:
                 self._lending.fit()

@@ -37,7 +37,9 @@ import yaml
 from google.protobuf.json_format import MessageToDict
 
 from asyncrl.platform.children import die_with_parent
-from asyncrl.platform.core_lending import create_lending_file
+from asyncrl.platform.core_lending import (
+    MOST_THREADS, create_lending_file, threads_adjustable,
+)
 from asyncrl.platform.grpc_health import is_serving_at
 from asyncrl.platform.outage import DEFAULT_OUTAGE_SECONDS
 from asyncrl.platform.redis_server import RedisServer, free_port
@@ -334,12 +336,15 @@ class LocalJob:
         """The file through which the trainer and the rollout worker lend each other their
         threads (asyncrl.platform.core_lending), or None where they do not: with --sync (each
         has every core already), --no-lend-cores, a GPU, several trainer processes or
-        rollout workers (lending is between two processes)."""
+        rollout workers (lending is between two processes), a torch whose thread count is
+        fixed once it has computed (no OpenMP)."""
         spec = self.job.spec
         lends = (self.options.lend_cores and not self.options.sync
                  and not self.devices.trainer.gpus and not self.devices.rollout.gpus
                  and spec.trainer.processes_per_replica == 1
-                 and self.most_rollout_workers == 1 and spec.rollout.engine == "torch")
+                 and self.most_rollout_workers == 1 and spec.rollout.engine == "torch"
+                 and max(self.trainer_threads, self.rollout_threads) <= MOST_THREADS
+                 and threads_adjustable())
         return self.run_dir / "cores" if lends else None
 
     def lending_lines(self) -> list[str]:

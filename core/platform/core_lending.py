@@ -9,8 +9,9 @@ other computes with its own and the lent ones, until the owner takes them back.
 
 The state is one byte per process in a small file both map: the threads that process lends
 now (0 while it computes). Each process reads the other's byte before each pass (a trainer
-pass, an engine step) and sets its torch thread count to its own plus the lent ones, so a
-core taken back is returned within one pass; the two overlap at most for that long.
+layer's forward or backward, an engine step) and sets its torch thread count to its own plus
+the lent ones (never more than the machine's cores), so a core taken back is returned within
+one pass.
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ import torch
 
 #: The processes that lend to each other, by their byte in the file.
 SLOTS = ("trainer", "rollout")
+#: The most threads a byte holds.
+MOST_THREADS = 255
+
+
+def threads_adjustable() -> bool:
+    """Whether this torch takes a new thread count once it has computed in parallel: with
+    OpenMP (PyPI's Linux builds) it does; its native thread pool only warns."""
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
 def create_lending_file(path: Path) -> Path:
@@ -38,13 +47,15 @@ class CoreLending:
     def __init__(self, path: Path, slot: str, threads: int):
         if slot not in SLOTS:
             raise ValueError(f"core lending slot must be one of {SLOTS}, got {slot!r}")
-        if not 1 <= threads <= 255:
-            raise ValueError(f"core lending: threads must be 1 to 255, got {threads}")
+        if not 1 <= threads <= MOST_THREADS:
+            raise ValueError(f"core lending: threads must be 1 to {MOST_THREADS}, got {threads}")
         self.threads = threads
         self._own = SLOTS.index(slot)
         self._other = 1 - self._own
+        self._cores = len(os.sched_getaffinity(0))
         with open(path, "r+b") as file:
             self._shared = mmap.mmap(file.fileno(), len(SLOTS))
+        self._shared[self._own] = 0  # computing until it says otherwise
         self._current = 0  # set by the first fit, on the compute thread
 
     @property
@@ -63,7 +74,7 @@ class CoreLending:
 
     def fit(self) -> None:
         """Computes from now on with this process's threads and those the other lends now."""
-        wanted = self.threads + self._shared[self._other]
+        wanted = max(self.threads, min(self.threads + self._shared[self._other], self._cores))
         if wanted != self._current:
             torch.set_num_threads(wanted)
             self._current = wanted

@@ -108,9 +108,7 @@ def fast_bf16(device: torch.device) -> bool:
     # The instructions are not enough: AVX-512 BF16 made a SmolLM2 trainer step 1.78x faster
     # than float32 on a 2-core AMD EPYC, and 1.39x slower on a 2-core Xeon VM with the same
     # flag and no AMX (2026-11-29, bench/trainer_step.py). So measure.
-    speedup = cpu_bf16_speedup()
-    log.info("a bf16 matrix multiply runs %.2fx as fast as float32 on this CPU", speedup)
-    return speedup >= BF16_SPEEDUP_NEEDED
+    return cpu_bf16_speedup() >= BF16_SPEEDUP_NEEDED
 
 
 #: CPU flags (Linux /proc/cpuinfo) of instructions that compute bf16: AVX-512 BF16, AMX,
@@ -128,7 +126,7 @@ def cpu_bf16_speedup(rounds: int = 3, repeats: int = 4) -> float:
     """float32 time / bf16 time of a transformer-sized matrix multiply (512 x 576 by
     576 x 1536, SmolLM2's MLP) on this CPU at the process's thread count: the best of
     `rounds` interleaved timings of `repeats` products each, so a busy machine slows both
-    alike. Tens to hundreds of milliseconds, once per process."""
+    alike. About half a second where bf16 is slow, once per process (logged)."""
     generator = torch.Generator().manual_seed(0)
     inputs = {dtype: (torch.randn(512, 576, generator=generator).to(dtype),
                       torch.randn(576, 1536, generator=generator).to(dtype))
@@ -142,7 +140,9 @@ def cpu_bf16_speedup(rounds: int = 3, repeats: int = 4) -> float:
             for _ in range(repeats):
                 torch.mm(a, b)
             best[dtype] = min(best[dtype], time.perf_counter() - started)
-    return best[torch.float32] / best[torch.bfloat16]
+    speedup = best[torch.float32] / best[torch.bfloat16]
+    log.info("a bf16 matrix multiply runs %.2fx as fast as float32 on this CPU", speedup)
+    return speedup
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str] | None:

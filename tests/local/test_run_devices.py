@@ -214,7 +214,7 @@ def test_trainer_and_rollout_lend_each_other_cores_where_they_are_two_on_the_cpu
         return LocalJob(parse_manifest(job), RunOptions(run_dir=tmp_path / "run", **options))
 
     lending = local({})
-    assert lending.lending_file == tmp_path / "run" / "cores"
+    assert lending.lending_file == (tmp_path / "run").resolve() / "cores"
     assert lending.lending_lines() == [
         f"cores: the trainer ({lending.trainer_threads}) and the rollout worker "
         f"({lending.rollout_threads}) compute with each other's threads while the other "

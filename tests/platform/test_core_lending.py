@@ -6,6 +6,7 @@ import torch
 
 from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.engine.types import SamplingParams
+from asyncrl.platform import core_lending
 from asyncrl.platform.core_lending import CoreLending, create_lending_file, lending_from
 from asyncrl.trainer.step import PolicyUpdater, UpdateConfig
 from support.tiny_model import tiny_model
@@ -27,7 +28,14 @@ def lending_file(tmp_path):
     return create_lending_file(tmp_path / "cores")
 
 
-def test_a_process_computes_with_the_threads_the_other_lends_while_it_waits(lending_file):
+def cores(monkeypatch, count: int) -> None:
+    """The machine has `count` cores, as far as lending knows."""
+    monkeypatch.setattr(core_lending.os, "sched_getaffinity", lambda pid: set(range(count)))
+
+
+def test_a_process_computes_with_the_threads_the_other_lends_while_it_waits(lending_file,
+                                                                            monkeypatch):
+    cores(monkeypatch, 3)
     trainer = CoreLending(lending_file, "trainer", 1)
     rollout = CoreLending(lending_file, "rollout", 2)
     trainer.fit()
@@ -47,6 +55,19 @@ def test_a_process_computes_with_the_threads_the_other_lends_while_it_waits(lend
     assert rollout.current == 2
 
 
+def test_no_process_computes_with_more_threads_than_there_are_cores(lending_file, monkeypatch):
+    cores(monkeypatch, 2)
+    trainer = CoreLending(lending_file, "trainer", 1)
+    rollout = CoreLending(lending_file, "rollout", 2)  # --rollout-threads 2 on two cores
+    rollout.lend()
+    trainer.fit()
+    assert trainer.current == 2
+    trainer.lend()
+    rollout.reclaim()
+    rollout.fit()
+    assert rollout.current == 2
+
+
 def test_lending_refuses_what_it_cannot_share(lending_file):
     with pytest.raises(ValueError, match="slot must be one of"):
         CoreLending(lending_file, "reward", 1)
@@ -57,7 +78,8 @@ def test_lending_refuses_what_it_cannot_share(lending_file):
     assert lending_from(None, "trainer", 2) is None
 
 
-def test_the_engine_lends_while_idle_and_computes_with_what_is_lent(lending_file):
+def test_the_engine_lends_while_idle_and_computes_with_what_is_lent(lending_file, monkeypatch):
+    cores(monkeypatch, 2)
     trainer = CoreLending(lending_file, "trainer", 1)
     rollout = CoreLending(lending_file, "rollout", 1)
     engine = TorchEngine(tiny_model(1, 256).eval(), max_running_requests=2,
