@@ -2,12 +2,14 @@
 
 Runs `asyncrl run` twice on the same job and step budget: `--sync` (η = 0, generation waits
 for training: the classic alternation, each side gets every core while the other waits) and
-asynchronous (η from the job, cores split between trainer and rollout worker). Reports the
+asynchronous (η from the job, cores split between trainer and rollout worker, which on the CPU
+lend each other their threads while one waits; --no-lend-cores: each keeps its own). Reports the
 ratio and explains it with measured components: the ideal-overlap bound from the sync run's
 busy times, decode batch occupancy, idle fractions, and time lost to interruptions.
 
     .venv/bin/python bench/async_vs_sync.py [--job examples/arith.yaml] [--steps 6]
         [--trainer-threads N --rollout-threads M]   (the async run's split; default half each)
+        [--no-lend-cores]
 
 bench/long_tail.yaml is the arith job with a long response-length tail (up to 256 tokens at
 temperature 1.0), where the synchronous alternation decodes its last, longest responses
@@ -92,6 +94,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--trainer-threads", type=int)
     parser.add_argument("--rollout-threads", type=int)
+    parser.add_argument("--no-lend-cores", action="store_true",
+                        help="the async run's trainer and rollout keep their own threads")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: trainer and rollout share GPU 0 (asyncrl run --devices 0)")
     parser.add_argument("--model-size", default="0.4b",
@@ -103,6 +107,8 @@ def main() -> None:
     trainer_threads = args.trainer_threads or cores - cores // 2
     rollout_threads = args.rollout_threads or max(1, cores // 2)
     threads = ["--trainer-threads", str(trainer_threads), "--rollout-threads", str(rollout_threads)]
+    if args.no_lend_cores:
+        threads.append("--no-lend-cores")
     with tempfile.TemporaryDirectory() as tmp:
         if args.job is None and args.device == "cuda":
             args.job = long_tail_job(Path(tmp), args.model_size)
@@ -116,7 +122,8 @@ def main() -> None:
     bound = (sync["rollout_busy"] + sync["train_busy"]) / max(sync["rollout_busy"], sync["train_busy"])
     print(f"job {args.job.name}, {args.steps} steps per mode, {cores} cores, devices {devices}")
     print(f"threads: sync = trainer {cores} + rollout {cores} (they alternate); "
-          f"async = trainer {trainer_threads} + rollout {rollout_threads}")
+          f"async = trainer {trainer_threads} + rollout {rollout_threads}"
+          + ("" if args.no_lend_cores or devices != "cpu" else ", lent to each other while one waits"))
     for name, s in (("sync", sync), ("async", asyn)):
         print(f"{name:>5}: {s['trained_tokens'] / s['wall']:6.1f} trained tokens/s "
               f"({s['trained_tokens']:.0f} tokens in {s['wall']:.0f} s); decode batch "
