@@ -52,7 +52,7 @@ class CoreLending:
         self.threads = threads
         self._own = SLOTS.index(slot)
         self._other = 1 - self._own
-        self._cores = len(os.sched_getaffinity(0))
+        self._cores = _usable_cores()
         with open(path, "r+b") as file:
             self._shared = mmap.mmap(file.fileno(), len(SLOTS))
         self._shared[self._own] = 0  # computing until it says otherwise
@@ -83,6 +83,13 @@ class CoreLending:
         """Lends nothing any more (the process is done) and unmaps the file."""
         self._shared[self._own] = 0
         self._shared.close()
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (Linux: its affinity; elsewhere every core)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def lending_from(path: str | os.PathLike | None, slot: str, threads: int | None
