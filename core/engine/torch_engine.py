@@ -158,11 +158,11 @@ class TorchEngine:
     ):
         """`lending`: cores shared with another process (asyncrl.platform.core_lending): the
         loop lends this process's threads while it has nothing to do and computes each step
-        with its own and those lent to it. `lora`: the job's model.lora section, when versions are a LoRA adapter's tensors
-        (asyncrl.model.lora.MergedAdapter applies them); None: every version is the whole
-        model's. `overlap`: launch each decode step before the previous one's tokens are read
-        back (None: on a GPU, where the device then works while the host reads and prepares;
-        see _decode_overlapped)."""
+        with its own and those lent to it. `lora`: the job's model.lora section, when versions
+        are a LoRA adapter's tensors (asyncrl.model.lora.MergedAdapter applies them); None:
+        every version is the whole model's. `overlap`: launch each decode step before the
+        previous one's tokens are read back (None: on a GPU, where the device then works while
+        the host reads and prepares; see _decode_overlapped)."""
         config = model.config
         self._model = model.eval().requires_grad_(False)
         self._adapter = MergedAdapter(self._model, lora) if lora is not None else None

@@ -17,6 +17,7 @@ resume.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -331,7 +332,7 @@ class LocalJob:
                          "(resumable) once it has run that long")
         return lines
 
-    @property
+    @functools.cached_property
     def lending_file(self) -> Path | None:
         """The file through which the trainer and the rollout worker lend each other their
         threads (asyncrl.platform.core_lending), or None where they do not: with --sync (each
