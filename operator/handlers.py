@@ -24,6 +24,7 @@ import kopf
 
 from asyncrl.operator import builders, lifetime, reconcile
 from asyncrl.operator.builders import OperatorConfig
+from asyncrl.operator.kube import KUEUE_WORKLOADS
 from asyncrl.operator.state import OperatorState
 from asyncrl.spec import GROUP, PLURAL, VERSION
 
@@ -105,3 +106,6 @@ def _watch_children(*, network_policies: bool) -> None:
     kopf.on.event("pods", labels={builders.JOB_LABEL: kopf.PRESENT,
                                   "app.kubernetes.io/component": "trainer"},
                   id="watch-trainer-pods")(_on_child_event)
+    # Kueue's word on queued jobs (served only where Kueue's CRDs are installed).
+    kopf.on.event(*KUEUE_WORKLOADS, labels={builders.JOB_LABEL: kopf.PRESENT},
+                  id="watch-kueue-workloads")(_on_child_event)

@@ -207,3 +207,50 @@ def post_event(body: Any, reason: str, message: str, *, warning: bool = False) -
         core().create_namespaced_event(meta["namespace"], event)
     except ApiException as exc:  # events are best effort
         log.warning("could not post event %s for %s: %s", reason, meta["name"], exc.reason)
+
+
+# --------------------------------------------------------------------------- Kueue Workloads
+
+#: Kueue's Workload resource (asyncrl.operator.kueue): group, version, plural.
+KUEUE_WORKLOADS = ("kueue.x-k8s.io", "v1beta2", "workloads")
+
+
+def read_queue_workload(namespace: str, name: str) -> dict | None:
+    """A Kueue Workload, or None when there is none (or Kueue's CRDs are not installed)."""
+    from kubernetes.client.rest import ApiException
+
+    try:
+        return custom().get_namespaced_custom_object(*KUEUE_WORKLOADS[:2], namespace,
+                                                     KUEUE_WORKLOADS[2], name)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        return None
+
+
+def create_queue_workload(workload: dict) -> dict:
+    return custom().create_namespaced_custom_object(
+        *KUEUE_WORKLOADS[:2], workload["metadata"]["namespace"], KUEUE_WORKLOADS[2], workload)
+
+
+def delete_queue_workload(namespace: str, name: str) -> None:
+    """Deletes a Workload at once (foreground would wait for nothing: it owns nothing)."""
+    from kubernetes.client.rest import ApiException
+
+    try:
+        custom().delete_namespaced_custom_object(*KUEUE_WORKLOADS[:2], namespace,
+                                                 KUEUE_WORKLOADS[2], name)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+
+
+def patch_queue_workload_status(workload: dict, status: dict[str, Any]) -> None:
+    """A merge patch of a Workload's status, at the resourceVersion read (a merge patch
+    replaces the conditions list whole: a write Kueue made in between is a conflict, 409,
+    not lost)."""
+    meta = workload["metadata"]
+    custom().patch_namespaced_custom_object_status(
+        *KUEUE_WORKLOADS[:2], meta["namespace"], KUEUE_WORKLOADS[2], meta["name"],
+        {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": status},
+        _content_type="application/merge-patch+json")

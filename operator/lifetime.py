@@ -12,7 +12,7 @@ import logging
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Mapping
 
-from asyncrl.operator import autoscaling, kube
+from asyncrl.operator import autoscaling, kube, kueue
 from asyncrl.operator.status import parse_stamp
 from asyncrl.spec import RLJob
 
@@ -27,11 +27,12 @@ def stopped_by_failure(body: Mapping[str, Any]) -> bool:
 
 def as_applied(job: RLJob, body: Mapping[str, Any]) -> RLJob:
     """The job as its children are built now: the rollout replicas the autoscaler set, and
-    every worker at zero (as suspended) once it failed."""
+    every worker at zero (as suspended) once it failed, and while its Kueue queue holds it
+    (asyncrl.operator.kueue.holds)."""
     previous = (body.get("status") or {}).get("autoscaling")
     replicas = autoscaling.rollout_replicas(job, autoscaling.settled(job, previous))
     applied = autoscaling.with_rollout_replicas(job, replicas)
-    if stopped_by_failure(body) and not job.spec.suspend:
+    if (stopped_by_failure(body) or kueue.holds(body)) and not job.spec.suspend:
         applied = applied.model_copy(update={"spec": applied.spec.model_copy(
             update={"suspend": True})})
     return applied

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Sequence
 
-from asyncrl.operator import autoscaling, builders, kube, lifetime
+from asyncrl.operator import autoscaling, builders, kube, kueue, lifetime
 from asyncrl.operator.state import OperatorState, job_key
 from asyncrl.operator.status import (
     BufferStats,
@@ -97,7 +97,7 @@ def observe(state: OperatorState, job: RLJob, body: Any,
         stats=figures.stats, stats_error=figures.stats_error, samples_per_second=rate,
         trainer=figures.trainer, trainer_error=figures.trainer_error,
         now=datetime.now(timezone.utc), autoscaling=scaling,
-        autoscaling_events=tuple(scaling_events))
+        autoscaling_events=tuple(scaling_events), queue=kueue.observe_admission(job, body))
     state.registry.remember(key, job, observed)
     state.metrics.record(namespace, job.metadata.name,
                          autoscaling.rollout_replicas(job, scaling),

@@ -21,7 +21,7 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from asyncrl.operator import autoscaling, builders, kube, lifetime
+from asyncrl.operator import autoscaling, builders, kube, kueue, lifetime
 from asyncrl.operator.observe import Figures, changed_figures, observe, write_status
 from asyncrl.operator.state import OperatorState, job_key
 from asyncrl.operator.status import Observation
@@ -70,8 +70,22 @@ def _reconcile(state: OperatorState, body: Any, *,
                                        suspend=False, max_steps=0, invalid=message))
         raise kopf.PermanentError(message) from None
 
+    _sync_queue_workload(state, job, body)
     _apply_children(state, job, body, logger)
     return _write_and_reapply(state, job, body, observe(state, job, body), logger)
+
+
+def _sync_queue_workload(state: OperatorState, job: RLJob, body: Any) -> None:
+    """A queued job's Kueue Workload (asyncrl.operator.kueue); kopf.TemporaryError when the API
+    refuses it (Kueue's CRDs not installed, say)."""
+    from kubernetes.client.rest import ApiException
+
+    try:
+        kueue.sync_workload(job, body, state.config)
+    except ApiException as exc:
+        raise kopf.TemporaryError(
+            f"the Kueue Workload of a job labelled {kueue.QUEUE_LABEL}: {exc.status} "
+            f"{exc.reason}: {kube.api_message(exc)} (is Kueue installed?)", delay=10) from exc
 
 
 def _applied(job: RLJob, body: Any) -> tuple[int, bool]:
@@ -118,6 +132,10 @@ def _write_and_reapply(state: OperatorState, job: RLJob, body: Any, observed, lo
     now = {**body, "status": status}
     if _applied(job, now) != before:
         _apply_children(state, job, now, logger)
+    stopped = all(w.replicas == 0 for w in observed.workloads if w.component in kueue.WORKERS)
+    done = kueue.settle(job, now, observed.queue, workers_stopped=stopped)
+    if done:
+        logger.info(f"{job.metadata.namespace}/{job.metadata.name}: {done}")
     return status
 
 

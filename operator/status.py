@@ -24,6 +24,7 @@ BUFFER = "BufferReachable"  # the buffer answered GetStats
 TRAINER = "TrainerReachable"  # the trainer answered GetStatus
 FAILED = "Failed"          # terminal failure (e.g. the trainer keeps crashing)
 COMPLETE = "Complete"      # the trainer reached algorithm.maxSteps
+ADMITTED = "Admitted"      # Kueue admitted a queued job (kueue.x-k8s.io/queue-name)
 
 #: Reasons.
 SPEC_VALID, SPEC_INVALID = "SpecValid", "InvalidSpec"
@@ -131,6 +132,8 @@ class Observation:
     #: and the Events its decision posts.
     autoscaling: dict[str, Any] | None = None
     autoscaling_events: tuple = ()
+    #: Kueue's word on a queued job (asyncrl.operator.kueue.Admission; None: not queued).
+    queue: Any = None
 
 
 def compute_status(observed: Observation, previous: dict[str, Any] | None) -> dict[str, Any]:
@@ -159,6 +162,7 @@ def compute_status(observed: Observation, previous: dict[str, Any] | None) -> di
         status["rolloutReplicas"] = rollout.replicas
         status["rolloutReadyReplicas"] = rollout.ready
     status["autoscaling"] = observed.autoscaling
+    status["queue"] = observed.queue.as_status() if observed.queue is not None else None
     for key in _FIGURES:
         if previous.get(key) is not None:
             status[key] = previous[key]
@@ -214,7 +218,8 @@ def _failure(observed: Observation, previous: dict[str, Any]) -> dict[str, Any] 
         found = (MODEL_FAILED, "trainer", observed.model_failure)
     elif observed.failure:
         found = (observed.failure.reason, observed.failure.component, observed.failure.message)
-    elif observed.active_deadline_seconds and previous.get("startTime") and not observed.suspend:
+    elif observed.active_deadline_seconds and previous.get("startTime") and not observed.suspend \
+            and not _queued(observed):
         started = parse_stamp(previous["startTime"])
         elapsed = (observed.now - started).total_seconds()
         if elapsed >= observed.active_deadline_seconds:
@@ -229,12 +234,17 @@ def _failure(observed: Observation, previous: dict[str, Any]) -> dict[str, Any] 
             "spec to start them again.", "generation": observed.generation}
 
 
+def _queued(observed: Observation) -> bool:
+    """Whether the job waits for Kueue (queued, not admitted): its deadline does not run."""
+    return observed.queue is not None and not observed.queue.admitted
+
+
 def _times(observed: Observation, previous: dict[str, Any], phase: str) -> dict[str, Any]:
     """startTime (activeDeadlineSeconds counts from it; a suspend clears it, so a resumed job
     counts again, as a Job does) and completionTime (ttlSecondsAfterFinished counts from it)."""
     stamp = observed.now.strftime(STAMP)
     start = previous.get("startTime")
-    if phase == "Suspended":
+    if phase in ("Suspended", "Queued"):
         start = None
     elif start is None and phase in ("Starting", "Running"):
         start = stamp
@@ -301,10 +311,16 @@ def _phase(observed: Observation, conditions: list, failure: dict[str, Any] | No
     else:
         conditions.append((SUSPENDED, False, RESUMED, "The job is not suspended."))
 
+    queue = observed.queue
+    if queue is not None:
+        conditions.append((ADMITTED, queue.admitted, queue.reason, queue.message))
+
     if done:
         return "Succeeded"
     if observed.suspend:
         return "Suspended"
+    if _queued(observed):
+        return "Queued"
     if len(missing) == len(observed.workloads):
         return "Pending"
     if missing or waiting:

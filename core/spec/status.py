@@ -68,16 +68,32 @@ class FailureStatus(SpecModel):
         "workers stopped, until the spec changes.")
 
 
+class QueueStatus(SpecModel):
+    """Kueue admission of a job labelled kueue.x-k8s.io/queue-name."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(description="The LocalQueue the job waits in (its label).")
+    workload: str = Field(description="The Kueue Workload that asks for the workers' pods.")
+    admitted: bool = Field(
+        default=False, description="Whether Kueue admitted it: until then, and once it is "
+        "evicted or finished, the workers are at zero.")
+    cluster_queue: str | None = Field(
+        default=None, description="The ClusterQueue whose quota admitted it.")
+
+
 class RLJobStatus(SpecModel):
     """Observed state, written by the operator."""
 
     # Written by the system, not by users; tolerate fields other tools (kopf) keep here.
     model_config = ConfigDict(extra="ignore")
 
-    phase: Literal["Pending", "Starting", "Running", "Suspended", "Succeeded", "Failed"] = Field(
+    phase: Literal["Pending", "Queued", "Starting", "Running", "Suspended", "Succeeded",
+                   "Failed"] = Field(
         default="Pending",
-        description="Lifecycle phase of the job: Pending (nothing created yet), Starting "
-        "(children created, not all ready), Running, Suspended, Succeeded or Failed.",
+        description="Lifecycle phase of the job: Pending (nothing created yet), Queued (waiting "
+        "for Kueue to admit it), Starting (children created, not all ready), Running, "
+        "Suspended, Succeeded or Failed.",
     )
     conditions: list[Condition] = Field(
         default_factory=list,
@@ -110,6 +126,10 @@ class RLJobStatus(SpecModel):
     )
     autoscaling: AutoscalingStatus | None = Field(
         default=None, description="The rollout autoscaler's last decision (rollout.autoscale)."
+    )
+    queue: QueueStatus | None = Field(
+        default=None, description="Kueue admission, for a job labelled "
+        "kueue.x-k8s.io/queue-name."
     )
     trainer_step: int | None = Field(
         default=None, description="Training steps completed, as the trainer reports them."

@@ -112,7 +112,8 @@ def test_rbac_grants_only_what_the_operator_uses(helm):
     for (group, resource), verbs in grants.items():
         assert "*" not in verbs and group != "*" and resource != "*"
         assert not verbs & {"deletecollection", "escalate", "bind", "impersonate"}
-        assert "delete" not in verbs or (group, resource) == ("asyncrl.io", "rljobs")
+        assert "delete" not in verbs or (group, resource) in (
+            ("asyncrl.io", "rljobs"), ("kueue.x-k8s.io", "workloads"))
     assert not any(resource.startswith("pods/") for _, resource in grants)
     # Every kind the operator applies (server-side apply is a patch that may create).
     plural = {"ConfigMap": ("", "configmaps"), "Secret": ("", "secrets"),
@@ -133,12 +134,15 @@ def test_rbac_grants_only_what_the_operator_uses(helm):
     assert grants[("asyncrl.io", "rljobs/status")] == {"get", "patch"}
     assert grants[("", "pods")] == {"list", "watch"}
     assert grants[("", "events")] == {"create"}
+    assert grants[("kueue.x-k8s.io", "workloads")] == {"get", "list", "watch", "create", "delete"}
+    assert grants[("kueue.x-k8s.io", "workloads/status")] == {"patch"}
     # Exactly these; a new grant must be added here, deliberately.
     assert set(grants) == {*plural.values(), ("asyncrl.io", "rljobs"),
                            ("asyncrl.io", "rljobs/status"), ("asyncrl.io", "rljobs/finalizers"),
                            ("", "pods"), ("", "events"),
                            ("apiextensions.k8s.io", "customresourcedefinitions"),
-                           ("", "namespaces")}
+                           ("", "namespaces"), ("kueue.x-k8s.io", "workloads"),
+                           ("kueue.x-k8s.io", "workloads/status")}
     (role,) = kinds["Role"]
     assert role["metadata"]["namespace"] == "asyncrl-system"
     assert role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],

@@ -1,0 +1,295 @@
+"""Kueue admission of an RLJob: a job labelled `kueue.x-k8s.io/queue-name` waits in that
+LocalQueue until Kueue admits it.
+
+The operator does for an RLJob what Kueue's own job integrations do for a Job: it creates one
+Workload (kueue.x-k8s.io/v1beta2) that asks for the pods of the job's workers, owned by the
+RLJob (deleted with it), and keeps the workers at zero, as a suspended job's, until Kueue
+admits it (`Admitted=True`). Once the job succeeds or fails it marks the Workload
+`Finished`, which gives its quota back; once Kueue evicts it (preemption, `spec.active:
+false`, a stopped queue) it stops the workers and then clears the reservation, so Kueue queues
+it again. Redis and the buffer hold the job's state and run from creation to deletion, as for
+a suspended job; they are not in the Workload.
+
+The quota asked is the workers' pods as they run: the trainer's and reward's replicas, and the
+rollout's (with rollout.autoscale: its maxReplicas, so the autoscaler never goes above what
+was admitted). Kueue's podSets cannot change once created: a spec change that changes them
+while the job is not admitted makes a new Workload; while it is admitted, it waits for the
+next admission (the job keeps running with what was admitted).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Mapping
+
+from asyncrl.operator import autoscaling, builders, kube
+from asyncrl.operator.builders import OperatorConfig
+from asyncrl.spec import API_VERSION, KIND, RLJob
+
+log = logging.getLogger("asyncrl.operator")
+
+#: The label that puts a job in a Kueue LocalQueue of its namespace (Kueue's own name for it).
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+GROUP, VERSION, PLURAL = "kueue.x-k8s.io", "v1beta2", "workloads"
+API = f"{GROUP}/{VERSION}"
+#: The components whose pods the Workload asks for (Redis and the buffer are not in it).
+WORKERS = ("trainer", "reward", "rollout")
+_STAMP = "%Y-%m-%dT%H:%M:%SZ"
+
+
+def queue_name(body: Mapping[str, Any]) -> str | None:
+    """The LocalQueue a job waits in, from its label (None: not queued)."""
+    return ((body.get("metadata") or {}).get("labels") or {}).get(QUEUE_LABEL) or None
+
+
+def workload_name(job: RLJob) -> str:
+    return f"rljob-{job.metadata.name}"
+
+
+def as_admitted(job: RLJob) -> RLJob:
+    """The job as it runs once admitted: not suspended, and with rollout.autoscale its most
+    rollout replicas (what the quota must hold)."""
+    autoscale = job.spec.rollout.autoscale
+    replicas = autoscale.max_replicas if autoscale is not None else job.spec.rollout.replicas
+    running = autoscaling.with_rollout_replicas(job, replicas)
+    return running.model_copy(update={"spec": running.spec.model_copy(update={"suspend": False})})
+
+
+def pod_sets(job: RLJob, config: OperatorConfig) -> list[dict[str, Any]]:
+    """The Workload's podSets: one per worker component with pods, its count and a pod
+    template that carries what Kueue reads (each container's resources, the node selector and
+    tolerations a ResourceFlavor is matched with)."""
+    running = as_admitted(job)
+    by_component = {
+        child["metadata"]["labels"]["app.kubernetes.io/component"]: child
+        for child in builders.build_children(running, config, redis_password="")
+        if child["kind"] in ("Deployment", "StatefulSet")}
+    sets = []
+    for component in WORKERS:
+        child = by_component.get(component)
+        count = (child or {}).get("spec", {}).get("replicas", 0)
+        if not count:
+            continue
+        pod = child["spec"]["template"]["spec"]
+        template = {key: pod[key] for key in ("nodeSelector", "tolerations") if pod.get(key)}
+        for key in ("initContainers", "containers"):
+            if pod.get(key):
+                template[key] = [{"name": c["name"], "image": c.get("image", ""),
+                                  "resources": c.get("resources") or {}} for c in pod[key]]
+        sets.append({"name": component, "count": count, "template": {"spec": template}})
+    return sets
+
+
+def build_workload(job: RLJob, body: Mapping[str, Any], config: OperatorConfig) -> dict[str, Any]:
+    """The Workload of a queued job, owned by it (the garbage collector deletes it with the
+    job; no finalizer)."""
+    meta = body["metadata"]
+    return {
+        "apiVersion": API, "kind": "Workload",
+        "metadata": {
+            "name": workload_name(job), "namespace": meta["namespace"],
+            "labels": {builders.JOB_LABEL: job.metadata.name},
+            "ownerReferences": [{"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"],
+                                 "uid": meta["uid"], "controller": True,
+                                 "blockOwnerDeletion": True}],
+        },
+        "spec": {"queueName": queue_name(body), "active": True,
+                 "podSets": pod_sets(job, config)},
+    }
+
+
+# --------------------------------------------------------------------------- what Kueue says
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A queued job's Workload as Kueue left it."""
+
+    queue: str
+    workload: str
+    exists: bool = False
+    admitted: bool = False        # Admitted=True and not evicted: the workers may run
+    reserved: bool = False        # QuotaReserved=True (Kueue holds quota for it)
+    evicted: str | None = None    # Evicted=True: its reason, until the reservation is cleared
+    finished: bool = False        # Finished=True: its quota is given back
+    cluster_queue: str | None = None
+    reason: str = "Pending"
+    message: str = "Waiting for Kueue to see the job's Workload."
+
+    def as_status(self) -> dict[str, Any]:
+        """status.queue, as stored."""
+        return {"name": self.queue, "workload": self.workload, "admitted": self.admitted,
+                "clusterQueue": self.cluster_queue}
+
+
+def _condition(workload: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:
+    return next((c for c in (workload.get("status") or {}).get("conditions") or []
+                 if c.get("type") == kind), None)
+
+
+def _true(workload: Mapping[str, Any], kind: str) -> bool:
+    condition = _condition(workload, kind)
+    return condition is not None and condition.get("status") == "True"
+
+
+def read_admission(queue: str, name: str, workload: Mapping[str, Any] | None) -> Admission:
+    """What a Workload (as the API returns it, None when there is none yet) says of its job."""
+    if workload is None:
+        return Admission(queue, name)
+    status = workload.get("status") or {}
+    finished, evicted = _true(workload, "Finished"), _true(workload, "Evicted")
+    reserved, admitted = _true(workload, "QuotaReserved"), _true(workload, "Admitted")
+    # What the job's status says: the first of these that holds, else why it waits.
+    shown = next((_condition(workload, kind) for kind in ("Finished", "Evicted", "Admitted")
+                  if _true(workload, kind)), None) or _condition(workload, "QuotaReserved")
+    if shown is None:
+        reason, message = "Pending", f"Waiting in LocalQueue {queue} for Kueue to admit it."
+    else:
+        reason, message = shown.get("reason") or shown["type"], shown.get("message") or ""
+    eviction = _condition(workload, "Evicted") if evicted and reserved else None
+    return Admission(
+        queue, name, exists=True, admitted=admitted and not evicted and not finished,
+        reserved=reserved, evicted=(eviction.get("reason") or "Evicted") if eviction else None,
+        finished=finished, cluster_queue=(status.get("admission") or {}).get("clusterQueue"),
+        reason=reason, message=message)
+
+
+def holds(body: Mapping[str, Any]) -> bool:
+    """Whether the job's workers stay at zero for its queue: it is queued and its last status
+    does not say it is admitted."""
+    if queue_name(body) is None:
+        return False
+    return not ((body.get("status") or {}).get("queue") or {}).get("admitted", False)
+
+
+# --------------------------------------------------------------------------- status writes
+
+
+def _set(conditions: list[dict], kind: str, status: bool, reason: str, message: str,
+         now: str) -> list[dict]:
+    """`conditions` with `kind` set (lastTransitionTime moves only when its status does)."""
+    value = "True" if status else "False"
+    out, found = [], False
+    for condition in conditions:
+        if condition.get("type") == kind:
+            found = True
+            moved = condition.get("status") != value
+            condition = {**condition, "status": value, "reason": reason, "message": message,
+                         "lastTransitionTime": now if moved else condition.get(
+                             "lastTransitionTime", now)}
+        out.append(condition)
+    if not found:
+        out.append({"type": kind, "status": value, "reason": reason, "message": message,
+                    "lastTransitionTime": now})
+    return out
+
+
+def finished_status(workload: Mapping[str, Any], succeeded: bool, message: str,
+                    now: datetime | None = None) -> dict[str, Any]:
+    """The Workload's status with `Finished=True`: Kueue gives its quota back."""
+    stamp = (now or datetime.now(timezone.utc)).strftime(_STAMP)
+    conditions = list((workload.get("status") or {}).get("conditions") or [])
+    conditions = _set(conditions, "Finished", True, "Succeeded" if succeeded else "Failed",
+                      message, stamp)
+    return {"conditions": conditions}
+
+
+def released_status(workload: Mapping[str, Any], now: datetime | None = None) -> dict[str, Any]:
+    """The Workload's status once an evicted job's workers stopped: no reservation, no
+    admission, and requeued, as Kueue's job integrations leave it; Kueue queues it again (a
+    deactivated one once it is active again)."""
+    stamp = (now or datetime.now(timezone.utc)).strftime(_STAMP)
+    eviction = _condition(workload, "Evicted") or {}
+    reason, message = eviction.get("reason") or "Evicted", eviction.get("message") or ""
+    conditions = list((workload.get("status") or {}).get("conditions") or [])
+    conditions = _set(conditions, "QuotaReserved", False, "Pending", message, stamp)
+    conditions = _set(conditions, "Admitted", False, "NoReservation",
+                      "The workload has no reservation", stamp)
+    conditions = _set(conditions, "Requeued", reason in ("Preempted", "NodeFailures"), reason,
+                      message, stamp)
+    return {"conditions": conditions, "admission": None}
+
+
+# --------------------------------------------------------------------------- reconciling
+
+
+def _signature(pod_sets_: list[dict[str, Any]]) -> list[tuple]:
+    """What of the podSets asks for quota (the API server may default other fields)."""
+    return [(p.get("name"), p.get("count"), [(c.get("name"), c.get("resources") or {})
+                                             for c in p["template"]["spec"].get("containers", [])])
+            for p in pod_sets_]
+
+
+def _done_at_spec(body: Mapping[str, Any]) -> bool:
+    """Whether the job finished at its current spec (a finished Workload stays so): it
+    succeeded, or failed and was not edited since."""
+    status = body.get("status") or {}
+    generation = body["metadata"].get("generation")
+    if status.get("phase") == "Succeeded":
+        return status.get("observedGeneration") == generation
+    return status.get("phase") == "Failed" and \
+        (status.get("failure") or {}).get("generation") == generation
+
+
+def sync_workload(job: RLJob, body: Mapping[str, Any], config: OperatorConfig) -> None:
+    """Creates a queued job's Workload, or a new one where the one there cannot serve: it is
+    finished while the job is to run again (a failed job's spec was edited), or it holds no
+    quota and asks for other pods or another queue than the spec now does."""
+    queue = queue_name(body)
+    if queue is None:
+        return
+    wanted = build_workload(job, body, config)
+    meta = wanted["metadata"]
+    current = kube.read_queue_workload(meta["namespace"], meta["name"])
+    if current is not None:
+        finished_before = _true(current, "Finished") and not _done_at_spec(body)
+        other = (_signature(current["spec"].get("podSets") or []) !=
+                 _signature(wanted["spec"]["podSets"])
+                 or current["spec"].get("queueName") != queue)
+        if not (finished_before or (other and not _true(current, "QuotaReserved"))):
+            return
+        log.info("%s/%s: a new Workload (%s)", meta["namespace"], job.metadata.name,
+                 "the job runs again" if finished_before else "its pods or queue changed")
+        kube.delete_queue_workload(meta["namespace"], meta["name"])
+    kube.create_queue_workload(wanted)
+
+
+def observe_admission(job: RLJob, body: Mapping[str, Any]) -> Admission | None:
+    """What Kueue says of a queued job now (None: not queued)."""
+    queue = queue_name(body)
+    if queue is None:
+        return None
+    name = workload_name(job)
+    return read_admission(queue, name, kube.read_queue_workload(body["metadata"]["namespace"],
+                                                                name))
+
+
+def settle(job: RLJob, body: Mapping[str, Any], admission: Admission | None,
+           workers_stopped: bool) -> str | None:
+    """The Workload's status after the job's: `Finished` once the job succeeded or failed;
+    the reservation cleared once an evicted job's workers have stopped. Returns what it did
+    (for the log), None when nothing."""
+    if admission is None or not admission.exists:
+        return None
+    phase = (body.get("status") or {}).get("phase")
+    workload = None
+    if phase in ("Succeeded", "Failed") and not admission.finished and _done_at_spec(body):
+        workload = kube.read_queue_workload(body["metadata"]["namespace"], admission.workload)
+        if workload is None:
+            return None
+        failure = (body.get("status") or {}).get("failure") or {}
+        message = (f"The RLJob succeeded." if phase == "Succeeded" else
+                   f"The RLJob failed: {failure.get('reason', 'Failed')}.")
+        kube.patch_queue_workload_status(workload, finished_status(
+            workload, phase == "Succeeded", message))
+        return f"Workload {admission.workload} finished: its quota is given back"
+    if admission.evicted and workers_stopped:
+        workload = kube.read_queue_workload(body["metadata"]["namespace"], admission.workload)
+        if workload is None:
+            return None
+        kube.patch_queue_workload_status(workload, released_status(workload))
+        return (f"Workload {admission.workload} evicted ({admission.evicted}): its workers "
+                f"stopped, its reservation cleared")
+    return None
