@@ -115,8 +115,8 @@ class Admission:
     evicted: str | None = None    # Evicted=True: its reason, until the reservation is cleared
     finished: bool = False        # Finished=True: its quota is given back
     cluster_queue: str | None = None
-    reason: str = "Pending"
-    message: str = "Waiting for Kueue to see the job's Workload."
+    reason: str = "NoWorkload"
+    message: str = ""
 
     def as_status(self) -> dict[str, Any]:
         """status.queue, as stored."""
@@ -137,7 +137,9 @@ def _true(workload: Mapping[str, Any], kind: str) -> bool:
 def read_admission(queue: str, name: str, workload: Mapping[str, Any] | None) -> Admission:
     """What a Workload (as the API returns it, None when there is none yet) says of its job."""
     if workload is None:
-        return Admission(queue, name)
+        return Admission(queue, name, message=(
+            f"The Workload {name} does not exist yet: is Kueue installed (its "
+            f"{API} Workloads), and may the operator create them?"))
     status = workload.get("status") or {}
     finished, evicted = _true(workload, "Finished"), _true(workload, "Evicted")
     reserved, admitted = _true(workload, "QuotaReserved"), _true(workload, "Admitted")

@@ -76,13 +76,18 @@ def _reconcile(state: OperatorState, body: Any, *,
 
 
 def _sync_queue_workload(state: OperatorState, job: RLJob, body: Any) -> None:
-    """A queued job's Kueue Workload (asyncrl.operator.kueue); kopf.TemporaryError when the API
-    refuses it (Kueue's CRDs not installed, say)."""
+    """A queued job's Kueue Workload (asyncrl.operator.kueue). Without Kueue's CRDs the job
+    stays Queued, its status saying why; kopf.TemporaryError when the API refuses otherwise."""
     from kubernetes.client.rest import ApiException
 
     try:
         kueue.sync_workload(job, body, state.config)
     except ApiException as exc:
+        if exc.status == 404:
+            log.warning("%s/%s is labelled %s, and Kueue's Workloads are not served here: it "
+                        "stays Queued", job.metadata.namespace, job.metadata.name,
+                        kueue.QUEUE_LABEL)
+            return
         raise kopf.TemporaryError(
             f"the Kueue Workload of a job labelled {kueue.QUEUE_LABEL}: {exc.status} "
             f"{exc.reason}: {kube.api_message(exc)} (is Kueue installed?)", delay=10) from exc
