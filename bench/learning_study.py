@@ -11,8 +11,9 @@ be extended a setting or a seed at a time and re-plotted with --plot-only.
 
 A setting is NAME=OVERRIDES, the overrides comma-separated dotted paths under the job's spec
 (values in YAML: `algorithm.ppoMinibatches=2,trainer.evalEvery=5`). The table gives, per run,
-accuracy ± one standard error at every evaluation, the minute of the whole command at which
-accuracy first reached --target, and the last evaluation's distance from the run's best.
+accuracy ± one standard error at every evaluation, the minute of the whole command at which an
+evaluation first showed accuracy at --target (when that evaluation ended: what a user watching
+sees), and the last evaluation's distance from the run's best.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def summarise(run_dir: Path, target: float) -> dict:
                if line.strip()]
     evaluations = [{"step": r["step"], "accuracy": r["eval_accuracy"],
                     "stderr": r.get("eval_stderr"),
-                    "minute": (r["time"] - timing["started"]) / 60}
+                    # metrics.jsonl stamps a step before its evaluation runs.
+                    "minute": (r["time"] + r.get("eval_seconds", 0.0) - timing["started"]) / 60}
                    for r in records if r.get("eval_accuracy", -1) >= 0]
     reached = next((e["minute"] for e in evaluations if e["accuracy"] >= target), None)
     best = max(e["accuracy"] for e in evaluations)
@@ -106,7 +108,7 @@ def table(summaries: dict[str, list[dict]], target: float) -> str:
     steps = sorted({e["step"] for runs in summaries.values() for s in runs
                     for e in s["evaluations"]})
     header = ("| setting | run | " + " | ".join(f"step {s}" for s in steps)
-              + f" | ≥ {target:.0%} at (min) | last − best | wall (min) | staleness | clip |")
+              + f" | ≥ {target:.0%} seen at (min) | last − best | wall (min) | staleness | clip |")
     lines = [header, "|" + " --- |" * (len(steps) + 7)]
     for name, runs in summaries.items():
         for summary in runs:
