@@ -119,9 +119,11 @@ class Admission:
     message: str = ""
 
     def as_status(self) -> dict[str, Any]:
-        """status.queue, as stored."""
-        return {"name": self.queue, "workload": self.workload, "admitted": self.admitted,
-                "clusterQueue": self.cluster_queue}
+        """status.queue, as stored (a merge patch drops null fields, so none are written)."""
+        status = {"name": self.queue, "workload": self.workload, "admitted": self.admitted}
+        if self.cluster_queue is not None:
+            status["clusterQueue"] = self.cluster_queue
+        return status
 
 
 def _condition(workload: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:
@@ -156,6 +158,13 @@ def read_admission(queue: str, name: str, workload: Mapping[str, Any] | None) ->
         reserved=reserved, evicted=(eviction.get("reason") or "Evicted") if eviction else None,
         finished=finished, cluster_queue=(status.get("admission") or {}).get("clusterQueue"),
         reason=reason, message=message)
+
+
+def with_admission(body: Mapping[str, Any], admission: Admission | None) -> Mapping[str, Any]:
+    """`body` with status.queue as `admission` says (unchanged for a job not queued)."""
+    if admission is None:
+        return body
+    return {**body, "status": {**(body.get("status") or {}), "queue": admission.as_status()}}
 
 
 def holds(body: Mapping[str, Any]) -> bool:

