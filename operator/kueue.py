@@ -13,8 +13,7 @@ a suspended job; they are not in the Workload.
 The quota asked is the workers' pods as they run: the trainer's and reward's replicas, and the
 rollout's (with rollout.autoscale: its maxReplicas, so the autoscaler never goes above what
 was admitted). Kueue's podSets cannot change once created: a spec change that changes them
-while the job is not admitted makes a new Workload; while it is admitted, it waits for the
-next admission (the job keeps running with what was admitted).
+(replicas, resources, placement) makes a new Workload, and the job queues again.
 """
 
 from __future__ import annotations
@@ -228,9 +227,12 @@ def released_status(workload: Mapping[str, Any], now: datetime | None = None) ->
 
 def _signature(pod_sets_: list[dict[str, Any]]) -> list[tuple]:
     """What of the podSets asks for quota (the API server may default other fields)."""
-    return [(p.get("name"), p.get("count"), [(c.get("name"), c.get("resources") or {})
-                                             for c in p["template"]["spec"].get("containers", [])])
-            for p in pod_sets_]
+    def of(pod_set: dict[str, Any]) -> tuple:
+        pod = pod_set["template"]["spec"]
+        return (pod_set.get("name"), pod_set.get("count"), pod.get("nodeSelector") or {},
+                pod.get("tolerations") or [],
+                [(c.get("name"), c.get("resources") or {}) for c in pod.get("containers", [])])
+    return [of(pod_set) for pod_set in pod_sets_]
 
 
 def _done_at_spec(body: Mapping[str, Any]) -> bool:
@@ -246,8 +248,9 @@ def _done_at_spec(body: Mapping[str, Any]) -> bool:
 
 def sync_workload(job: RLJob, body: Mapping[str, Any], config: OperatorConfig) -> None:
     """Creates a queued job's Workload, or a new one where the one there cannot serve: it is
-    finished while the job is to run again (a failed job's spec was edited), or it holds no
-    quota and asks for other pods or another queue than the spec now does."""
+    finished while the job is to run again (a failed job's spec was edited), or it asks for
+    other pods or another queue than the spec now does (Kueue's pod sets cannot change: the
+    job queues again, its workers stopped until the new one is admitted)."""
     queue = queue_name(body)
     if queue is None:
         return
@@ -259,7 +262,7 @@ def sync_workload(job: RLJob, body: Mapping[str, Any], config: OperatorConfig) -
         other = (_signature(current["spec"].get("podSets") or []) !=
                  _signature(wanted["spec"]["podSets"])
                  or current["spec"].get("queueName") != queue)
-        if not (finished_before or (other and not _true(current, "QuotaReserved"))):
+        if not (finished_before or other):
             return
         log.info("%s/%s: a new Workload (%s)", meta["namespace"], job.metadata.name,
                  "the job runs again" if finished_before else "its pods or queue changed")

@@ -2,7 +2,7 @@
 real control plane: RLJobs labelled with a LocalQueue whose ClusterQueue holds one job's
 workers at a time. The first runs, the second waits (Queued, its workers at zero, Kueue's
 reason in its status) until the first finishes; an evicted job stops its workers and gives its
-quota back, and runs again once admitted again."""
+quota back, and runs again once admitted again; a change of its pods queues it again."""
 
 from __future__ import annotations
 
@@ -145,3 +145,18 @@ def test_the_second_job_waits_for_quota_and_an_evicted_job_gives_it_back(
         _content_type="application/merge-patch+json")
     wait_for(phase_is(kube, namespace, "second", "Running"), 240, "second to run again",
              operator)
+
+    # Its pods change (two rollout replicas, two GPUs: more than the quota): Kueue's pod sets
+    # cannot, so it queues again with a new Workload, its workers stopped.
+    first_uid = _workload(kube, namespace, "second")["metadata"]["uid"]
+    patch_spec(kube, namespace, "second", {"rollout": {"replicas": 2}})
+
+    def requeued():
+        workload = requeued.seen = _workload(kube, namespace, "second")
+        counts = {p["name"]: p["count"] for p in workload["spec"]["podSets"]}
+        return workload["metadata"]["uid"] != first_uid and counts["rollout"] == 2
+    requeued.seen = None
+    wait_for(requeued, 60, "a new Workload for second's new pods", operator)
+    wait_for(phase_is(kube, namespace, "second", "Queued"), 60, "second to queue again",
+             operator)
+    wait_for(lambda: not _workers(kube, namespace, "second"), 60, "second's workers to stop")
