@@ -10,7 +10,8 @@ cd "$(dirname "$0")/.."
 passed() {  # exit code 5 means no test was selected (a -k that matches none of a pass)
     [ "$1" = 0 ] || [ "$1" = 5 ]
 }
-rc=0; .venv/bin/python -m pytest -m "slow and not real_node" "$@" || rc=$?
+# The slowest named in the log: the pass CI time depends on most.
+rc=0; .venv/bin/python -m pytest -m "slow and not real_node" --durations=20 "$@" || rc=$?
 passed "$rc" || exit "$rc"
 
 bash tests/cluster/node.sh prepare
