@@ -75,6 +75,8 @@ async def cleanup(memo: kopf.Memo, **_) -> None:
 @kopf.on.resume(GROUP, VERSION, PLURAL, id="reconcile-on-resume")
 @kopf.on.create(GROUP, VERSION, PLURAL, id="reconcile-on-create")
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", id="reconcile-on-update")
+# A job joins or leaves a Kueue queue by its label (asyncrl.operator.kueue).
+@kopf.on.update(GROUP, VERSION, PLURAL, field="metadata.labels", id="reconcile-on-labels")
 def reconcile_handler(body: kopf.Body, logger, **_) -> None:
     # Returns nothing: kopf would store a result under status, which the CRD's schema prunes.
     reconcile.reconcile(STATE, body, logger=logger)

@@ -245,6 +245,14 @@ def delete_queue_workload(namespace: str, name: str) -> None:
             raise
 
 
+def patch_queue_workload(workload: dict, change: dict[str, Any]) -> None:
+    """A merge patch of a Workload (its spec.active)."""
+    meta = workload["metadata"]
+    custom().patch_namespaced_custom_object(
+        *KUEUE_WORKLOADS[:2], meta["namespace"], KUEUE_WORKLOADS[2], meta["name"], change,
+        _content_type="application/merge-patch+json")
+
+
 def patch_queue_workload_status(workload: dict, status: dict[str, Any]) -> None:
     """A merge patch of a Workload's status, at the resourceVersion read (a merge patch
     replaces the conditions list whole: a write Kueue made in between is a conflict, 409,

@@ -33,6 +33,9 @@ log = logging.getLogger("asyncrl.operator")
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 GROUP, VERSION, PLURAL = "kueue.x-k8s.io", "v1beta2", "workloads"
 API = f"{GROUP}/{VERSION}"
+#: On the Workload: the RLJob generation it was made for (a finished one is kept until the
+#: spec changes).
+GENERATION_ANNOTATION = "asyncrl.io/job-generation"
 #: The components whose pods the Workload asks for (Redis and the buffer are not in it).
 WORKERS = ("trainer", "reward", "rollout")
 _STAMP = "%Y-%m-%dT%H:%M:%SZ"
@@ -90,11 +93,13 @@ def build_workload(job: RLJob, body: Mapping[str, Any], config: OperatorConfig) 
         "metadata": {
             "name": workload_name(job), "namespace": meta["namespace"],
             "labels": {builders.JOB_LABEL: job.metadata.name},
+            "annotations": {GENERATION_ANNOTATION: str(meta.get("generation"))},
             "ownerReferences": [{"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"],
                                  "uid": meta["uid"], "controller": True,
                                  "blockOwnerDeletion": True}],
         },
-        "spec": {"queueName": queue_name(body), "active": True,
+        # A suspended job gives its quota back: Kueue evicts an inactive Workload.
+        "spec": {"queueName": queue_name(body), "active": not job.spec.suspend,
                  "podSets": pod_sets(job, config)},
     }
 
@@ -167,11 +172,13 @@ def with_admission(body: Mapping[str, Any], admission: Admission | None) -> Mapp
 
 
 def holds(body: Mapping[str, Any]) -> bool:
-    """Whether the job's workers stay at zero for its queue: it is queued and its last status
-    does not say it is admitted."""
+    """Whether the job's workers stay at zero for its queue: it is queued, and its last status
+    does not say it is admitted, or says it finished (its Workload is then marked Finished
+    once they have stopped)."""
     if queue_name(body) is None:
         return False
-    return not ((body.get("status") or {}).get("queue") or {}).get("admitted", False)
+    admitted = ((body.get("status") or {}).get("queue") or {}).get("admitted", False)
+    return not admitted or done_at_spec(body)
 
 
 # --------------------------------------------------------------------------- status writes
@@ -231,13 +238,14 @@ def _signature(pod_sets_: list[dict[str, Any]]) -> list[tuple]:
         pod = pod_set["template"]["spec"]
         return (pod_set.get("name"), pod_set.get("count"), pod.get("nodeSelector") or {},
                 pod.get("tolerations") or [],
-                [(c.get("name"), c.get("resources") or {}) for c in pod.get("containers", [])])
+                [(c.get("name"), c.get("resources") or {})
+                 for key in ("initContainers", "containers") for c in pod.get(key) or []])
     return [of(pod_set) for pod_set in pod_sets_]
 
 
-def _done_at_spec(body: Mapping[str, Any]) -> bool:
-    """Whether the job finished at its current spec (a finished Workload stays so): it
-    succeeded, or failed and was not edited since."""
+def done_at_spec(body: Mapping[str, Any]) -> bool:
+    """Whether the job's last status says it finished at its current spec: it succeeded, or
+    failed and was not edited since."""
     status = body.get("status") or {}
     generation = body["metadata"].get("generation")
     if status.get("phase") == "Succeeded":
@@ -246,28 +254,63 @@ def _done_at_spec(body: Mapping[str, Any]) -> bool:
         (status.get("failure") or {}).get("generation") == generation
 
 
-def sync_workload(job: RLJob, body: Mapping[str, Any], config: OperatorConfig) -> None:
-    """Creates a queued job's Workload, or a new one where the one there cannot serve: it is
-    finished while the job is to run again (a failed job's spec was edited), or it asks for
-    other pods or another queue than the spec now does (Kueue's pod sets cannot change: the
-    job queues again, its workers stopped until the new one is admitted)."""
+def sync_workload(job: RLJob, body: Mapping[str, Any], config: OperatorConfig) -> str | None:
+    """Brings a queued job's Workload in line with its spec; returns what it did (for the
+    log), None when nothing.
+
+    - none yet: created (but for a job that finished at this spec: a Workload deleted after it
+      finished, by Kueue's retention policy, is not made again);
+    - finished: kept while the job's spec is the one it finished at (the generation it was
+      made for); made anew once the spec is edited (a failed job's fix runs again);
+    - asking for other pods or another queue than the spec now does (Kueue's pod sets cannot
+      change): deactivated first while it holds quota, so that Kueue evicts it and the workers
+      stop before the quota goes (asyncrl.operator.reconcile clears the reservation once they
+      have), then made anew;
+    - `spec.active` follows `spec.suspend`: a suspended job gives its quota back.
+    A job whose label is gone has its Workload deleted (status.queue says it had one)."""
+    namespace = body["metadata"]["namespace"]
+    name = workload_name(job)
     queue = queue_name(body)
     if queue is None:
-        return
+        if (body.get("status") or {}).get("queue"):
+            kube.delete_queue_workload(namespace, name)
+            return f"the job left its queue: Workload {name} deleted"
+        return None
     wanted = build_workload(job, body, config)
-    meta = wanted["metadata"]
-    current = kube.read_queue_workload(meta["namespace"], meta["name"])
-    if current is not None:
-        finished_before = _true(current, "Finished") and not _done_at_spec(body)
-        other = (_signature(current["spec"].get("podSets") or []) !=
-                 _signature(wanted["spec"]["podSets"])
-                 or current["spec"].get("queueName") != queue)
-        if not (finished_before or other):
-            return
-        log.info("%s/%s: a new Workload (%s)", meta["namespace"], job.metadata.name,
-                 "the job runs again" if finished_before else "its pods or queue changed")
-        kube.delete_queue_workload(meta["namespace"], meta["name"])
+    current = kube.read_queue_workload(namespace, name)
+    if current is None:
+        if done_at_spec(body):
+            return None
+        kube.create_queue_workload(wanted)
+        return f"Workload {name} created in LocalQueue {queue}"
+    made_for = (current["metadata"].get("annotations") or {}).get(GENERATION_ANNOTATION)
+    edited = made_for != str(body["metadata"].get("generation"))
+    if _true(current, "Finished"):
+        if not edited:
+            return None
+        return _replace(current, wanted, "the job's spec changed after it finished")
+    other = (_signature(current["spec"].get("podSets") or []) !=
+             _signature(wanted["spec"]["podSets"]) or current["spec"].get("queueName") != queue)
+    if other:
+        if _true(current, "QuotaReserved"):
+            if current["spec"].get("active", True):
+                kube.patch_queue_workload(current, {"spec": {"active": False}})
+                return (f"Workload {name} deactivated: the job's pods or queue changed, and its "
+                        "workers stop before it is made anew")
+            return None
+        return _replace(current, wanted, "the job's pods or queue changed")
+    active = wanted["spec"]["active"]
+    if current["spec"].get("active", True) != active:
+        kube.patch_queue_workload(current, {"spec": {"active": active}})
+        return f"Workload {name} {'activated' if active else 'deactivated (suspended)'}"
+    return None
+
+
+def _replace(current: Mapping[str, Any], wanted: dict[str, Any], why: str) -> str:
+    meta = current["metadata"]
+    kube.delete_queue_workload(meta["namespace"], meta["name"])
     kube.create_queue_workload(wanted)
+    return f"Workload {meta['name']} made anew: {why}"
 
 
 def observe_admission(job: RLJob, body: Mapping[str, Any]) -> Admission | None:
@@ -280,30 +323,41 @@ def observe_admission(job: RLJob, body: Mapping[str, Any]) -> Admission | None:
                                                                 name))
 
 
-def settle(job: RLJob, body: Mapping[str, Any], admission: Admission | None,
+def settle(body: Mapping[str, Any], admission: Admission | None,
            workers_stopped: bool) -> str | None:
-    """The Workload's status after the job's: `Finished` once the job succeeded or failed;
-    the reservation cleared once an evicted job's workers have stopped. Returns what it did
-    (for the log), None when nothing."""
-    if admission is None or not admission.exists:
+    """The Workload's status after the job's, once its workers have stopped: `Finished`
+    when the job succeeded or failed (the workers of a finished queued job stop: `holds`);
+    the reservation cleared when Kueue evicted it. Returns what it did (for the log), None
+    when nothing. A conflict (Kueue wrote in between) waits for the next pass, which the
+    Workload's own change brings."""
+    from kubernetes.client.rest import ApiException
+
+    if admission is None or not admission.exists or not workers_stopped:
         return None
-    phase = (body.get("status") or {}).get("phase")
-    workload = None
-    if phase in ("Succeeded", "Failed") and not admission.finished and _done_at_spec(body):
-        workload = kube.read_queue_workload(body["metadata"]["namespace"], admission.workload)
-        if workload is None:
-            return None
-        failure = (body.get("status") or {}).get("failure") or {}
-        message = (f"The RLJob succeeded." if phase == "Succeeded" else
+    status = body.get("status") or {}
+    finish = done_at_spec(body) and not admission.finished
+    if not (finish or admission.evicted):
+        return None
+    workload = kube.read_queue_workload(body["metadata"]["namespace"], admission.workload)
+    if workload is None:
+        return None
+    if finish:
+        failure = status.get("failure") or {}
+        succeeded = status.get("phase") == "Succeeded"
+        message = ("The RLJob succeeded." if succeeded else
                    f"The RLJob failed: {failure.get('reason', 'Failed')}.")
-        kube.patch_queue_workload_status(workload, finished_status(
-            workload, phase == "Succeeded", message))
-        return f"Workload {admission.workload} finished: its quota is given back"
-    if admission.evicted and workers_stopped:
-        workload = kube.read_queue_workload(body["metadata"]["namespace"], admission.workload)
-        if workload is None:
+        change, done = finished_status(workload, succeeded, message), \
+            f"Workload {admission.workload} finished: its quota is given back"
+    else:
+        change, done = released_status(workload), (
+            f"Workload {admission.workload} evicted ({admission.evicted}): its workers "
+            "stopped, its reservation cleared")
+    try:
+        kube.patch_queue_workload_status(workload, change)
+    except ApiException as exc:
+        if exc.status in (404, 409):
+            log.debug("Workload %s changed meanwhile (%s): next pass", admission.workload,
+                      exc.status)
             return None
-        kube.patch_queue_workload_status(workload, released_status(workload))
-        return (f"Workload {admission.workload} evicted ({admission.evicted}): its workers "
-                f"stopped, its reservation cleared")
-    return None
+        raise
+    return done

@@ -51,13 +51,15 @@ def fetch_figures(job: RLJob, workloads: Sequence[Workload]) -> Figures:
 
 
 def observe(state: OperatorState, job: RLJob, body: Any,
-            figures: Figures | None = None) -> Observation:
+            figures: Figures | None = None, *,
+            admission: kueue.Admission | None = None) -> Observation:
     """The job's children as they are now; `figures` when the caller has just fetched them
     (else they are fetched here, if the operator asks the services for them at all)."""
     namespace = job.metadata.namespace
     previous = (body.get("status") or {}).get("autoscaling")
-    # Kueue's word now: what the workers are to have follows it (not the last status's).
-    admission = kueue.observe_admission(job, body)
+    # Kueue's word now (unless just read): the workers follow it, not the last status.
+    if admission is None:
+        admission = kueue.observe_admission(job, body)
     # The replicas the workloads have now: the autoscaler's before this observation's
     # decision, none for a failed job's workers or one its queue holds.
     applied = lifetime.as_applied(job, kueue.with_admission(body, admission))

@@ -70,18 +70,24 @@ def _reconcile(state: OperatorState, body: Any, *,
                                        suspend=False, max_steps=0, invalid=message))
         raise kopf.PermanentError(message) from None
 
-    _sync_queue_workload(state, job, body)
-    _apply_children(state, job, body, logger)
-    return _write_and_reapply(state, job, body, observe(state, job, body), logger)
+    _sync_queue_workload(state, job, body, logger)
+    # The workers follow Kueue's word now (a Workload just made anew holds no quota yet).
+    admission = kueue.observe_admission(job, body)
+    current = kueue.with_admission(body, admission)
+    _apply_children(state, job, current, logger)
+    return _write_and_reapply(state, job, body, observe(state, job, body, admission=admission),
+                              logger, applied_from=current)
 
 
-def _sync_queue_workload(state: OperatorState, job: RLJob, body: Any) -> None:
+def _sync_queue_workload(state: OperatorState, job: RLJob, body: Any, logger) -> None:
     """A queued job's Kueue Workload (asyncrl.operator.kueue). Without Kueue's CRDs the job
     stays Queued, its status saying why; kopf.TemporaryError when the API refuses otherwise."""
     from kubernetes.client.rest import ApiException
 
     try:
-        kueue.sync_workload(job, body, state.config)
+        done = kueue.sync_workload(job, body, state.config)
+        if done:
+            logger.info(f"{job.metadata.namespace}/{job.metadata.name}: {done}")
     except ApiException as exc:
         if exc.status == 404:
             log.warning("%s/%s is labelled %s, and Kueue's Workloads are not served here: it "
@@ -123,11 +129,13 @@ def _apply_children(state: OperatorState, job: RLJob, body: Any, logger) -> None
                                   f"{kube.api_message(exc)}", delay=5) from exc
 
 
-def _write_and_reapply(state: OperatorState, job: RLJob, body: Any, observed, logger) -> dict:
+def _write_and_reapply(state: OperatorState, job: RLJob, body: Any, observed, logger, *,
+                       applied_from: Any = None) -> dict:
     """Writes the status observed; where it changes what the workloads get (the autoscaler
-    changed the rollout replicas, the job failed), the children are applied again at once,
-    not at the next reconcile."""
-    before = _applied(job, body)
+    changed the rollout replicas, the job failed, Kueue admitted or evicted it), the children
+    are applied again at once, not at the next reconcile. `applied_from`: the body the
+    children were last applied from, when not `body` itself."""
+    before = _applied(job, body if applied_from is None else applied_from)
     status = write_status(body, observed)
     times = lifetime.due_times(job, status)
     if any(times):
@@ -138,7 +146,7 @@ def _write_and_reapply(state: OperatorState, job: RLJob, body: Any, observed, lo
     if _applied(job, now) != before:
         _apply_children(state, job, now, logger)
     stopped = all(w.replicas == 0 for w in observed.workloads if w.component in kueue.WORKERS)
-    done = kueue.settle(job, now, observed.queue, workers_stopped=stopped)
+    done = kueue.settle(now, observed.queue, workers_stopped=stopped)
     if done:
         logger.info(f"{job.metadata.namespace}/{job.metadata.name}: {done}")
     return status

@@ -134,7 +134,8 @@ def test_rbac_grants_only_what_the_operator_uses(helm):
     assert grants[("asyncrl.io", "rljobs/status")] == {"get", "patch"}
     assert grants[("", "pods")] == {"list", "watch"}
     assert grants[("", "events")] == {"create"}
-    assert grants[("kueue.x-k8s.io", "workloads")] == {"get", "list", "watch", "create", "delete"}
+    assert grants[("kueue.x-k8s.io", "workloads")] == {"get", "list", "watch", "create",
+                                                       "patch", "delete"}
     assert grants[("kueue.x-k8s.io", "workloads/status")] == {"patch"}
     # Exactly these; a new grant must be added here, deliberately.
     assert set(grants) == {*plural.values(), ("asyncrl.io", "rljobs"),

@@ -112,18 +112,20 @@ install_module() {  # install_module <binary name> <package@version> [extra ldfl
 # Neither go.mod has local replace lines, so go install works at a version directly.
 install_module kwok "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
 install_module coredns "github.com/coredns/coredns@$COREDNS_VERSION"
-# Kueue's own go.mod (Kubernetes libraries a minor newer than the cluster's: clients may be),
-# not tests/cluster/go's. Its CRDs come from the same module, before the caches go.
-if ! [ -d "$BIN/kueue-crds" ] || ! [ -x "$BIN/kueue" ]; then
+# Kueue's own go.mod (Kubernetes libraries a minor newer than the cluster's: clients may be;
+# Go >= 1.25), not tests/cluster/go's. Its CRDs come from the same module, before the caches
+# go: the binary and the CRDs are built together, or neither counts as cached.
+if [ -x "$BIN/kueue" ] && [ -d "$BIN/kueue-crds" ]; then
+    timing "kueue" "cached"
+else
+    rm -rf "$BIN/kueue" "$BIN/kueue-crds" "$BIN/kueue-crds.partial"
     install_module kueue "sigs.k8s.io/kueue/cmd/kueue@$KUEUE_VERSION" \
         "-X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION"
-    rm -rf "$BIN/kueue-crds.partial"
-    cp -r "$GOMODCACHE/sigs.k8s.io/kueue@$KUEUE_VERSION/config/components/crd/bases" \
-        "$BIN/kueue-crds.partial"
+    kueue_dir=$("$GO" mod download -json "sigs.k8s.io/kueue@$KUEUE_VERSION" |
+        python3 -c 'import json, sys; print(json.load(sys.stdin)["Dir"])')
+    cp -r "$kueue_dir/config/components/crd/bases" "$BIN/kueue-crds.partial"
     chmod -R u+w "$BIN/kueue-crds.partial"
     mv "$BIN/kueue-crds.partial" "$BIN/kueue-crds"
-else
-    timing "kueue" "cached"
 fi
 
 if [ -x "$BIN/helm" ] && [ -x "$BIN/kubectl" ]; then

@@ -43,11 +43,16 @@ class Kueue:
             raise ControlPlaneMissing(
                 f"Kueue is missing from {self.plane.binaries} (kueue, kueue-crds). Build it "
                 f"(cached) with: bash {BUILD_SCRIPT}")
+        try:
+            METRICS_CERTS.mkdir(parents=True, exist_ok=True)
+        except PermissionError:
+            raise ControlPlaneMissing(
+                f"Kueue reads a certificate from {METRICS_CERTS}, which this user may not "
+                "create: run the tests as root (as CI does), or create it writable") from None
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._install_crds(timeout)
         certs = self.workdir / "certs"
         _write_self_signed(certs)
-        METRICS_CERTS.mkdir(parents=True, exist_ok=True)
         for name in ("tls.crt", "tls.key"):
             (METRICS_CERTS / name).write_bytes((certs / name).read_bytes())
         config = self.workdir / "kueue.yaml"

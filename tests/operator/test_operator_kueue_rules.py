@@ -48,13 +48,24 @@ def test_the_workload_asks_for_the_workers_pods_and_is_owned_by_the_job():
     assert built["metadata"]["ownerReferences"] == [{
         "apiVersion": "asyncrl.io/v1alpha1", "kind": "RLJob", "name": "tiny", "uid": "u-1",
         "controller": True, "blockOwnerDeletion": True}]
-    assert built["spec"]["queueName"] == "team-a"
+    assert built["spec"]["queueName"] == "team-a" and built["spec"]["active"] is True
+    assert built["metadata"]["annotations"] == {"asyncrl.io/job-generation": "1"}
     sets = {p["name"]: p for p in built["spec"]["podSets"]}
     # Redis and the buffer keep the job's state and are not asked for.
     assert {name: p["count"] for name, p in sets.items()} == \
         {"trainer": 1, "reward": 1, "rollout": 2}
     (trainer,) = sets["trainer"]["template"]["spec"]["containers"]
     assert trainer["resources"]["requests"] == {"cpu": "1", "memory": "4Gi"}
+
+
+def test_a_suspended_job_asks_for_no_quota():
+    data = yaml.safe_load((ROOT / "examples/tiny.yaml").read_text())
+    data["metadata"]["namespace"] = "ns"
+    data["spec"]["suspend"] = True
+    built = kueue.build_workload(parse_manifest(data), body(QUEUED), OperatorConfig())
+    # Inactive: Kueue evicts it (or never admits it); the pods it would run are still named.
+    assert built["spec"]["active"] is False
+    assert {p["name"] for p in built["spec"]["podSets"]} == {"trainer", "reward", "rollout"}
 
 
 def test_with_autoscale_the_quota_holds_the_most_rollout_replicas():
@@ -120,6 +131,13 @@ def test_a_queued_job_keeps_its_workers_at_zero_until_admitted():
     running = body(QUEUED, {"queue": {"name": "team-a", "workload": "rljob-tiny",
                                       "admitted": True}})
     assert as_applied(spec, running) is spec
+    # Done at its spec: the workers stop, then the Workload is marked Finished.
+    succeeded = body(QUEUED, {"phase": "Succeeded", "observedGeneration": 1,
+                              "queue": {"name": "team-a", "workload": "rljob-tiny",
+                                        "admitted": True}})
+    assert kueue.done_at_spec(succeeded) and as_applied(spec, succeeded).spec.suspend is True
+    edited = {**succeeded, "metadata": {**succeeded["metadata"], "generation": 2}}
+    assert not kueue.done_at_spec(edited) and as_applied(spec, edited) is spec
 
 
 def test_a_queued_job_is_queued_with_kueues_reason_and_its_deadline_waits():
