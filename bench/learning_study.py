@@ -81,14 +81,21 @@ def run_once(job: dict, run_dir: Path, steps: int | None) -> None:
     timing.write_text(json.dumps({"started": started, "ended": time.time()}))
 
 
+def evaluated_at(record: dict) -> float:
+    """When a record's evaluation ended: metrics.jsonl stamps a training step before its
+    evaluation runs, an evaluation of its own (step 0) after."""
+    if record.get("kind", "train") == "train":
+        return record["time"] + record.get("eval_seconds", 0.0)
+    return record["time"]
+
+
 def summarise(run_dir: Path, target: float) -> dict:
     timing = json.loads(run_dir.with_suffix(".timing.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                if line.strip()]
     evaluations = [{"step": r["step"], "accuracy": r["eval_accuracy"],
                     "stderr": r.get("eval_stderr"),
-                    # metrics.jsonl stamps a step before its evaluation runs.
-                    "minute": (r["time"] + r.get("eval_seconds", 0.0) - timing["started"]) / 60}
+                    "minute": (evaluated_at(r) - timing["started"]) / 60}
                    for r in records if r.get("eval_accuracy", -1) >= 0]
     reached = next((e["minute"] for e in evaluations if e["accuracy"] >= target), None)
     best = max(e["accuracy"] for e in evaluations)
