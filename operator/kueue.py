@@ -36,6 +36,9 @@ API = f"{GROUP}/{VERSION}"
 #: On the Workload: the RLJob generation it was made for (a finished one is kept until the
 #: spec changes).
 GENERATION_ANNOTATION = "asyncrl.io/job-generation"
+#: On a Workload the operator deactivated: why (suspend, pods); one it did not deactivate is
+#: never activated by it.
+DEACTIVATED_ANNOTATION = "asyncrl.io/deactivated-for"
 #: The components whose pods the Workload asks for (Redis and the buffer are not in it).
 WORKERS = ("trainer", "reward", "rollout")
 _STAMP = "%Y-%m-%dT%H:%M:%SZ"
@@ -93,7 +96,8 @@ def build_workload(job: RLJob, body: Mapping[str, Any], config: OperatorConfig) 
         "metadata": {
             "name": workload_name(job), "namespace": meta["namespace"],
             "labels": {builders.JOB_LABEL: job.metadata.name},
-            "annotations": {GENERATION_ANNOTATION: str(meta.get("generation"))},
+            "annotations": {GENERATION_ANNOTATION: str(meta.get("generation")),
+                            **({DEACTIVATED_ANNOTATION: "suspend"} if job.spec.suspend else {})},
             "ownerReferences": [{"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"],
                                  "uid": meta["uid"], "controller": True,
                                  "blockOwnerDeletion": True}],
@@ -266,7 +270,9 @@ def sync_workload(job: RLJob, body: Mapping[str, Any], config: OperatorConfig) -
       change): deactivated first while it holds quota, so that Kueue evicts it and the workers
       stop before the quota goes (asyncrl.operator.reconcile clears the reservation once they
       have), then made anew;
-    - `spec.active` follows `spec.suspend`: a suspended job gives its quota back.
+    - `spec.active` false while the job is suspended (a suspended job gives its quota back),
+      true again once it is resumed; a Workload someone else deactivated (Kueue's way to stop
+      a job) stays so.
     A job whose label is gone has its Workload deleted (status.queue says it had one)."""
     namespace = body["metadata"]["namespace"]
     name = workload_name(job)
@@ -294,16 +300,27 @@ def sync_workload(job: RLJob, body: Mapping[str, Any], config: OperatorConfig) -
     if other:
         if _true(current, "QuotaReserved"):
             if current["spec"].get("active", True):
-                kube.patch_queue_workload(current, {"spec": {"active": False}})
+                _deactivate(current, "pods")
                 return (f"Workload {name} deactivated: the job's pods or queue changed, and its "
                         "workers stop before it is made anew")
             return None
         return _replace(current, wanted, "the job's pods or queue changed")
-    active = wanted["spec"]["active"]
-    if current["spec"].get("active", True) != active:
-        kube.patch_queue_workload(current, {"spec": {"active": active}})
-        return f"Workload {name} {'activated' if active else 'deactivated (suspended)'}"
+    active = current["spec"].get("active", True)
+    if job.spec.suspend and active:
+        _deactivate(current, "suspend")
+        return f"Workload {name} deactivated: the job is suspended"
+    if not job.spec.suspend and not active and \
+            (current["metadata"].get("annotations") or {}).get(DEACTIVATED_ANNOTATION) == "suspend":
+        kube.patch_queue_workload(current, {
+            "metadata": {"annotations": {DEACTIVATED_ANNOTATION: None}},
+            "spec": {"active": True}})
+        return f"Workload {name} active again: the job is resumed"
     return None
+
+
+def _deactivate(workload: Mapping[str, Any], why: str) -> None:
+    kube.patch_queue_workload(workload, {
+        "metadata": {"annotations": {DEACTIVATED_ANNOTATION: why}}, "spec": {"active": False}})
 
 
 def _replace(current: Mapping[str, Any], wanted: dict[str, Any], why: str) -> str:
