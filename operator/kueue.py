@@ -324,7 +324,11 @@ def _deactivate(workload: Mapping[str, Any], why: str) -> None:
 
 
 def _replace(current: Mapping[str, Any], wanted: dict[str, Any], why: str) -> str:
+    """A new Workload for `current`; one deactivated by someone else stays inactive."""
     meta = current["metadata"]
+    ours = (meta.get("annotations") or {}).get(DEACTIVATED_ANNOTATION) is not None
+    if not current["spec"].get("active", True) and not ours:
+        wanted = {**wanted, "spec": {**wanted["spec"], "active": False}}
     kube.delete_queue_workload(meta["namespace"], meta["name"])
     kube.create_queue_workload(wanted)
     return f"Workload {meta['name']} made anew: {why}"

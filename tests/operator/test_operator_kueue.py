@@ -2,7 +2,8 @@
 real control plane: RLJobs labelled with a LocalQueue whose ClusterQueue holds one job's
 workers at a time. The first runs, the second waits (Queued, its workers at zero, Kueue's
 reason in its status) until the first finishes; an evicted job stops its workers and gives its
-quota back, and runs again once admitted again; a change of its pods queues it again."""
+quota back, and runs again once admitted again; a change of its pods queues it again, and
+suspended it asks for no quota."""
 
 from __future__ import annotations
 
@@ -160,3 +161,15 @@ def test_the_second_job_waits_for_quota_and_an_evicted_job_gives_it_back(
     wait_for(phase_is(kube, namespace, "second", "Queued"), 60, "second to queue again",
              operator)
     wait_for(lambda: not _workers(kube, namespace, "second"), 60, "second's workers to stop")
+
+    # Suspended, it asks for nothing (its Workload inactive); resumed, it queues again.
+    patch_spec(kube, namespace, "second", {"suspend": True})
+    wait_for(lambda: _workload(kube, namespace, "second")["spec"]["active"] is False, 60,
+             "second's Workload to be inactive while it is suspended", operator)
+    wait_for(phase_is(kube, namespace, "second", "Suspended"), 60, "second to be Suspended",
+             operator)
+    patch_spec(kube, namespace, "second", {"suspend": False})
+    wait_for(lambda: _workload(kube, namespace, "second")["spec"]["active"] is True, 60,
+             "second's Workload to be active again once resumed", operator)
+    wait_for(phase_is(kube, namespace, "second", "Queued"), 60, "second to queue again",
+             operator)
