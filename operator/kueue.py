@@ -25,14 +25,14 @@ from typing import Any, Mapping
 
 from asyncrl.operator import autoscaling, builders, kube
 from asyncrl.operator.builders import OperatorConfig
+from asyncrl.operator.status import STAMP
 from asyncrl.spec import API_VERSION, KIND, RLJob
 
 log = logging.getLogger("asyncrl.operator")
 
 #: The label that puts a job in a Kueue LocalQueue of its namespace (Kueue's own name for it).
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-GROUP, VERSION, PLURAL = "kueue.x-k8s.io", "v1beta2", "workloads"
-API = f"{GROUP}/{VERSION}"
+API = "/".join(kube.KUEUE_WORKLOADS[:2])
 #: On the Workload: the RLJob generation it was made for (a finished one is kept until the
 #: spec changes).
 GENERATION_ANNOTATION = "asyncrl.io/job-generation"
@@ -41,7 +41,6 @@ GENERATION_ANNOTATION = "asyncrl.io/job-generation"
 DEACTIVATED_ANNOTATION = "asyncrl.io/deactivated-for"
 #: The components whose pods the Workload asks for (Redis and the buffer are not in it).
 WORKERS = ("trainer", "reward", "rollout")
-_STAMP = "%Y-%m-%dT%H:%M:%SZ"
 
 
 def queue_name(body: Mapping[str, Any]) -> str | None:
@@ -119,7 +118,6 @@ class Admission:
     workload: str
     exists: bool = False
     admitted: bool = False        # Admitted=True and not evicted: the workers may run
-    reserved: bool = False        # QuotaReserved=True (Kueue holds quota for it)
     evicted: str | None = None    # Evicted=True: its reason, until the reservation is cleared
     finished: bool = False        # Finished=True: its quota is given back
     cluster_queue: str | None = None
@@ -163,7 +161,7 @@ def read_admission(queue: str, name: str, workload: Mapping[str, Any] | None) ->
     eviction = _condition(workload, "Evicted") if evicted and reserved else None
     return Admission(
         queue, name, exists=True, admitted=admitted and not evicted and not finished,
-        reserved=reserved, evicted=(eviction.get("reason") or "Evicted") if eviction else None,
+        evicted=(eviction.get("reason") or "Evicted") if eviction else None,
         finished=finished, cluster_queue=(status.get("admission") or {}).get("clusterQueue"),
         reason=reason, message=message)
 
@@ -210,7 +208,7 @@ def _set(conditions: list[dict], kind: str, status: bool, reason: str, message: 
 def finished_status(workload: Mapping[str, Any], succeeded: bool, message: str,
                     now: datetime | None = None) -> dict[str, Any]:
     """The Workload's status with `Finished=True`: Kueue gives its quota back."""
-    stamp = (now or datetime.now(timezone.utc)).strftime(_STAMP)
+    stamp = (now or datetime.now(timezone.utc)).strftime(STAMP)
     conditions = list((workload.get("status") or {}).get("conditions") or [])
     conditions = _set(conditions, "Finished", True, "Succeeded" if succeeded else "Failed",
                       message, stamp)
@@ -221,7 +219,7 @@ def released_status(workload: Mapping[str, Any], now: datetime | None = None) ->
     """The Workload's status once an evicted job's workers stopped: no reservation, no
     admission, and requeued, as Kueue's job integrations leave it; Kueue queues it again (a
     deactivated one once it is active again)."""
-    stamp = (now or datetime.now(timezone.utc)).strftime(_STAMP)
+    stamp = (now or datetime.now(timezone.utc)).strftime(STAMP)
     eviction = _condition(workload, "Evicted") or {}
     reason, message = eviction.get("reason") or "Evicted", eviction.get("message") or ""
     conditions = list((workload.get("status") or {}).get("conditions") or [])

@@ -2,7 +2,7 @@
 from the binary and CRDs tests/cluster/build.sh builds.
 
 `Kueue(plane, workdir).start()` installs Kueue's CRDs (every one: its controllers watch them
-all), writes a self-signed serving certificate where Kueue reads it, and runs
+all), gives it the control plane's serving certificate where it reads one, and runs
 `kueue --config` out of the cluster against the admin kubeconfig: no leader election, no
 internal certificate management (it would wait for a Secret mounted into its pod), no metrics
 or visibility servers, and only the batch/job integration (which touches only Jobs with a queue
@@ -13,8 +13,6 @@ then admits Workloads exactly as in a cluster.
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import time
 import urllib.error
 import urllib.request
@@ -51,10 +49,13 @@ class Kueue:
                 "create: run the tests as root (as CI does), or create it writable") from None
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._install_crds(timeout)
+        # Any serving certificate for 127.0.0.1 will do (nothing calls these servers): the
+        # control plane's own.
         certs = self.workdir / "certs"
-        _write_self_signed(certs)
-        for name in ("tls.crt", "tls.key"):
-            (METRICS_CERTS / name).write_bytes((certs / name).read_bytes())
+        certs.mkdir(exist_ok=True)
+        for folder in (certs, METRICS_CERTS):
+            for name, source in (("tls.crt", "apiserver.crt"), ("tls.key", "apiserver.key")):
+                (folder / name).write_bytes((self.plane.certs / source).read_bytes())
         config = self.workdir / "kueue.yaml"
         config.write_text(yaml.safe_dump({
             "apiVersion": "config.kueue.x-k8s.io/v1beta2", "kind": "Configuration",
@@ -123,28 +124,3 @@ class Kueue:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"kueue not ready after {timeout}s:\n{self.tail()}")
             time.sleep(0.5)
-
-
-def _write_self_signed(directory: Path) -> None:
-    """tls.crt and tls.key for 127.0.0.1: nothing calls Kueue's webhook server, which needs
-    them to start."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import rsa
-    from cryptography.x509.oid import NameOID
-
-    directory.mkdir(parents=True, exist_ok=True)
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kueue")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=2))
-            .add_extension(x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-            .sign(key, hashes.SHA256()))
-    (directory / "tls.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (directory / "tls.key").write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
-        serialization.NoEncryption()))
