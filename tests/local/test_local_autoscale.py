@@ -49,9 +49,11 @@ def assert_no_prompt_used_twice(run_dir: Path) -> None:
 def test_a_trainer_waiting_for_data_scales_the_rollout_out_to_its_maximum(tmp_path):
     # η = 0: the trainer waits while each batch is generated, most of its time with the tiny
     # model. The engines' target is set low: the decision must not hang on how busy a tiny
-    # model's engine gets on this machine.
+    # model's engine gets on this machine. A new worker takes ~10 s to import and load on two
+    # busy cores, 20 of the tiny job's steps: the run lasts long enough after the scale-out
+    # (after ~7 steps) for it to take part.
     run_dir, output, changes = autoscaled_run(
-        tmp_path, 25,
+        tmp_path, 70,
         {"autoscale": {"maxReplicas": 2, "cooldownSeconds": 3, "targetRolloutBusy": 0.05},
          "maxNewTokens": 48},
         algorithm={"maxStaleness": 0}, trainer={"evalEvery": 1000, "checkpointEvery": 1000})
