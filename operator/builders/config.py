@@ -25,12 +25,19 @@ def job_as_run(job: RLJob) -> dict[str, Any]:
     return with_transfer_path(job, apart=DIFFERENT_PODS)[0].resolved()
 
 
+#: Fields only the operator reads: changing them must not restart the pods.
+OPERATOR_ONLY = ("suspend", "backoffLimit", "activeDeadlineSeconds", "ttlSecondsAfterFinished")
+
+
 def config_hash(job: RLJob) -> str:
-    """Changes when what the pods run changes, but not for replicas or suspend: scaling and
-    suspending must not restart the pods that keep running."""
+    """Changes when what the pods run changes, but not for what only the operator reads
+    (replicas, rollout.autoscale, suspend, the lifetime rules): scaling, retuning the
+    autoscaler and suspending must not restart the pods that keep running."""
     manifest = job_as_run(job)
     spec = manifest["spec"]
-    spec["suspend"] = False
+    for field in OPERATOR_ONLY:
+        spec.pop(field, None)
+    spec["rollout"].pop("autoscale", None)
     for section in ("rollout", "reward", "trainer", "buffer"):
         spec[section]["replicas"] = 1
     return hashlib.sha256(yaml.safe_dump(manifest, sort_keys=True).encode()).hexdigest()[:16]

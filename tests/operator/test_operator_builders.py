@@ -317,6 +317,16 @@ def test_config_map_says_the_weight_transfer_path_the_pods_take(asked, taken):
         job_from(trainer__weightTransfer=taken))
 
 
+def test_what_only_the_operator_reads_does_not_restart_the_pods():
+    same = builders.config_hash(job_from())
+    for change in ({"rollout__replicas": 3}, {"suspend": True}, {"backoffLimit": 2},
+                   {"activeDeadlineSeconds": 600}, {"ttlSecondsAfterFinished": 60},
+                   {"rollout__autoscale": {"maxReplicas": 3, "targetTrainerIdle": 0.5}}):
+        assert builders.config_hash(job_from(**change)) == same, change
+    # What the pods run does.
+    assert builders.config_hash(job_from(algorithm__maxStaleness=0)) != same
+
+
 def test_pods_run_the_serve_commands_with_the_job_file(tiny):
     children = by_kind_name(build_children(tiny, CONFIG, redis_password="pw"))
     for kind, name, component in [("Deployment", "tiny-buffer", "buffer"),
