@@ -28,6 +28,7 @@ import pytest
 import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
+from prometheus_client.parser import text_string_to_metric_families
 
 from asyncrl.model.hub import ALLOW_PATTERNS
 from asyncrl.operator.builders.common import RUN_DIR
@@ -487,8 +488,109 @@ def test_kubectl_delete_removes_every_child_and_redis_kept_every_accepted_sample
     # Redis has stopped: its append-only file holds the whole history of the buffer.
     fates = group_fates(job.redis_dir, JOB)
     assert len(set(fates.accepted)) == len(fates.accepted)
-    assert sorted(fates.trained + fates.dropped + fates.waiting) == sorted(fates.accepted)
+    fates.assert_each_prompt_used_once()  # across the faults, the scale and the suspend
     assert len(fates.trained) >= job.max_steps * 2  # batchSize 2 groups per step
+
+
+def rollout_generated(job: Job) -> dict[str, float]:
+    """Each running rollout pod's asyncrl_rollout_generated_tokens_total, read from the pod's
+    own metrics endpoint (the node's pod network is routed from the host)."""
+    found: dict[str, float] = {}
+    for target in pod_targets(job):
+        if target["labels"]["service"] != "rollout":
+            continue
+        try:
+            text = httpx.get(f"http://{target['targets'][0]}/metrics", timeout=5).text
+        except httpx.TransportError:
+            continue
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "asyncrl_rollout_generated_tokens_total":
+                    replica = target["labels"]["replica"]
+                    found[replica] = found.get(replica, 0.0) + sample.value
+    return found
+
+
+def job_events(job: Job, reason: str) -> list:
+    return job.core.list_namespaced_event(
+        job.namespace, field_selector=f"involvedObject.name={JOB},reason={reason}").items
+
+
+def test_an_autoscaled_rollout_scales_out_while_the_trainer_waits_and_back_in(
+        installed, tmp_path_factory):
+    # η = 0: the trainer waits for each batch while one rollout pod generates it, so the
+    # operator scales the rollout out to its maximum, the new pod starting on the current
+    # policy. Then the platform team lets the trainer wait up to 98% of its time (the trainer
+    # has caught up with what the job asks of it): the operator scales back in, without a
+    # restart of the pods that keep running, and the pod scaled away hands its prompts back.
+    # The targets leave wide margins on this node (2 cores): the trainer waits 15-25% of its
+    # time, any wait scales out (target 0, no tolerance), and two engines generating ~30-45%
+    # of theirs need one (2 x 0.45 rounds up to 1 at target 1).
+    def autoscaled(manifest: dict) -> None:
+        spec = manifest["spec"]
+        spec["algorithm"]["maxStaleness"] = 0
+        spec["trainer"]["weightTransfer"] = "disk"  # a new pod cannot join a broadcast group
+        spec["rollout"]["maxNewTokens"] = 8  # shorter generation: engines idle more
+        spec["rollout"]["autoscale"] = {"maxReplicas": 2, "cooldownSeconds": 10,
+                                        "targetTrainerIdle": 0.0, "targetRolloutBusy": 0.05,
+                                        "tolerance": 0.0}
+
+    job = start_job(installed, tmp_path_factory.mktemp("autoscaled"), autoscaled)
+    try:
+        def scaling() -> dict:
+            return job.status().get("autoscaling") or {}
+
+        out = wait_for(lambda: (s := scaling()).get("replicas") == 2 and s, 600,
+                       "the autoscaler to scale out", job.describe)
+        # The status says the decision until the next look reads the signals again; the
+        # Event keeps it (kubectl describe).
+        assert out["active"] and out.get("lastScaleTime"), out
+        print(f"\nscaled out: {json.dumps(out)}")
+        [event] = job_events(job, "ScaledOut")
+        assert event.message.startswith("1 -> 2 rollout replicas: over"), event.message
+        assert "the trainer waited" in event.message
+        assert job.body()["spec"]["rollout"]["replicas"] == 1  # the spec is the user's
+        version_at_scale_out = job.status()["policyVersion"]
+        trainer_pod = job.pods("trainer")[0].metadata.name
+        kept = {p.metadata.name for p in job.ready_pods("rollout")}
+        wait_for(lambda: len(job.ready_pods("rollout")) == 2, 300, "two ready rollout pods",
+                 job.describe)
+        # The new pod loads the newest weights when it starts, and takes prompts beside the
+        # first one.
+        wait_for(lambda: len([v for v in rollout_generated(job).values() if v > 0]) == 2, 300,
+                 "both rollout pods to generate",
+                 lambda: f"generated: {rollout_generated(job)}\n{job.describe()}")
+        [added] = {p.metadata.name for p in job.ready_pods("rollout")} - kept
+        loaded = installed.kubectl("-n", job.namespace, "logs", added).stdout
+        first = re.search(r"version (\d+) applied", loaded)
+        assert first and int(first[1]) >= version_at_scale_out, loaded[-3000:]
+
+        job.cluster.kubectl("-n", job.namespace, "patch", f"rljob/{JOB}", "--type=merge",
+                            "-p", json.dumps({"spec": {"rollout": {"autoscale": {
+                                "targetTrainerIdle": 0.98, "targetRolloutBusy": 1.0}}}}))
+        back = wait_for(lambda: (s := scaling()).get("replicas") == 1 and s, 300,
+                        "the autoscaler to scale in",
+                        lambda: f"{json.dumps(scaling())}\n{job.describe()}")
+        assert back["active"] and back["lastScaleTime"] > out["lastScaleTime"], back
+        print(f"scaled in: {json.dumps(back)}")
+        [event] = job_events(job, "ScaledIn")
+        assert event.message.startswith("2 -> 1 rollout replicas"), event.message
+        wait_for(lambda: len(job.pods("rollout")) == 1, 300, "one rollout pod", job.describe)
+        # Retuning the autoscaler restarted nothing: the trainer pod is the same one.
+        assert [p.metadata.name for p in job.pods("trainer")] == [trainer_pod]
+        at = job.step()
+        job.wait_step(at + 3)
+
+        job.cluster.kubectl("-n", job.namespace, "delete", "rljob", JOB, "--wait=true")
+        wait_for(lambda: not job.pods(), 300, "every pod to be gone", job.describe)
+        # Redis has stopped: its append-only file says what became of every prompt handed
+        # out, to either pod, before and after the scaling.
+        fates = group_fates(job.redis_dir, JOB)
+        fates.assert_each_prompt_used_once()
+        print(f"prompts: {len(fates.cursors)} accepted of {fates.next_cursor} handed out, "
+              f"{len(fates.held + fates.to_reissue)} pending")
+    finally:
+        installed.kubectl("delete", "namespace", job.namespace, "--wait=false", check=False)
 
 
 def test_a_megatron_core_job_trains_in_pods_on_the_users_files_to_the_end(installed,

@@ -313,11 +313,13 @@ def test_rollout_replicas_start_as_many_worker_processes_and_no_prompt_is_used_t
     assert set(generated) == {"rollout-0", "rollout-1"}, generated
     assert all(tokens > 0 for tokens in generated.values()), generated
     assert (run_dir / "logs/rollout.log").is_file() and (run_dir / "logs/rollout-1.log").is_file()
-    # The prompt cursor's guarantee across workers: no prompt accepted twice in the epoch.
+    # The prompt cursor's guarantee across workers: no prompt accepted twice in the epoch,
+    # and none lost.
     fates = group_fates(run_dir / "redis", "tiny")
     prompts = [group.split("#")[0] for group in fates.accepted]
     assert len(fates.trained) >= 4 * manifest["spec"]["algorithm"]["batchSize"]
     assert len(prompts) == len(set(prompts)), prompts
+    fates.assert_each_prompt_used_once()
 
 
 @pytest.mark.slow

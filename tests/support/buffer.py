@@ -116,6 +116,27 @@ class GroupFates:
     trained: list[str] = field(default_factory=list)    # in acknowledged batches
     dropped: list[str] = field(default_factory=list)    # dropped as too stale
     waiting: list[str] = field(default_factory=list)    # still in the stream at the end
+    #: The prompt cursor of each accepted group, in the order accepted.
+    cursors: list[int] = field(default_factory=list)
+    #: At the end: the next new cursor, and the cursors that granted slots still hold or
+    #: that wait to be handed out again (a lost or released slot's).
+    next_cursor: int = 0
+    held: list[int] = field(default_factory=list)
+    to_reissue: list[int] = field(default_factory=list)
+
+    def assert_each_prompt_used_once(self) -> None:
+        """The prompt cursor's guarantee, from Redis' own record: no cursor accepted twice,
+        and every cursor handed out so far accepted, still held by a slot, or waiting to be
+        handed out again: none lost (with algorithm.skipUniformGroups off, as in the tiny
+        job, every used prompt is an accepted group)."""
+        assert len(self.cursors) == len(set(self.cursors)), sorted(self.cursors)
+        pending = self.held + self.to_reissue
+        assert not set(pending) & set(self.cursors), (pending, sorted(self.cursors))
+        assert sorted(self.cursors + pending) == list(range(self.next_cursor)), (
+            f"cursors below {self.next_cursor} neither accepted ({len(self.cursors)}) nor "
+            f"pending {sorted(pending)}: "
+            f"{sorted(set(range(self.next_cursor)) - set(self.cursors) - set(pending))}")
+        assert sorted(self.trained + self.dropped + self.waiting) == sorted(self.accepted)
 
 
 def aof_commands(redis_dir: Path) -> list[list[bytes]]:
@@ -173,14 +194,20 @@ def group_fates(redis_dir: Path, job: str) -> GroupFates:
         for command in applied:
             name, target, args = command[0].upper(), command[1:2], command[2:]
             if name == b"XADD" and target == [stream]:   # XADD <key> <id> <field> <value> ...
-                group_of[args[0]] = dict(zip(args[1::2], args[2::2]))[b"id"].decode()
+                fields = dict(zip(args[1::2], args[2::2]))
+                group_of[args[0]] = fields[b"id"].decode()
                 fates.accepted.append(group_of[args[0]])
+                if fields.get(b"c"):  # '' only from a buffer before prompt cursors
+                    fates.cursors.append(int(fields[b"c"]))
             elif name == b"XDEL" and target == [stream]:
                 (fates.trained if is_ack else fates.dropped).extend(group_of[s] for s in args)
     with RedisServer(redis_dir) as replay:
         client = sync_redis.Redis(port=replay.port)
         try:
             fates.waiting = [fields[b"id"].decode() for _, fields in client.xrange(stream)]
+            fates.next_cursor = int(client.hget(key(job, "state"), "cursor") or 0)
+            fates.held = [int(c) for c in client.hvals(key(job, "cursors"))]
+            fates.to_reissue = [int(c) for c in client.lrange(key(job, "reissue"), 0, -1)]
         finally:
             client.close()
     return fates
