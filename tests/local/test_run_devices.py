@@ -181,12 +181,13 @@ def test_a_sync_run_that_skips_uniform_groups_is_told_to_oversample(tmp_path):
         return LocalJob(parse_manifest(job), RunOptions(run_dir=tmp_path, sync=sync)).gate_lines()
 
     # maxConcurrentRollouts 8, batchSize 4: four groups can run beside the batch
-    assert lines(True) == [
+    assert lines(True, oversampleGroups=0) == [
         "η = 0 with skipUniformGroups: each skipped group is generated again after it, so a "
         "step may wait for several rounds; algorithm.oversampleGroups: 4 would generate them "
         "beside the batch"]
-    assert lines(False) == lines(True, oversampleGroups=2) == []
-    assert lines(True, skipUniformGroups=False) == []
+    assert lines(False, oversampleGroups=0) == lines(True, oversampleGroups=2) == []
+    assert lines(True) == []  # as shipped, it oversamples
+    assert lines(True, oversampleGroups=0, skipUniformGroups=False) == []
 
 
 def test_asyncrl_run_refuses_gpus_it_does_not_have_before_starting_anything(tmp_path):
