@@ -44,6 +44,10 @@ fi
 export CGO_ENABLED=0 GOFLAGS=${GOFLAGS:--buildvcs=false}
 NICE=(nice -n "${ASYNCRL_BUILD_NICE:-10}")
 mkdir -p "$BIN"
+# One build at a time (.ci/run starts one beside the set-up, scripts/test.sh another beside the
+# fast pass): a second caller waits here, then finds every binary in place.
+exec 9>"$CACHE/k8s/.build.lock"
+flock 9
 GO_TMP=$CACHE/go-build-tmp
 export GOCACHE=$GO_TMP/cache GOMODCACHE=$GO_TMP/mod GOPATH=$GO_TMP/path
 remove_go_caches() { chmod -R u+w "$GO_TMP" 2>/dev/null || true; rm -rf "$GO_TMP"; }
