@@ -22,7 +22,6 @@ from __future__ import annotations
 import secrets
 import socket
 import subprocess
-import urllib.request
 import uuid
 
 import grpc
@@ -30,7 +29,6 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kubernetes import client
-from prometheus_client.parser import text_string_to_metric_families
 
 from asyncrl.operator import builders
 from asyncrl.operator.builders import OperatorConfig
@@ -38,6 +36,7 @@ from asyncrl.scoring.types import CodeReference, IoCase, ScoreTask
 from asyncrl.spec import parse_manifest
 from asyncrl.v1 import reward_pb2, reward_pb2_grpc
 from support import ROOT
+from support.real_pods import pod_metrics
 from support.waiting import wait_for
 
 # The first test's set-up waits for the machine's one real node, may build the images and
@@ -179,12 +178,8 @@ class RewardPod:
 
     def sandbox_available(self) -> float:
         """The reward metric the troubleshooting table of docs/kubernetes.md names."""
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        url = f"http://{self.ip}:{builders.REWARD_METRICS}/metrics"
-        text = opener.open(url, timeout=30).read().decode()
-        return next(sample.value for family in text_string_to_metric_families(text)
-                    for sample in family.samples
-                    if sample.name == "asyncrl_reward_sandbox_available")
+        return pod_metrics(f"{self.ip}:{builders.REWARD_METRICS}")[
+            "asyncrl_reward_sandbox_available"]
 
 
 def start_pod(request, real_node, image, seccomp: str, *, root: bool) -> RewardPod:

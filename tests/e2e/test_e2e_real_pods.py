@@ -28,7 +28,6 @@ import pytest
 import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
-from prometheus_client.parser import text_string_to_metric_families
 
 from asyncrl.model.hub import ALLOW_PATTERNS
 from asyncrl.operator.builders.common import RUN_DIR
@@ -49,6 +48,7 @@ from support.real_pods import (
     RELEASE,
     base_image,
     images,
+    pod_metrics,
     wait_for,
 )
 
@@ -494,20 +494,18 @@ def test_kubectl_delete_removes_every_child_and_redis_kept_every_accepted_sample
 
 def rollout_generated(job: Job) -> dict[str, float]:
     """Each running rollout pod's asyncrl_rollout_generated_tokens_total, read from the pod's
-    own metrics endpoint (the node's pod network is routed from the host)."""
+    own metrics endpoint."""
     found: dict[str, float] = {}
     for target in pod_targets(job):
         if target["labels"]["service"] != "rollout":
             continue
         try:
-            text = httpx.get(f"http://{target['targets'][0]}/metrics", timeout=5).text
-        except httpx.TransportError:
+            metrics = pod_metrics(target["targets"][0], timeout=5)
+        except OSError:
             continue
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "asyncrl_rollout_generated_tokens_total":
-                    replica = target["labels"]["replica"]
-                    found[replica] = found.get(replica, 0.0) + sample.value
+        replica = target["labels"]["replica"]
+        found[replica] = (found.get(replica, 0.0)
+                          + metrics.get("asyncrl_rollout_generated_tokens_total", 0.0))
     return found
 
 

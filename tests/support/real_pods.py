@@ -4,8 +4,10 @@ images, the job's names, and waiting at a real cluster's pace."""
 from __future__ import annotations
 
 import subprocess
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from support import ROOT, waiting
 
@@ -25,6 +27,19 @@ def wait_for(predicate, timeout: float, what: str, describe=None):
     """support.waiting.wait_for at a real cluster's pace, once a second (each look is API calls
     or a kubectl); on timeout the failure shows `describe()` (cluster state for the reader)."""
     return waiting.wait_for(predicate, timeout, what, describe, every=1)
+
+
+def pod_metrics(address: str, timeout: float = 30) -> dict[str, float]:
+    """A pod's Prometheus samples by name, each summed over its labels, read from its own
+    endpoint `address` (host:port; the node's pod network is routed from the host, so no proxy
+    is asked: one would not reach it). OSError (URLError among them) when it does not answer."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    text = opener.open(f"http://{address}/metrics", timeout=timeout).read().decode()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
 
 
 def images() -> dict[str, tuple[str, str]]:
