@@ -40,6 +40,7 @@ passed() {  # exit code 5 means no test was selected (a -k that matches none of 
 declare -A prepared_pid
 trap stop_prepared EXIT
 
+bash tests/cluster/build.sh --tools  # helm and kubectl, for the fast pass's chart tests
 prepare control-plane bash tests/cluster/build.sh
 prepare sglang-env bash scripts/sglang_check_env.sh
 .venv/bin/python -m pytest -m "not slow and not real_node" "$@"

