@@ -79,7 +79,9 @@ daemon_up() {
     fi
     if ! command -v dockerd >/dev/null || ! command -v containerd >/dev/null; then
         say "installing docker.io (Debian's dockerd, containerd and runc)"
-        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        # dpkg first: an install stopped half-way refuses every later one until it is done.
+        { { dpkg --configure -a || true; } && apt-get update -qq \
+            && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
             --no-install-recommends -o DPkg::Lock::Timeout=600 docker.io; } >/dev/null \
             || { say "apt-get install docker.io failed"; exit 1; }
     fi

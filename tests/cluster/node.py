@@ -155,6 +155,9 @@ def prepare() -> None:
     absent = [name for name, path in PACKAGES.items() if not os.path.exists(path)]
     if absent:
         log(f"apt-get install {' '.join(absent)}")
+        # An install stopped half-way (scripts/test.sh stops this when a test pass fails) would
+        # refuse every later one until dpkg finishes configuring what it unpacked.
+        subprocess.run(["dpkg", "--configure", "-a"], check=False, stdout=subprocess.DEVNULL)
         subprocess.run(["apt-get", "update", "-qq"], check=True, stdout=subprocess.DEVNULL)
         subprocess.run(["apt-get", "install", "-y", "-qq", *absent], check=True,
                        stdout=subprocess.DEVNULL,
