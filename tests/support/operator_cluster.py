@@ -106,11 +106,13 @@ def namespace(kube):
     wait_for(lambda: _exists(lambda: kube.core.read_namespaced_service_account("default", name)),
              30, "the default service account")
     yield name
-    # Wait until it is gone: its pods hold the GPU node's fake GPUs, and the next test's GPU
-    # pods are scheduled only once they are free.
+    # Wait until its pods are gone: they hold the GPU node's fake GPUs, and the next test's
+    # GPU pods are scheduled only once they are free. Not for the namespace itself: the
+    # namespace controller looks again only after the pods' grace period (~10 s a test), and
+    # nothing of it is in the next test's way (no test lists across namespaces).
     kube.core.delete_namespace(name)
-    wait_for(lambda: not _exists(lambda: kube.core.read_namespace(name)), 180,
-             f"namespace {name} to be deleted")
+    wait_for(lambda: not kube.core.list_namespaced_pod(name).items, 180,
+             f"the pods of namespace {name} to be deleted")
 
 
 # --------------------------------------------------------------------------- helpers
