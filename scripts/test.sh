@@ -33,6 +33,7 @@ prepared() {  # prepared <name>: wait for it; on failure, show its log's end and
         tail -n 30 "$PREPARED_LOGS/$name.log" >&2
         exit 1
     fi
+    unset "prepared_pid[$name]"  # done: nothing left for stop_prepared to stop
 }
 passed() {  # exit code 5 means no test was selected (a -k that matches none of a pass)
     [ "$1" = 0 ] || [ "$1" = 5 ]
