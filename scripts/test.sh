@@ -56,5 +56,5 @@ passed "$rc" || exit "$rc"
 prepared real-node
 # A node that cannot run pods fails every test of the pass, each after its own long wait:
 # stop after a few so the failure is reported in minutes, not hours.
-rc=0; .venv/bin/python -m pytest -m real_node --maxfail=3 "$@" || rc=$?
+rc=0; .venv/bin/python -m pytest -m real_node --maxfail=3 --durations=0 --durations-min=10 "$@" || rc=$?
 passed "$rc" || exit "$rc"

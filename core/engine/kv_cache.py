@@ -101,6 +101,12 @@ class SlotKVCache:
             for layer in tensors:
                 layer[target, :, :length] = layer[source, :, :length]
 
+    def copy_prefix(self, source: int, targets: slice, length: int) -> None:
+        """Copies the first `length` positions of row `source` into every row of `targets`."""
+        for tensors in (self.keys, self.values):
+            for layer in tensors:
+                layer[targets, :, :length] = layer[source, :, :length]
+
     # Transformers asks a cache these questions; the engine always passes explicit positions
     # and a full 4-D mask, so the answers only need to be consistent.
     def get_seq_length(self, layer_idx: int = 0) -> int:

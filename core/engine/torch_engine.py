@@ -101,6 +101,23 @@ def _refused():
 PREFILL_MAX_TOKENS = 8192
 #: How long the loop has nothing to do before it lends its threads (`lending`).
 LEND_AFTER_IDLE_SECONDS = 0.05
+#: The fewest leading tokens that distinct prompts prefilled together must share (a chat
+#: template's system turn) for one row to compute them once and the others to copy its cache:
+#: below this the extra forward pass costs more than the tokens it saves.
+SHARED_PREFIX_MIN_TOKENS = 16
+
+
+def _shared_prefix_length(prompts: list[list[int]]) -> int:
+    """How many leading tokens every prompt shares, when at least SHARED_PREFIX_MIN_TOKENS
+    and two prompts or more, else 0; never a whole prompt, whose last token must go through
+    the model in its own row for its logits."""
+    if len(prompts) < 2:
+        return 0
+    shortest = min(len(prompt) for prompt in prompts) - 1
+    length = 0
+    while length < shortest and all(p[length] == prompts[0][length] for p in prompts):
+        length += 1
+    return length if length >= SHARED_PREFIX_MIN_TOKENS else 0
 
 
 def _prefill_batches(running: list[_Request], max_tokens: int) -> list[slice]:
@@ -620,7 +637,8 @@ class TorchEngine:
         (one pass, right-padded to the longest), the others get a copy of their twin's cache
         row and, if fresh, sample from the same logits. The resumed requests' generated tokens
         then go through the model, each row continuing its prompt's cache, rows of about one
-        length in one pass (`_extend`)."""
+        length in one pass (`_extend`). Distinct prompts that begin alike (a chat template's
+        system turn) compute those tokens once, in one row (`_prefill_shared_prefix`)."""
         started = time.perf_counter()
         entries = []  # (request, its prompt, its generated tokens to cache after the prompt)
         for request in self._running[rows]:
@@ -650,16 +668,10 @@ class TorchEngine:
         row_of = {tuple(entries[index][1]): offset for offset, index in enumerate(distinct)}
 
         prompts = [entries[index][1] for index in distinct]
-        width = max(len(prompt) for prompt in prompts)
-        ids = torch.tensor([prompt + [0] * (width - len(prompt)) for prompt in prompts],
-                           device=self._device)
-        lengths = torch.tensor([len(prompt) for prompt in prompts], device=self._device)
-        span = torch.arange(width, device=self._device)
-        # Causal, and no row attends to its padding; a padded position attends to real tokens
-        # only (never to nothing, which would give NaNs), and its output is never read.
-        mask = (span[None, :] <= span[:, None])[None] & (span[None, None, :] < lengths[:, None, None])
-        logits = self._forward(ids, span[None].expand(len(distinct), -1), computed, width,
-                               mask[:, None], last=lengths - 1)
+        shared = _shared_prefix_length(prompts)
+        if shared:
+            self._prefill_shared_prefix(prompts[0][:shared], computed)
+        logits = self._prefill_prompts(prompts, computed, cached=shared)
         for row, index in enumerate(copies, start=computed.stop):
             prompt = entries[index][1]
             self._cache.move(rows.start + row_of[tuple(prompt)], row, len(prompt))
@@ -678,6 +690,33 @@ class TorchEngine:
                 self._append(request, token, logprob)
         if len(fresh) < len(entries):
             self._resume_prefill_seconds += time.perf_counter() - started
+
+    def _prefill_shared_prefix(self, prefix: list[int], rows: slice) -> None:
+        """Caches `prefix`, the leading tokens of every prompt in `rows`, in the first row (one
+        pass of one row) and copies it into the others: a causal model's keys and values of a
+        prefix do not depend on what follows it."""
+        length = len(prefix)
+        span = torch.arange(length, device=self._device)
+        mask = (span[None, :] <= span[:, None])[None, None]
+        first = slice(rows.start, rows.start + 1)
+        self._hidden(torch.tensor([prefix], device=self._device), span[None], first, length, mask)
+        self._cache.copy_prefix(rows.start, slice(rows.start + 1, rows.stop), length)
+
+    def _prefill_prompts(self, prompts: list[list[int]], rows: slice, cached: int) -> Tensor:
+        """Caches `prompts` in `rows` from position `cached` on (what is before it is cached
+        already) in one pass, right-padded to the longest, and returns the logits at each
+        prompt's last token."""
+        width = max(len(prompt) for prompt in prompts) - cached
+        ids = torch.tensor([prompt[cached:] + [0] * (width - len(prompt) + cached)
+                            for prompt in prompts], device=self._device)
+        lengths = torch.tensor([len(prompt) for prompt in prompts], device=self._device)
+        keys = torch.arange(cached + width, device=self._device)
+        queries = keys[cached:]
+        # Causal, and no row attends to its padding; a padded position attends to real tokens
+        # only (never to nothing, which would give NaNs), and its output is never read.
+        mask = (keys[None, :] <= queries[:, None])[None] & (keys[None, None, :] < lengths[:, None, None])
+        return self._forward(ids, queries[None].expand(len(prompts), -1), rows, cached + width,
+                             mask[:, None], last=lengths - cached - 1)
 
     def _extend(self, rows: slice) -> None:
         """Caches the generated tokens (but the pending last one) of the resumed requests in

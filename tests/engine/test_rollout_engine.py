@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import save_model
 
 from asyncrl.model.policy import packed_token_logprobs
-from asyncrl.engine.torch_engine import TorchEngine
+from asyncrl.engine.torch_engine import (SHARED_PREFIX_MIN_TOKENS, TorchEngine,
+                                         _shared_prefix_length)
 from asyncrl.engine.sampling import sample_tokens
 from asyncrl.engine.types import RequestError, SamplingParams
 from support.tiny_model import tiny_model, tiny_transformers_model
@@ -531,6 +532,52 @@ def test_the_responses_to_one_prompt_share_its_prefill():
         torch.testing.assert_close(torch.tensor(result.output_logprobs),
                                    recomputed(model, prompt, result.output_ids),
                                    atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+def test_distinct_prompts_that_begin_alike_compute_the_shared_tokens_once():
+    """Distinct prompts behind one system turn (a chat template's): its tokens go through the
+    model once, in one row, copied to the others; every greedy token is still the one
+    unbatched generate gives, every log-prob the one a full forward gives."""
+    model = tiny(seed=4)
+    system = torch.randint(0, VOCAB, (SHARED_PREFIX_MIN_TOKENS + 4,),
+                           generator=torch.Generator().manual_seed(12)).tolist()
+    tails = prompts(4, seed=13)
+    # Four prompts behind the whole system turn, a twin of the first (a group's), and one
+    # that leaves the system turn two tokens early.
+    batch = [system + tail for tail in tails] + [
+        system + tails[0], system[:-2] + [(system[-2] + 1) % VOCAB, 2]]
+    engine = TorchEngine(model, max_running_requests=len(batch), max_sequence_length=96, seed=0)
+    greedy = SamplingParams(max_new_tokens=10, temperature=0)
+    futures = [engine.submit(p, greedy) for p in batch]
+    forwarded = []
+    hook = model.model.embed_tokens.register_forward_hook(
+        lambda module, args, output: forwarded.append(tuple(args[0].shape)))
+    engine.run_until_idle()
+    hook.remove()
+    longest = max(len(p) for p in batch)
+    # The prefix (one row, as long as the shortest prompt's leading tokens the others share),
+    # then the five distinct prompts' rest, padded to the longest.
+    assert forwarded[:2] == [(1, len(system) - 2), (5, longest - len(system) + 2)]
+    for prompt, future in zip(batch, futures):
+        result = future.result()
+        with torch.no_grad():
+            reference = model.generate(
+                torch.tensor([prompt]), max_new_tokens=len(result.output_ids), do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )[0, len(prompt):].tolist()
+        assert result.output_ids == reference
+        torch.testing.assert_close(torch.tensor(result.output_logprobs),
+                                   recomputed(model, prompt, result.output_ids),
+                                   atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+def test_a_shared_prefix_is_only_taken_when_it_is_long_enough_and_never_a_whole_prompt():
+    head = list(range(SHARED_PREFIX_MIN_TOKENS))
+    assert _shared_prefix_length([head + [1, 2], head + [3]]) == SHARED_PREFIX_MIN_TOKENS
+    assert _shared_prefix_length([head + [1, 2], head + [1, 3]]) == SHARED_PREFIX_MIN_TOKENS + 1
+    assert _shared_prefix_length([head[:-1] + [1], head[:-1] + [2]]) == 0  # too short to pay
+    assert _shared_prefix_length([head + [1], head + [1, 2]]) == SHARED_PREFIX_MIN_TOKENS
+    assert _shared_prefix_length([head + [1]]) == 0  # one prompt: nothing to share
 
 
 def other_architecture(kind: str, seed: int = 1):
