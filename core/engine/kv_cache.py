@@ -97,9 +97,7 @@ class SlotKVCache:
 
     def move(self, source: int, target: int, length: int) -> None:
         """Copies the first `length` positions of row `source` into row `target`."""
-        for tensors in (self.keys, self.values):
-            for layer in tensors:
-                layer[target, :, :length] = layer[source, :, :length]
+        self.copy_prefix(source, slice(target, target + 1), length)
 
     def copy_prefix(self, source: int, targets: slice, length: int) -> None:
         """Copies the first `length` positions of row `source` into every row of `targets`."""

@@ -571,6 +571,43 @@ def test_distinct_prompts_that_begin_alike_compute_the_shared_tokens_once():
                                    atol=LOGPROB_TOLERANCE, rtol=0)
 
 
+def test_a_shared_prefix_lands_in_rows_after_running_ones_and_may_leave_one_token_each():
+    """The prompts join a batch that is already decoding (their rows do not start at 0), and
+    each is the shared turn and one token more (the rest is one position wide)."""
+    model = tiny(seed=5)
+    engine = TorchEngine(model, max_running_requests=4, max_sequence_length=96, seed=0).start()
+    forwarded = []
+    hook = model.model.embed_tokens.register_forward_hook(
+        lambda module, args, output: forwarded.append(tuple(args[0].shape)))
+    try:
+        system = torch.randint(0, VOCAB, (SHARED_PREFIX_MIN_TOKENS + 2,),
+                               generator=torch.Generator().manual_seed(14)).tolist()
+        greedy = SamplingParams(max_new_tokens=8, temperature=0)
+        running = engine.submit(prompts(1, seed=15)[0],
+                                SamplingParams(max_new_tokens=60, temperature=0))
+        wait_for_tokens(engine, 2)
+        batch = [system + [token] for token in (3, 5, 7)]
+        engine.pause()  # so that the three are admitted together, at one step boundary
+        futures = [engine.submit(p, greedy) for p in batch]
+        engine.resume()
+        results = [f.result(timeout=60) for f in futures]
+        running.result(timeout=60)
+    finally:
+        hook.remove()
+        engine.stop()
+    assert (1, len(system)) in forwarded and (3, 1) in forwarded
+    for prompt, result in zip(batch, results):
+        with torch.no_grad():
+            reference = model.generate(
+                torch.tensor([prompt]), max_new_tokens=len(result.output_ids), do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )[0, len(prompt):].tolist()
+        assert result.output_ids == reference
+        torch.testing.assert_close(torch.tensor(result.output_logprobs),
+                                   recomputed(model, prompt, result.output_ids),
+                                   atol=LOGPROB_TOLERANCE, rtol=0)
+
+
 def test_a_shared_prefix_is_only_taken_when_it_is_long_enough_and_never_a_whole_prompt():
     head = list(range(SHARED_PREFIX_MIN_TOKENS))
     assert _shared_prefix_length([head + [1, 2], head + [3]]) == SHARED_PREFIX_MIN_TOKENS
