@@ -234,6 +234,14 @@ def write_status(body: Any, observed: Observation) -> dict:
     return new
 
 
+def with_stored_status(body: Any) -> dict:
+    """`body` with its status as stored now. A kopf handler gets the body of the event that
+    started it, and may have waited for the job's lock meanwhile while another reconcile
+    wrote a new status: decided again from the old one, an autoscaling decision already
+    taken would be taken twice (and its Event posted twice)."""
+    return {**body, "status": stored_status(body)}
+
+
 def stored_status(body: Any) -> dict:
     """The status as stored now: `body` may predate a reconcile that just finished."""
     meta = body["metadata"]

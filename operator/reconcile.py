@@ -22,7 +22,8 @@ import kopf
 from pydantic import ValidationError
 
 from asyncrl.operator import autoscaling, builders, kube, kueue, lifetime
-from asyncrl.operator.observe import Figures, changed_figures, observe, write_status
+from asyncrl.operator.observe import (Figures, changed_figures, observe, with_stored_status,
+                                     write_status)
 from asyncrl.operator.state import OperatorState, job_key
 from asyncrl.operator.status import Observation
 from asyncrl.spec import API_VERSION, KIND, RLJob, parse_manifest
@@ -57,7 +58,7 @@ def reconcile(state: OperatorState, body: Any, *,
     kopf's handlers and the resync loop may reconcile the same job at once; one at a time per
     job, so a phase transition is seen (and announced as an Event) once."""
     with state.registry.lock(job_key(body)):
-        return _reconcile(state, body, logger=logger)
+        return _reconcile(state, with_stored_status(body), logger=logger)
 
 
 def _reconcile(state: OperatorState, body: Any, *,
@@ -161,6 +162,7 @@ def refresh_status(state: OperatorState, body: Any,
     except ValidationError:
         return None  # an invalid spec's status says so already
     with state.registry.lock(job_key(body)):
+        body = with_stored_status(body)
         return _write_and_reapply(state, job, body, observe(state, job, body, figures), log)
 
 

@@ -5,9 +5,11 @@
 #   3. real pods: a one-node Kubernetes cluster on this machine (needs root) and the images
 #      built from this checkout, cached outside the clone (tests/cluster/node.sh, images.sh).
 # What a later pass needs is made while an earlier one runs, at low priority, so a cold machine
-# fills the passes' idle time with it: the control plane and SGLang's request-check environment
-# beside the fast pass, the real node's packages and the images beside the slow one. Cached,
-# each takes seconds. Their logs: $PREPARED_LOGS.
+# fills the passes' idle time with it: the control plane beside the fast pass and the slow
+# tests that do not use it (those that do, marked control_plane by tests/conftest.py, run once
+# it is built), SGLang's request-check environment beside the fast pass, the images and the
+# real node's packages beside the slow pass. Cached, each takes seconds. Their logs:
+# $PREPARED_LOGS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PREPARED_LOGS=${ASYNCRL_CACHE:-$HOME/.cache/asyncrl}/test-logs
@@ -46,13 +48,21 @@ prepare control-plane bash tests/cluster/build.sh
 prepare sglang-env bash scripts/sglang_check_env.sh
 .venv/bin/python -m pytest -m "not slow and not real_node" "$@"
 
-prepared control-plane
 prepared sglang-env
-prepare real-node bash -c 'bash tests/cluster/node.sh prepare && bash tests/cluster/images.sh'
-# Its slowest tests named in the log (10 s and more): the pass CI time depends on most.
-rc=0; .venv/bin/python -m pytest -m "slow and not real_node" --durations=0 --durations-min=10 "$@" || rc=$?
-passed "$rc" || exit "$rc"
+prepare images bash tests/cluster/images.sh
+# The slow pass in two parts, around the end of the control plane's build; its slowest tests
+# named in the log (10 s and more): the pass CI time depends on most.
+slow() {
+    rc=0; .venv/bin/python -m pytest -m "slow and not real_node and $1" --durations=0 \
+        --durations-min=10 "${@:2}" || rc=$?
+    passed "$rc" || exit "$rc"
+}
+slow "not control_plane" "$@"
+prepared control-plane
+prepare real-node bash tests/cluster/node.sh prepare
+slow control_plane "$@"
 
+prepared images
 prepared real-node
 # A node that cannot run pods fails every test of the pass, each after its own long wait:
 # stop after a few so the failure is reported in minutes, not hours.

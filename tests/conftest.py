@@ -74,9 +74,15 @@ def _started(cluster, missing_error: type[Exception]):
     return cluster
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects: it reads the marker added here
 def pytest_collection_modifyitems(config, items):
-    """Real-node tests run in their own pass (`-m real_node`) or when their file is named on the
+    """Every test that uses the kwok control plane is marked `control_plane`, so scripts/test.sh
+    runs the other slow tests while the control plane is still being built, and these after.
+    Real-node tests run in their own pass (`-m real_node`) or when their file is named on the
     command line, never inside another pass: they take the machine's one real node."""
+    for item in items:
+        if "control_plane" in item.fixturenames:
+            item.add_marker(pytest.mark.control_plane)
     if "real_node" in (config.option.markexpr or "") or \
             any("test_real_node" in arg for arg in config.args):
         return

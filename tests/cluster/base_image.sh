@@ -39,6 +39,15 @@ if [ "${1:-}" = "--print" ] || [ -s "$OUT" ]; then
 fi
 
 say() { echo "base_image.sh: $*" >&2; }
+# One build at a time (images.sh and node.sh prepare may both ask, side by side): a second
+# caller waits, then finds the tar.
+mkdir -p "$CACHE/images"
+exec 7>"$CACHE/images/.$NAME.lock"
+flock 7
+if [ -s "$OUT" ]; then
+    echo "$OUT"
+    exit 0
+fi
 NICE=(nice -n "${ASYNCRL_BUILD_NICE:-19}")
 start=$SECONDS
 

@@ -159,7 +159,8 @@ def prepare() -> None:
         # refuse every later one until dpkg finishes configuring what it unpacked.
         subprocess.run(["dpkg", "--configure", "-a"], check=False, stdout=subprocess.DEVNULL)
         subprocess.run(["apt-get", "update", "-qq"], check=True, stdout=subprocess.DEVNULL)
-        subprocess.run(["apt-get", "install", "-y", "-qq", *absent], check=True,
+        subprocess.run(["apt-get", "install", "-y", "-qq", "-o", "DPkg::Lock::Timeout=600",
+                        *absent], check=True,
                        stdout=subprocess.DEVNULL,
                        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
     subprocess.run(["bash", str(BUILD_SCRIPT)], check=True, stdout=sys.stderr)

@@ -58,6 +58,7 @@ def test_the_autoscaler_rescales_the_rollout_and_kubectl_scale_turns_it_off(kube
     events_about(kube, namespace, name, "AutoscalingOn")
     refresh_status(state, read_job(kube, namespace, name), figures(1))
     now[0] += 40
+    before_scaling = read_job(kube, namespace, name)
     refresh_status(state, read_job(kube, namespace, name), figures(6))
 
     scaling = status_of(kube, namespace, name)["autoscaling"]
@@ -69,6 +70,17 @@ def test_the_autoscaler_rescales_the_rollout_and_kubectl_scale_turns_it_off(kube
     assert scaled.message.startswith("1 -> 2 rollout replicas: over 40 s the trainer waited 60%")
     # The spec is the user's: it still says the count the job started with.
     assert read_job(kube, namespace, name)["spec"]["rollout"]["replicas"] == 1
+
+    # A reconcile handed the body from before that decision (kopf's, for an event that came
+    # while the job's lock was held) decides from the status as stored: within the cooldown,
+    # the same signals scale nothing again and post no second Event.
+    for _ in range(2):
+        now[0] += 10
+        refresh_status(state, read_job(kube, namespace, name), figures(7))
+    reconcile(state, before_scaling)
+    assert status_of(kube, namespace, name)["autoscaling"]["replicas"] == 2
+    assert len([e for e in events_about(kube, namespace, name, "ScaledOut")
+                if e.reason == "ScaledOut"]) == 1
 
     # kubectl scale rljob/scaled --replicas=3: the hand wins, and autoscaling is off.
     kube.custom.patch_namespaced_custom_object_scale(
