@@ -196,12 +196,7 @@ def test_continuous_batching_greedy_equals_unbatched_generate():
         for prompt, future in zip(batch, futures):
             result = future.result(timeout=60)
             distinct.add(tuple(result.output_ids))
-            with torch.no_grad():
-                reference = model.generate(
-                    torch.tensor([prompt]), max_new_tokens=len(result.output_ids), do_sample=False,
-                    eos_token_id=None, pad_token_id=0,
-                )[0, len(prompt):].tolist()
-            assert result.output_ids == reference
+            assert_greedy_as_generate(model, prompt, result)
         assert len(distinct) == len(batch)  # a model that ignored its input would fail here
     finally:
         engine.stop()
@@ -534,6 +529,20 @@ def test_the_responses_to_one_prompt_share_its_prefill():
                                    atol=LOGPROB_TOLERANCE, rtol=0)
 
 
+def assert_greedy_as_generate(model, prompt, result):
+    """`result` holds the tokens unbatched greedy generate gives `prompt`, and the log-probs a
+    full forward gives them."""
+    with torch.no_grad():
+        reference = model.generate(
+            torch.tensor([prompt]), max_new_tokens=len(result.output_ids), do_sample=False,
+            eos_token_id=None, pad_token_id=0,
+        )[0, len(prompt):].tolist()
+    assert result.output_ids == reference
+    torch.testing.assert_close(torch.tensor(result.output_logprobs),
+                               recomputed(model, prompt, result.output_ids),
+                               atol=LOGPROB_TOLERANCE, rtol=0)
+
+
 def test_distinct_prompts_that_begin_alike_compute_the_shared_tokens_once():
     """Distinct prompts behind one system turn (a chat template's): its tokens go through the
     model once, in one row, copied to the others; every greedy token is still the one
@@ -559,16 +568,7 @@ def test_distinct_prompts_that_begin_alike_compute_the_shared_tokens_once():
     # then the five distinct prompts' rest, padded to the longest.
     assert forwarded[:2] == [(1, len(system) - 2), (5, longest - len(system) + 2)]
     for prompt, future in zip(batch, futures):
-        result = future.result()
-        with torch.no_grad():
-            reference = model.generate(
-                torch.tensor([prompt]), max_new_tokens=len(result.output_ids), do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-            )[0, len(prompt):].tolist()
-        assert result.output_ids == reference
-        torch.testing.assert_close(torch.tensor(result.output_logprobs),
-                                   recomputed(model, prompt, result.output_ids),
-                                   atol=LOGPROB_TOLERANCE, rtol=0)
+        assert_greedy_as_generate(model, prompt, future.result())
 
 
 def test_a_shared_prefix_lands_in_rows_after_running_ones_and_may_leave_one_token_each():
@@ -597,15 +597,7 @@ def test_a_shared_prefix_lands_in_rows_after_running_ones_and_may_leave_one_toke
         engine.stop()
     assert (1, len(system)) in forwarded and (3, 1) in forwarded
     for prompt, result in zip(batch, results):
-        with torch.no_grad():
-            reference = model.generate(
-                torch.tensor([prompt]), max_new_tokens=len(result.output_ids), do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-            )[0, len(prompt):].tolist()
-        assert result.output_ids == reference
-        torch.testing.assert_close(torch.tensor(result.output_logprobs),
-                                   recomputed(model, prompt, result.output_ids),
-                                   atol=LOGPROB_TOLERANCE, rtol=0)
+        assert_greedy_as_generate(model, prompt, result)
 
 
 def test_a_shared_prefix_is_only_taken_when_it_is_long_enough_and_never_a_whole_prompt():
