@@ -13,13 +13,15 @@ A setting is NAME=OVERRIDES, the overrides comma-separated dotted paths under th
 (values in YAML: `algorithm.ppoMinibatches=2,trainer.evalEvery=5`). The table gives, per run,
 accuracy ± one standard error at every evaluation, the minute of the whole command at which an
 evaluation first showed accuracy at --target (when that evaluation ended: what a user watching
-sees), and the last evaluation's distance from the run's best.
+sees), and the last evaluation's distance from the run's best. A finished run's checkpoints and
+weight versions are deleted (a few GB a run); its metrics, logs and report stay.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -79,6 +81,9 @@ def run_once(job: dict, run_dir: Path, steps: int | None) -> None:
         raise SystemExit(f"{run_dir.name} failed (exit {result.returncode}); see "
                          f"{run_dir.with_suffix('.log')}")
     timing.write_text(json.dumps({"started": started, "ended": time.time()}))
+    # A study reads metrics only; each run's checkpoints and weight versions are gigabytes.
+    for heavy in ("checkpoints", "weights"):
+        shutil.rmtree(run_dir / heavy, ignore_errors=True)
 
 
 def evaluated_at(record: dict) -> float:
