@@ -213,8 +213,10 @@ def _ready(pod: dict) -> bool:
 
 
 def write_status(body: Any, observed: Observation) -> dict:
-    """Recompute status; patch only what changed; an Event for each phase transition."""
-    current = stored_status(body)
+    """Recompute status; patch only what changed; an Event for each phase transition. `body`
+    carries the status as stored now (with_stored_status, under the job's lock): what changed,
+    and which transitions to announce, are measured against it."""
+    current = dict(body.get("status") or {})
     new = compute_status(observed, current)
     changes = status_changes(current, new)
     meta = body["metadata"]

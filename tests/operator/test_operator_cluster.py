@@ -351,7 +351,7 @@ def test_status_and_kubectl_get_show_the_trainers_figures(kube, crd, namespace, 
     from support.trainer_status import TrainerStatusThread
 
     from asyncrl.operator import kube as operator_kube
-    from asyncrl.operator.observe import trainer_status, write_status
+    from asyncrl.operator.observe import trainer_status, with_stored_status, write_status
     from asyncrl.operator.reconcile import job_manifest
     from asyncrl.operator.status import Observation
     from asyncrl.spec import parse_manifest
@@ -365,7 +365,7 @@ def test_status_and_kubectl_get_show_the_trainers_figures(kube, crd, namespace, 
     with TrainerStatusThread(served) as server:
         trainer, error = trainer_status(job, [server.address])
     assert error is None
-    write_status(body, Observation(
+    write_status(with_stored_status(body), Observation(
         generation=body["metadata"]["generation"], suspend=False,
         max_steps=job.spec.algorithm.max_steps, trainer=trainer))
 
