@@ -225,6 +225,7 @@ def run(
         if metrics:
             autoscaler.metrics.serve(local.metrics_ports["operator"], host="127.0.0.1")
     code = 0
+    buffer_stats = None  # as the run ended, for the report
     deadline = local.job.spec.active_deadline_seconds
     try:
         started = time.monotonic()
@@ -244,8 +245,9 @@ def run(
                                            workers=_workers_row(local, autoscaler)))
                 local.record_rollout_status()
                 time.sleep(1.0)
+            buffer_stats = local.buffer_stats()
             live.update(progress.table(progress.finished(status, read_metrics(options.run_dir)),
-                                       local.buffer_stats()))
+                                       buffer_stats))
     except KeyboardInterrupt:
         console.print(f"[yellow]stopped[/]; rerun the same command to resume from the last "
                       f"checkpoint in {options.run_dir}")
@@ -265,7 +267,7 @@ def run(
     records = read_metrics(options.run_dir)
     if records:
         write_plots(options.run_dir, records)
-        report = write_report(options.run_dir, job.metadata.name, records, sync)
+        report = write_report(options.run_dir, job.metadata.name, records, sync, buffer_stats)
         console.print(report.read_text())
     raise typer.Exit(code)
 

@@ -136,7 +136,10 @@ def _save(figure, path: Path) -> Path:
     return path
 
 
-def write_report(run_dir: Path, job_name: str, all_records: list[dict], sync: bool) -> Path:
+def write_report(run_dir: Path, job_name: str, all_records: list[dict], sync: bool,
+                 buffer_stats=None) -> Path:
+    """`buffer_stats`: the buffer's BufferStats at the end, when it answered (the line on what
+    became of the groups generated)."""
     records = train_records(all_records)
     evaluated = [r for r in all_records if r.get("eval_accuracy", -1) >= 0]
     elapsed = records[-1]["elapsed"] if records else 0.0
@@ -160,6 +163,8 @@ def write_report(run_dir: Path, job_name: str, all_records: list[dict], sync: bo
     if evaluated:
         lines.append("- eval accuracy: " + ", ".join(
             f"step {r['step']}: {_accuracy(r)}" for r in evaluated))
+    if buffer_stats is not None:
+        lines += _generation_lines(buffer_stats)
     lines += _signal_lines(records)
     plots = ["reward_vs_step.png", "reward_vs_time.png", "throughput.png", "staleness.png"]
     if signal_panels(records):
@@ -216,6 +221,21 @@ def _signal_lines(records: list[dict]) -> list[str]:
                      f"ratio outside [0.5, 2]: max "
                      f"{max(r['mismatch_outside_fraction'] for r in measured):.2%} of tokens")
     return lines
+
+
+def _generation_lines(stats) -> list[str]:
+    """What became of the groups the rollout generated: on a small machine generation is most of
+    the work, and groups never trained are why a run takes longer than its steps suggest."""
+    produced = stats.accepted_total + stats.skipped_uniform_total
+    if not produced:
+        return []
+    left = max(0, stats.accepted_total - stats.consumed_total - stats.dropped_stale_total)
+    parts = [(stats.consumed_total, "trained"),
+             (stats.skipped_uniform_total, "skipped, every reward equal"),
+             (stats.dropped_stale_total, "dropped, staler than the bound"),
+             (left, "not trained by the end")]
+    return [f"- groups generated: {produced}; " + ", ".join(
+        f"{label} {count} ({count / produced:.0%})" for count, label in parts if count)]
 
 
 def _fifths(records: list[dict]) -> tuple[list[dict], list[dict]]:

@@ -63,6 +63,24 @@ def test_the_report_gives_accuracy_with_its_error_and_sums_up_the_signals(tmp_pa
     assert "plots/signals.png" in _lines(text, "Plots:")
 
 
+def test_the_report_says_what_became_of_the_groups_generated(tmp_path):
+    from asyncrl.v1 import buffer_pb2
+
+    # The ninth round's seed 0: 260 prompts drawn, 248 groups accepted or skipped by the end.
+    stats = buffer_pb2.BufferStats(accepted_total=118, consumed_total=80, dropped_stale_total=26,
+                                   skipped_uniform_total=142, depth_groups=12)
+    text = write_report(tmp_path, "job", _new_run(), sync=False, buffer_stats=stats).read_text()
+    assert _lines(text, "- groups generated:") == (
+        "- groups generated: 260; trained 80 (31%), skipped, every reward equal 142 (55%), "
+        "dropped, staler than the bound 26 (10%), not trained by the end 12 (5%)")
+    # Nothing generated (a run stopped at once), or no buffer answering: no line.
+    empty = write_report(tmp_path, "job", _new_run(), sync=False,
+                         buffer_stats=buffer_pb2.BufferStats()).read_text()
+    assert "groups generated" not in empty
+    assert "groups generated" not in write_report(tmp_path, "job", _new_run(),
+                                                  sync=False).read_text()
+
+
 def test_an_old_runs_report_has_no_error_nor_signals_it_did_not_record(tmp_path):
     text = write_report(tmp_path, "job", _old_run(), sync=False).read_text()
     assert _lines(text, "- eval accuracy:") == "- eval accuracy: step 5: 0.500"
