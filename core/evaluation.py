@@ -22,10 +22,15 @@ def held_out_prompts(spec, tokenizer, count: int | None = None) -> list[PromptIt
     return held_out.head(spec.trainer.eval_prompts if count is None else count)
 
 
-def job_scorer(reward, spec, tokenizer) -> PromptScorer:
+def job_scorer(reward, spec, tokenizer, *, training: bool = False) -> PromptScorer:
     """A PromptScorer with the job's reward settings over `reward` (asyncrl.clients.reward's
-    reward_scorer): cut responses score reward.truncatedReward where it is set."""
-    return PromptScorer(reward, tokenizer, truncated_reward=spec.reward.truncated_reward)
+    reward_scorer): cut responses score reward.truncatedReward where it is set. `training`
+    (the rollout's scorer): a wrong stated answer earns reward.math.formatScore; an evaluation
+    counts right answers only, whatever the training reward."""
+    format_score = (spec.reward.math.format_score
+                    if training and spec.reward.kind == "math" else 0.0)
+    return PromptScorer(reward, tokenizer, truncated_reward=spec.reward.truncated_reward,
+                        format_score=format_score)
 
 
 def fused_decode(spec) -> bool:

@@ -12,6 +12,7 @@ from asyncrl.platform.grpc_health import is_serving
 from asyncrl.platform.grpc_service import channel
 from asyncrl.scoring.types import (
     CodeReference,
+    Failure,
     IoCase,
     MathReference,
     Reference,
@@ -89,14 +90,16 @@ class PromptScorer:
     evaluator) with what `reward_scorer` gives. Prompt items become reward references here
     (`reward_reference`), by the job's reward kind: `kind`, else the client's own.
     `truncated_reward` (reward.truncatedReward), where set, is the reward of every response
-    cut at maxNewTokens, whatever it scored."""
+    cut at maxNewTokens, whatever it scored. `format_score` (reward.math.formatScore, in
+    training) is the reward of a response whose stated answer is wrong."""
 
     def __init__(self, client: RewardClient | RewardScorer, tokenizer, kind: str | None = None,
-                 truncated_reward: float | None = None):
+                 truncated_reward: float | None = None, format_score: float = 0.0):
         self._client = client
         self._tokenizer = tokenizer
         self._kind = kind or getattr(client, "kind", None)
         self._truncated_reward = truncated_reward
+        self._format_score = format_score
 
     async def score(self, item, responses: list[list[int]],
                     cut: Sequence[bool] | None = None) -> list[float]:
@@ -104,7 +107,8 @@ class PromptScorer:
         texts = [self._tokenizer.decode(r, skip_special_tokens=True) for r in responses]
         results = await self._client.score(
             ScoreTask.for_group(reward_reference(item, self._kind), texts, item.prompt_id))
-        scores = [r.score for r in results]
+        scores = [self._format_score if r.failure is Failure.WRONG_ANSWER else r.score
+                  for r in results]
         if self._truncated_reward is None or cut is None:
             return scores
         return [self._truncated_reward if was_cut else score

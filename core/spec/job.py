@@ -971,6 +971,14 @@ class MathReward(SpecModel):
     timeout_seconds: float = Field(
         default=5.0, gt=0, description="Time limit for verifying one response."
     )
+    format_score: float = Field(
+        default=0.0, ge=0, lt=1,
+        description="In training, the reward of a response that states a final answer (found "
+        "by extract) and gets it wrong, instead of 0: a signal to answer in the asked form "
+        "while right answers are still rare (verl's format_score). Held-out evaluations count "
+        "right answers only; a response cut at maxNewTokens scores reward.truncatedReward "
+        "where set. Single-turn rollouts only (docs/algorithm.md, format score).",
+    )
 
     @field_validator("extract")
     @classmethod
@@ -1542,6 +1550,14 @@ class RLJobSpec(SpecModel):
                 "and an episode scores its whole conversation itself",
                 field="reward.truncatedReward",
                 fix="remove reward.truncatedReward, or score cut turns in the episode's own "
+                "reward")
+        if (self.reward.kind == "math" and self.reward.math.format_score
+                and workflow.kind == "episode"):
+            raise rule_error(
+                "formatScore rewards a single response's stated answer, and an episode scores "
+                "its whole conversation itself",
+                field="reward.math.formatScore",
+                fix="remove reward.math.formatScore, or reward the form in the episode's own "
                 "reward")
         overlong = self.algorithm.overlong_penalty
         if overlong.buffer_tokens > 0 and workflow.kind == "episode":

@@ -291,7 +291,7 @@ def _workflow_factory(settings: RolloutSettings, job, tokenizer, train, metrics,
         else:
             source = SingleTurnGroups(
                 generator=EngineGenerator(engine, metrics),
-                scorer=job_scorer(reward, spec, tokenizer),
+                scorer=job_scorer(reward, spec, tokenizer, training=True),
                 group_size=spec.algorithm.group_size,
                 params=SamplingParams.from_spec(spec),
             )

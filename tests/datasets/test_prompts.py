@@ -124,3 +124,32 @@ def test_a_cut_response_earns_reward_truncated_reward_whatever_it_stated(tokeniz
     assert asyncio.run(score(None)) == [1.0, 1.0, 0.0]
     assert asyncio.run(score(0.0)) == [1.0, 0.0, 0.0]
     assert asyncio.run(score(-0.5)) == [1.0, -0.5, -0.5]
+
+
+def test_a_wrong_stated_answer_earns_the_format_score_in_training_only(tokenizer):
+    """reward.math.formatScore: in the rollout's scorer a response that states a wrong answer
+    scores it, a right one 1, one with no answer 0, and a cut one reward.truncatedReward; the
+    evaluations' scorer counts right answers alone."""
+    import asyncio
+
+    from asyncrl.evaluation import job_scorer
+
+    spec = load_manifest(ROOT / "examples/arith.yaml").spec
+    spec.reward.math.format_score = 0.1
+    item = build_prompts(spec, tokenizer)[0][0]
+    answer = item.reference
+    texts = [f"So \\boxed{{{answer}}}.", f"So \\boxed{{{answer + 1}}}.", "I cannot tell.",
+             f"So \\boxed{{{answer + 1}}}. Then"]
+    responses = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    cut = [False, False, False, True]
+
+    async def score(training):
+        reward = reward_scorer(None, "job", spec.reward)
+        try:
+            return await job_scorer(reward, spec, tokenizer, training=training).score(
+                item, responses, cut=cut)
+        finally:
+            await reward.close()
+
+    assert asyncio.run(score(True)) == [1.0, 0.1, 0.0, 0.0]
+    assert asyncio.run(score(False)) == [1.0, 0.0, 0.0, 0.0]

@@ -214,6 +214,9 @@ def test_operator_may_parse_whole_objects_from_the_api_server():
         ({"reward": {"truncatedReward": 0}, "rollout": {"workflow": {
             "kind": "episode", "function": "mine:run"}}}, "spec.reward.truncatedReward",
          "remove reward.truncatedReward, or score cut turns in the episode's own reward"),
+        ({"reward": {"math": {"formatScore": 0.1}}, "rollout": {"workflow": {
+            "kind": "episode", "function": "mine:run"}}}, "spec.reward.math.formatScore",
+         "remove reward.math.formatScore, or reward the form in the episode's own reward"),
         ({"rollout": {"workflow": {"kind": "episode"}}}, "spec.rollout.workflow.function",
          "set function to 'package.module:name' of your async def episode(client, row)"),
         ({"rollout": {"workflow": {"function": "mine.episode:run"}}},
