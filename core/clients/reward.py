@@ -107,8 +107,10 @@ class PromptScorer:
         texts = [self._tokenizer.decode(r, skip_special_tokens=True) for r in responses]
         results = await self._client.score(
             ScoreTask.for_group(reward_reference(item, self._kind), texts, item.prompt_id))
-        scores = [self._format_score if r.failure is Failure.WRONG_ANSWER else r.score
-                  for r in results]
+        scores = [r.score for r in results]
+        if self._format_score:
+            scores = [self._format_score if r.failure is Failure.WRONG_ANSWER else score
+                      for r, score in zip(results, scores, strict=True)]
         if self._truncated_reward is None or cut is None:
             return scores
         return [self._truncated_reward if was_cut else score
