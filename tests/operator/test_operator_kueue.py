@@ -8,6 +8,7 @@ suspended it asks for no quota."""
 from __future__ import annotations
 
 import pytest
+from kubernetes.client.exceptions import ApiException
 
 from support.operator_cluster import (  # noqa: F401 - fixtures among them
     crd,
@@ -71,6 +72,17 @@ def kueue_controller(control_plane, crd, tmp_path_factory):
 def _workload(kube, namespace: str, job: str) -> dict:
     return kube.custom.get_namespaced_custom_object(*KUEUE, namespace, "workloads",
                                                     f"rljob-{job}")
+
+
+def _workload_if_any(kube, namespace: str, job: str) -> dict | None:
+    """The job's Workload, or None in the moment between the old one's deletion and the new
+    one's creation when its pods change."""
+    try:
+        return _workload(kube, namespace, job)
+    except ApiException as error:
+        if error.status == 404:
+            return None
+        raise
 
 
 def _condition(obj: dict, kind: str) -> dict:
@@ -153,7 +165,9 @@ def test_the_second_job_waits_for_quota_and_an_evicted_job_gives_it_back(
     patch_spec(kube, namespace, "second", {"rollout": {"replicas": 2}})
 
     def requeued():
-        workload = requeued.seen = _workload(kube, namespace, "second")
+        workload = requeued.seen = _workload_if_any(kube, namespace, "second")
+        if workload is None:
+            return False
         counts = {p["name"]: p["count"] for p in workload["spec"]["podSets"]}
         return workload["metadata"]["uid"] != first_uid and counts["rollout"] == 2
     requeued.seen = None
