@@ -12,19 +12,59 @@ stopping it, even by kill -9, the kernel sends Redis SIGTERM (asyncrl.platform.c
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 from asyncrl.platform.children import die_with_parent
 
 
+#: Where free ports are picked: below the kernel's ephemeral range (whose ports it also gives
+#: outgoing connections, so one could take a port between its pick and the server's bind:
+#: EADDRINUSE) and below Kubernetes' NodePort range (30000-32767).
+PORT_RANGE = (20000, 30000)
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
 def free_port() -> int:
+    """A TCP port nothing is bound to, never the same twice in one process (the caller binds it
+    later, maybe in another process)."""
+    low, high = PORT_RANGE[0], min(PORT_RANGE[1], _ephemeral_ports()[0])
+    picker = random.Random()
+    for _ in range(200 if high - low >= 1000 else 0):
+        port = picker.randrange(low, high)
+        with _handed_out_lock:
+            if port in _handed_out or not _bindable(port):
+                continue
+            _handed_out.add(port)
+            return port
+    # A machine whose ephemeral range starts below ours: the kernel's pick, as a last resort.
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    """Free on every interface (the trainer's weights store listens on all of them)."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+        return True
 
 
 class RedisServer:
