@@ -34,27 +34,27 @@ _handed_out_lock = threading.Lock()
 def free_port() -> int:
     """A TCP port nothing is bound to, never the same twice in one process (the caller binds it
     later, maybe in another process)."""
-    low, high = PORT_RANGE[0], min(PORT_RANGE[1], _ephemeral_ports()[0])
-    picker = random.Random()
-    for _ in range(200 if high - low >= 1000 else 0):
-        port = picker.randrange(low, high)
-        with _handed_out_lock:
-            if port in _handed_out or not _bindable(port):
-                continue
-            _handed_out.add(port)
-            return port
+    low, high = PORT_RANGE[0], min(PORT_RANGE[1], _ephemeral_low())
+    if high - low >= 1000:
+        picker = random.Random()
+        for _ in range(200):
+            port = picker.randrange(low, high)
+            with _handed_out_lock:
+                if port not in _handed_out and _bindable(port):
+                    _handed_out.add(port)
+                    return port
     # A machine whose ephemeral range starts below ours: the kernel's pick, as a last resort.
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def _ephemeral_ports() -> tuple[int, int]:
+def _ephemeral_low() -> int:
+    """Where the kernel's range for port 0 and outgoing connections begins."""
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def _bindable(port: int) -> bool:
