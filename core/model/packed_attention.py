@@ -66,28 +66,31 @@ def packed_sdpa_attention(
     edges = kwargs.get("sequence_edges") or bounds.tolist()
     continues = kwargs.get("continues") or [-1] * (len(edges) - 1)
     groups = query.shape[1] // key.shape[1]
+    # One split per tensor, not a slice per sequence: a slice's backward fills a zero tensor
+    # the size of the whole row and adds it up, per sequence and layer; a split's is one cat.
+    lengths = [end - start for start, end in zip(edges[:-1], edges[1:])]
+    queries, keys, values = (states.split(lengths, dim=2) for states in (query, key, value))
     masks: dict[tuple[int, int], torch.Tensor] = {}
     outputs = []
-    for start, end, parent in zip(edges[:-1], edges[1:], continues):
+    for s, parent in enumerate(continues):
         if parent < 0:
             outputs.append(F.scaled_dot_product_attention(
-                query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
+                queries[s], keys[s], values[s],
                 dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=True))
             continue
         # The whole sequence it continues, then itself causally: the last rows of a causal
         # mask over both. Keys and values have a head per query head here: SDPA's fused
         # kernels take a mask only without grouped-query attention.
-        before = slice(edges[parent], edges[parent + 1])
-        seen = before.stop - before.start
-        if (end - start, seen) not in masks:
-            masks[end - start, seen] = torch.ones(
-                end - start, seen + end - start, dtype=torch.bool, device=query.device,
+        length, seen = lengths[s], lengths[parent]
+        if (length, seen) not in masks:
+            masks[length, seen] = torch.ones(
+                length, seen + length, dtype=torch.bool, device=query.device,
             ).tril(seen)
-        keys, values = (
-            torch.cat((states[:, :, before], states[:, :, start:end]), dim=2)
-            .repeat_interleave(groups, dim=1) for states in (key, value))
+        seen_keys, seen_values = (
+            torch.cat((parts[parent], parts[s]), dim=2).repeat_interleave(groups, dim=1)
+            for parts in (keys, values))
         outputs.append(F.scaled_dot_product_attention(
-            query[:, :, start:end], keys, values, attn_mask=masks[end - start, seen],
+            queries[s], seen_keys, seen_values, attn_mask=masks[length, seen],
             dropout_p=dropout, scale=scaling))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
