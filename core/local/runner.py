@@ -56,6 +56,7 @@ from asyncrl.local.devices import (
     visible_gpus,
 )
 from asyncrl.spec import RLJob, parse_manifest
+from asyncrl.weights.ipc import release_buffer
 from asyncrl.weights.paths import transfer_path
 from asyncrl.v1 import (
     buffer_pb2,
@@ -303,7 +304,7 @@ class LocalJob:
 
     def device_lines(self) -> list[str]:
         """The run's first lines: what each service computes on, and how weights travel when
-        that is not what the job asks (ipc without a shared GPU)."""
+        that is not what the job asks (ipc without a shared device)."""
         lines = self.devices.lines()
         devices = self.devices
         path, reason = transfer_path(self._requested_transfer, devices.trainer.device,
@@ -311,7 +312,9 @@ class LocalJob:
         if reason:
             lines.append(f"weights: {path}, not {self._requested_transfer} ({reason})")
         elif path == "ipc":
-            lines.append(f"weights: ipc (CUDA IPC on {devices.trainer.device})")
+            how = ("shared memory" if devices.trainer.device == "cpu"
+                   else f"CUDA IPC on {devices.trainer.device}")
+            lines.append(f"weights: ipc ({how})")
         return lines
 
     def lifetime_lines(self) -> list[str]:
@@ -593,6 +596,8 @@ class LocalJob:
             service.stop()
         if self.redis is not None:
             self.redis.stop()
+        # The weights buffer of a trainer that could not release it itself (killed).
+        release_buffer(self.options.run_dir / "weights" / "ipc")
 
     # ------------------------------------------------------------------ observation
 

@@ -1251,9 +1251,9 @@ class TrainerSpec(SpecModel):
     # refuses ipc there, while `asyncrl run` (one machine) takes the same file.
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
         "rule": "!has(self.weightTransfer) || self.weightTransfer != 'ipc'",
-        "message": "weightTransfer ipc needs trainer and rollout on one GPU of one machine "
-                   "(asyncrl run); in a cluster they are different pods: set weightTransfer "
-                   "distributed or disk",
+        "message": "weightTransfer ipc needs trainer and rollout on one machine, on one GPU "
+                   "or both on the CPU (asyncrl run); in a cluster they are different pods: "
+                   "set weightTransfer distributed or disk",
         "fieldPath": ".weightTransfer",
         "reason": "FieldValueForbidden",
     }]})
@@ -1523,7 +1523,7 @@ class RLJobSpec(SpecModel):
             _check_lora(self)
         if self.trainer.weight_transfer == "ipc" and self.rollout.engine != "torch":
             raise rule_error(
-                f"weightTransfer ipc hands the trainer's GPU buffer to the torch engine; "
+                f"weightTransfer ipc hands the trainer's shared buffer to the torch engine; "
                 f"rollout.engine is {self.rollout.engine}",
                 field="trainer.weightTransfer",
                 fix="set rollout.engine: torch, or trainer.weightTransfer: distributed")

@@ -1,14 +1,19 @@
-"""Weights shared in GPU memory between a trainer and a rollout engine on the same GPU
-(`trainer.weightTransfer: ipc`): no copy through disk, no NCCL group (which refuses two
-ranks on one device).
+"""Weights shared in memory between a trainer and a rollout engine on the same device
+(`trainer.weightTransfer: ipc`): on one GPU, or both on the CPU of one machine. No copy
+through disk, no NCCL group (which refuses two ranks on one device); on the CPU a version
+costs a copy into shared memory (about 0.1 s for SmolLM2-135M) where a snapshot on disk
+costs a second or more and half a gigabyte written per step.
 
-The trainer keeps one flat buffer on its GPU, in the engine's dtype, holding every tensor of
-the snapshot layout (tied weights once, sorted by name: `asyncrl.weights.distributed`'s
-manifest) as a view at its offset. It writes the buffer once, at start, as a manifest file:
+The trainer keeps one flat buffer on its device, in the engine's dtype, holding every tensor
+of the snapshot layout (tied weights once, sorted by name: `asyncrl.weights.distributed`'s
+manifest) as a view at its offset. On the CPU the buffer is a file in shared memory
+(/dev/shm), mapped by both processes; a file of its own per trainer process, whose restarted
+successor removes it. It writes the buffer once, at start, as a manifest file:
 
     <directory>/manifest.json   each tensor's name, shape, dtype and offset; the buffer's
-                                storage handle (torch's own sharing: `reduce_tensor`, i.e.
-                                `storage._share_cuda_()` on a GPU); the device (its UUID)
+                                handle (on a GPU torch's own sharing: `reduce_tensor`, i.e.
+                                `storage._share_cuda_()`; on the CPU the file's path); the
+                                device ("cpu" or the GPU's UUID)
     <directory>/lock            the buffer's lock; its text is the version the buffer holds
 
 Per version the trainer copies the weights into the buffer and announces
@@ -26,7 +31,7 @@ once per version. The lock also carries the version the buffer holds, which an e
 checks: if the trainer has already written the next version, the engine takes that one when
 it is announced, a moment later, rather than label it with the older number.
 
-Both processes must be on one machine, and an engine must compute on the buffer's GPU:
+Both processes must be on one machine, and an engine must compute on the buffer's device:
 `asyncrl.weights.paths` says which path a job takes and why, and `IpcReader` refuses a
 buffer on another device, naming it.
 """
@@ -36,9 +41,12 @@ from __future__ import annotations
 import base64
 import contextlib
 import fcntl
+import hashlib
 import io
 import json
+import os
 import pickle
+import shutil
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -56,6 +64,8 @@ T = TypeVar("T")
 SCHEME = "torch-ipc"
 MANIFEST_FILE = "manifest.json"
 LOCK_FILE = "lock"
+#: Where a CPU buffer is a file (shared memory on Linux).
+SHM_DIRECTORY = Path("/dev/shm")
 
 
 class NotThisVersion(Exception):
@@ -105,7 +115,8 @@ class IpcManifest:
     tensors: tuple[IpcTensor, ...]
     dtype: torch.dtype
     device: str        # "cpu", or the GPU's UUID: the same physical GPU whatever the numbering
-    handle: bytes      # ForkingPickler's bytes of the flat buffer (torch's reduce_tensor)
+    handle: bytes      # on a GPU ForkingPickler's bytes of the flat buffer (torch's
+    #                    reduce_tensor); on the CPU the path of the file it is mapped from
 
     @classmethod
     def layout(cls, metas: list[TensorMeta]) -> tuple[tuple[IpcTensor, ...], int]:
@@ -133,6 +144,11 @@ class IpcManifest:
         return cls(tuple(IpcTensor(t["name"], tuple(t["shape"]), int(t["offset"]))
                          for t in data["tensors"]),
                    dtype, data["device"], base64.b64decode(data["handle"]))
+
+    @property
+    def numel(self) -> int:
+        """The flat buffer's size in elements."""
+        return max((t.offset + t.numel for t in self.tensors), default=0)
 
     def views(self, flat: Tensor) -> dict[str, Tensor]:
         """Each named tensor as a view of the flat buffer."""
@@ -166,13 +182,58 @@ class _HandleUnpickler(pickle.Unpickler):
 
 
 def share(flat: Tensor) -> bytes:
-    """The handle of `flat`'s storage, as torch.multiprocessing sends a tensor: a CUDA IPC
-    handle on a GPU, a shared-memory file name on the CPU (the file_system strategy, the one
-    an unrelated process can open; set for this process here)."""
-    if flat.device.type == "cpu":
-        torch.multiprocessing.set_sharing_strategy("file_system")
-        flat.share_memory_()
+    """The handle of `flat`'s storage on a GPU, as torch.multiprocessing sends a tensor (a
+    CUDA IPC handle)."""
     return bytes(ForkingPickler.dumps(flat))
+
+
+def memory_file_prefix(directory: Path) -> str:
+    """The start of the name of every CPU buffer file of the buffer directory `directory`:
+    one name per run, so a trainer can find its predecessors' files."""
+    digest = hashlib.sha256(str(Path(directory).resolve()).encode()).hexdigest()[:16]
+    return f"asyncrl-weights-{digest}-"
+
+
+def remove_memory_files(directory: Path, memory: Path | None = None) -> None:
+    """Removes the CPU buffer files of the buffer directory `directory` from `memory` (default
+    SHM_DIRECTORY); an engine that still maps one keeps its memory until it lets it go."""
+    memory = SHM_DIRECTORY if memory is None else memory
+    for path in memory.glob(memory_file_prefix(directory) + "*"):
+        path.unlink(missing_ok=True)
+
+
+def release_buffer(directory: Path, memory: Path | None = None) -> None:
+    """What a trainer's buffer in `directory` leaves once the trainer has stopped (by itself,
+    or told by `asyncrl run` when it was killed): a lock that holds no version, so an engine
+    waits for the next announcement rather than open a buffer that is gone, and no CPU file."""
+    lock = Path(directory) / LOCK_FILE
+    if lock.exists():
+        with _locked(lock, fcntl.LOCK_EX) as held:
+            held.truncate(0)
+    remove_memory_files(directory, memory)
+
+
+def mapped_buffer(path: Path, numel: int, dtype: torch.dtype, create: bool = False) -> Tensor:
+    """A flat tensor of `numel` elements mapped from the file `path`, shared with every
+    process that maps it (`create`: the file is made first, at that size)."""
+    if create:
+        with open(path, "xb") as file:
+            file.truncate(numel * dtype.itemsize)
+    return torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
+
+
+def shared_memory_shortfall(nbytes: int, directory: Path = SHM_DIRECTORY) -> str | None:
+    """Why a buffer of `nbytes` on the CPU does not fit this machine's shared memory (a
+    container's /dev/shm is 64 MiB unless it is given more), or None where it fits or where
+    there is no such directory to ask: writing past it would kill the trainer (SIGBUS)."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return None
+    if free >= nbytes:
+        return None
+    return (f"{directory} has {free / 2**20:,.0f} MiB free and a version needs "
+            f"{nbytes / 2**20:,.0f} MiB")
 
 
 def open_handle(handle: bytes) -> Tensor:
@@ -206,13 +267,26 @@ class SharedWeights:
     version in it."""
 
     def __init__(self, directory: Path, metas: list[TensorMeta], dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, memory: Path | None = None):
+        """`memory`: where a buffer on the CPU is a file (default SHM_DIRECTORY, shared
+        memory; the buffer directory itself where there is no such directory)."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         places, size = IpcManifest.layout(metas)
-        self.flat = torch.empty(size, dtype=dtype, device=device)
-        self.manifest = IpcManifest(places, dtype, device_identity(self.flat.device),
-                                    share(self.flat))
+        self.file: Path | None = None
+        if device.type == "cpu":
+            # A file of its own per trainer, never one an engine may still map: a restarted
+            # trainer removes its predecessors' and makes a new one.
+            memory = SHM_DIRECTORY if memory is None else memory
+            self._memory = memory if memory.is_dir() else self.directory
+            remove_memory_files(self.directory, self._memory)
+            self.file = self._memory / f"{memory_file_prefix(self.directory)}{os.getpid()}"
+            self.flat = mapped_buffer(self.file, size, dtype, create=True)
+            handle = str(self.file).encode()
+        else:
+            self.flat = torch.empty(size, dtype=dtype, device=device)
+            handle = share(self.flat)
+        self.manifest = IpcManifest(places, dtype, device_identity(self.flat.device), handle)
         self.views = self.manifest.views(self.flat)
         self.lock = self.directory / LOCK_FILE
         # Under the lock, as an engine reads them: a restarted trainer's new manifest and its
@@ -226,6 +300,11 @@ class SharedWeights:
     @property
     def manifest_path(self) -> Path:
         return self.directory / MANIFEST_FILE
+
+    def close(self) -> None:
+        """The buffer holds no version any more, and a CPU buffer's file is removed
+        (`asyncrl run` does the same once the trainer is gone, for one that was killed)."""
+        release_buffer(self.directory, self._memory if self.file is not None else None)
 
     def write(self, state: dict[str, Tensor], version: int) -> None:
         """Copies `state` (the whole model's, any dtype and device) into the buffer as
@@ -260,13 +339,15 @@ class IpcReader:
         if manifest.device != mine:
             raise IpcUnavailable(
                 f"trainer.weightTransfer ipc: the trainer's weights are on {manifest.device}, "
-                f"this engine computes on {mine} ({self.device}); ipc needs both on one GPU: "
-                "run them on the same GPU (asyncrl run --devices) or set "
+                f"this engine computes on {mine} ({self.device}); ipc needs both on one device: "
+                "run them on the same GPU or both on the CPU (asyncrl run --devices) or set "
                 "trainer.weightTransfer: disk")
         if self._opened is None or self._opened[0] != manifest.handle:
             self._opened = None  # the old trainer's buffer goes before the new one opens
             try:
-                flat = open_handle(manifest.handle)
+                flat = (mapped_buffer(Path(manifest.handle.decode()), manifest.numel,
+                                      manifest.dtype)
+                        if manifest.device == "cpu" else open_handle(manifest.handle))
             except (RuntimeError, OSError) as exc:
                 raise IpcUnavailable(f"trainer.weightTransfer ipc: cannot open the trainer's "
                                      f"buffer ({exc}); is the trainer on this machine and "

@@ -3,8 +3,9 @@ the value asked for into disk, distributed or ipc, and says why when that is not
 asked.
 
     asked        taken
-    auto         ipc where a torch engine is known to share the trainer's GPU, else disk
-    ipc          ipc, or disk (with the reason) where the two are not on one GPU
+    auto         ipc where a torch engine is known to share the trainer's device (one GPU,
+                 or the CPU of one machine), else disk
+    ipc          ipc, or disk (with the reason) where the two are not on one device
     disk         disk
     distributed  distributed (which falls back to disk by itself, version by version)
 
@@ -24,20 +25,24 @@ def ipc_refusal(trainer_device: str | None, rollout_device: str | None,
                 apart: str | None = None) -> str | None:
     """Why ipc cannot carry the weights between a trainer on `trainer_device` and an engine
     on `rollout_device` (each "cpu" or a GPU's identity such as "cuda:0" as one process sees
-    every GPU; None: not known here), or None when it can. `apart`: why the two never share
-    a GPU, whatever their devices (a cluster's different pods)."""
+    every GPU; None: not known here), or None when it can: both on one GPU (CUDA IPC) or both
+    on the CPU (shared memory). `apart`: why the two never share a device, whatever their
+    devices (a cluster's different pods)."""
     if apart:
         return apart
-    if trainer_device is not None and not trainer_device.startswith("cuda"):
-        return f"the trainer computes on {trainer_device}, and ipc shares GPU memory"
-    if rollout_device is None:
+    for side, device in (("trainer", trainer_device), ("rollout engine", rollout_device)):
+        if device is not None and not _shareable(device):
+            return (f"the {side} computes on {device}, and ipc shares the memory of a CUDA "
+                    "GPU or of the CPU")
+    if None in (trainer_device, rollout_device) or trainer_device == rollout_device:
         return None
-    if not rollout_device.startswith("cuda"):
-        return f"the rollout engine computes on {rollout_device}, and ipc shares GPU memory"
-    if trainer_device is not None and rollout_device != trainer_device:
-        return (f"the trainer computes on {trainer_device} and the rollout engine on "
-                f"{rollout_device}: ipc needs both on one GPU")
-    return None
+    both = "one GPU" if "cpu" not in (trainer_device, rollout_device) else "one device"
+    return (f"the trainer computes on {trainer_device} and the rollout engine on "
+            f"{rollout_device}: ipc needs both on {both}")
+
+
+def _shareable(device: str) -> bool:
+    return device == "cpu" or device.startswith("cuda")
 
 
 def transfer_path(requested: str, trainer_device: str | None = None,

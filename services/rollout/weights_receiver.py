@@ -272,7 +272,7 @@ def engine_applier(engine: InferenceEngine, cache_dir: Path, metrics=None,
         try:
             if is_ipc_uri(announced.uri):
                 if ipc is None:
-                    raise VersionSkipped("shared on the trainer's GPU, but this worker reads "
+                    raise VersionSkipped("shared by the trainer (ipc), but this worker reads "
                                          "no ipc weights (trainer.weightTransfer is not ipc "
                                          "in its job)")
                 update = await ipc.receive(announced)

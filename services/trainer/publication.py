@@ -1,7 +1,7 @@
 """How a policy version reaches the rollout engines (the three paths: asyncrl.weights), on the
-trainer's leader: copied into the shared GPU buffer (ipc), else broadcast to the transfer group
-once it has formed (distributed), else written as a snapshot on disk; then announced with the
-buffer's SetVersion.
+trainer's leader: copied into the shared buffer (ipc: on the GPU, or in the CPU's shared
+memory), else broadcast to the transfer group once it has formed (distributed), else written
+as a snapshot on disk; then announced with the buffer's SetVersion.
 
 The announced step is what the job's completion is judged by, so a version is announced with
 its step only once every engine can have it (see `Publisher.publish`).
@@ -25,7 +25,7 @@ from asyncrl.trainer.weights_broadcast import WeightBroadcaster
 from asyncrl.weights.distributed import TensorMeta, announcement_uri
 from asyncrl.weights.distributed import backend as transfer_backend
 from asyncrl.weights.distributed import world_size as transfer_world_size
-from asyncrl.weights.ipc import SharedWeights
+from asyncrl.weights.ipc import SharedWeights, shared_memory_shortfall
 from asyncrl.weights.ipc import announcement_uri as ipc_announcement_uri
 
 if TYPE_CHECKING:
@@ -62,13 +62,26 @@ class Publisher:
         self.shared_weights = self._shared_weights()
 
     def _shared_weights(self) -> SharedWeights | None:
-        """The GPU buffer an engine on this GPU copies each version from, when the job's path
-        is ipc (resolved at start: this trainer computes on a GPU, and the runner has put the
-        rollout on the same one); else None, and versions go to disk."""
+        """The buffer an engine on this device copies each version from, when the job's path
+        is ipc (resolved at start: the runner has put trainer and rollout on one GPU, or both
+        on the CPU), in GPU memory or the CPU's shared memory; else None, and versions go to
+        disk, as they do where the shared memory is too small for one."""
         if self.spec.trainer.weight_transfer != "ipc":
             return None
+        if self.device.type == "cpu":
+            shortfall = shared_memory_shortfall(sum(t.bytes for t in self.version_tensors))
+            if shortfall:
+                log.warning("weights go to disk, not by ipc: %s (give the machine or the "
+                            "container more shared memory, e.g. docker run --shm-size, or "
+                            "set trainer.weightTransfer: disk)", shortfall)
+                return None
         return SharedWeights(self.settings.run_dir / "weights" / "ipc", self.version_tensors,
                              self.version_tensors[0].dtype, self.device)
+
+    def close(self) -> None:
+        """Lets the shared buffer's memory go (a CPU buffer's file)."""
+        if self.shared_weights is not None:
+            self.shared_weights.close()
 
     def _transfer_world_size(self) -> int:
         """The weight transfer group's size as the job says now: scaling the rollout changes

@@ -348,6 +348,12 @@ class Trainer:
                 state = await self._command(STATE)
                 async with self._alone():
                     await self.publisher.publish(client, version, step, state)
+            elif restored is not None and self.publisher.shared_weights is not None:
+                # A shared buffer (ipc) does not outlive the trainer that wrote it: the engines
+                # find the version announced before the restart only once this one holds it.
+                state = await self._command(STATE)
+                async with self._alone():
+                    await self.publisher.publish(client, version, step, state)
             self.status.version, self.status.step = version, step
             self.metrics.observe_version(version)
             log.info("trainer starts at step %d, version %d (%d processes)", step, version,
@@ -430,6 +436,8 @@ class Trainer:
         finally:
             await client.close()
             await self.evaluator.close()
+            if self.publisher is not None:
+                self.publisher.close()
             await asyncio.to_thread(self.tracking.close)
 
     @contextlib.asynccontextmanager

@@ -24,28 +24,26 @@ def test_a_lora_job_publishes_and_checkpoints_the_adapter_and_resumes(tmp_path):
     manifest["spec"]["model"]["lora"] = {"rank": 4, "alpha": 8}
     manifest["spec"]["algorithm"]["kl"] = {"coef": 0.01}  # the base, adapter off, as reference
     job_file = tmp_path / "tiny-lora.yaml"
-    job_file.write_text(yaml.safe_dump(manifest))
     run_dir = tmp_path / "run"
 
-    def run(steps: int) -> None:
+    def run(steps: int, transfer: str) -> None:
+        manifest["spec"]["trainer"]["weightTransfer"] = transfer
+        job_file.write_text(yaml.safe_dump(manifest))
         done = subprocess.run([ASYNCRL, "run", str(job_file), "--run-dir", str(run_dir),
                                "--steps", str(steps)], capture_output=True, text=True,
                               timeout=600)
         assert done.returncode == 0, done.stdout + done.stderr
 
-    run(2)
+    run(2, "auto")  # ipc on the CPU: the adapter's tensors in shared memory
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2]
+    assert [r["weight_transfer"] for r in train] == ["ipc", "ipc"]
     # 2 layers x rank 4 x (in + out) of the seven projections, float32.
     assert {r["version_bytes"] for r in train} == {2 * 4 * 1024 * 4}
     # The engine merges what the trainer computes unmerged: the same log-probs in float32.
     measured = [r["mismatch_abs_max"] for r in train if r.get("mismatch_abs_max") is not None]
     assert measured and max(measured) < 1e-4
-    published = sorted((run_dir / "weights").glob("v*"))
-    assert published and all({p.name for p in v.iterdir()} == {
-        "adapter_config.json", "adapter_model.safetensors"} for v in published)
-
     checkpoint = run_dir / "checkpoints/step-000002"
     spec = load_manifest(job_file).spec
     base, _ = load_policy(spec.model)
@@ -54,7 +52,12 @@ def test_a_lora_job_publishes_and_checkpoints_the_adapter_and_resumes(tmp_path):
     trained = {n: p for n, p in loaded.named_parameters() if "lora_A" in n}
     assert trained and all(torch.isfinite(p).all() for p in trained.values())
 
-    run(3)  # continues from the adapter and its optimizer state at step 2
+    run(3, "disk")  # continues from the adapter and its optimizer state at step 2
     assert "trainer starts at step 2" in (run_dir / "logs/trainer.log").read_text()
-    train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in train if r["kind"] == "train"] == [1, 2, 3]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert train[-1]["weight_transfer"] == "disk"
+    published = sorted((run_dir / "weights").glob("v*"))
+    assert published and all({p.name for p in v.iterdir()} == {
+        "adapter_config.json", "adapter_model.safetensors"} for v in published)

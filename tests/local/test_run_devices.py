@@ -108,21 +108,24 @@ def test_the_job_as_run_gives_each_service_its_gpus_and_keeps_ipc_on_a_shared_on
     assert apart.spec.trainer.weight_transfer == "disk"
     on_cpu = resolve_manifest(ipc_tiny(), options, plan_devices("cpu", [H200]))
     assert on_cpu.spec.trainer.placement.gpus == on_cpu.spec.rollout.placement.gpus == 0
-    assert on_cpu.spec.trainer.weight_transfer == "disk"
+    assert on_cpu.spec.trainer.weight_transfer == "ipc"  # shared memory
 
 
-def test_the_default_transfer_is_ipc_on_a_shared_gpu_and_disk_elsewhere(tmp_path):
+def test_the_default_transfer_is_ipc_on_a_shared_gpu_or_the_cpu_and_disk_elsewhere(tmp_path):
     options = RunOptions(run_dir=tmp_path)
     manifest = yaml.safe_load(TINY.read_text())
     assert "weightTransfer" not in manifest["spec"]["trainer"]
     assert parse_manifest(manifest).spec.trainer.weight_transfer == "auto"
     shared = resolve_manifest(manifest, options, plan_devices("auto", [H200]))
     assert shared.spec.trainer.weight_transfer == "ipc"
-    for plan in (plan_devices("auto", [H200] * 2), plan_devices("cpu", [H200])):
-        assert resolve_manifest(manifest, options, plan).spec.trainer.weight_transfer == "disk"
+    two_gpus = plan_devices("auto", [H200] * 2)
+    assert resolve_manifest(manifest, options, two_gpus).spec.trainer.weight_transfer == "disk"
+    on_cpu = plan_devices("cpu", [H200])
+    assert resolve_manifest(manifest, options, on_cpu).spec.trainer.weight_transfer == "ipc"
     local = LocalJob(parse_manifest(manifest), RunOptions(run_dir=tmp_path / "run",
                                                           devices="cpu"))
-    assert not any(line.startswith("weights:") for line in local.device_lines())
+    assert [line for line in local.device_lines() if line.startswith("weights:")] == [
+        "weights: ipc (shared memory)"]
 
 
 def test_a_cluster_placement_is_replaced_locally(tmp_path):
@@ -142,8 +145,8 @@ def test_the_runs_first_lines_on_this_machine(tmp_path):
         pytest.skip("this machine has CUDA")
     assert local.device_lines() == [
         "trainer: cpu (no CUDA here)", "rollout: cpu (no CUDA here)",
-        "weights: disk, not ipc (the trainer computes on cpu, and ipc shares GPU memory)"]
-    assert local.job.spec.trainer.weight_transfer == "disk"
+        "weights: ipc (shared memory)"]
+    assert local.job.spec.trainer.weight_transfer == "ipc"
 
 
 @pytest.mark.parametrize(("gpus", "asked", "taken", "line"), [
@@ -151,7 +154,8 @@ def test_the_runs_first_lines_on_this_machine(tmp_path):
     ([H200] * 2, "auto", "disk", None),
     ([H200] * 2, "ipc", "disk", "weights: disk, not ipc (the trainer computes on cuda:0 and "
                                 "the rollout engine on cuda:1: ipc needs both on one GPU)"),
-    ([], "auto", "disk", None),
+    ([], "auto", "ipc", "weights: ipc (shared memory)"),
+    ([], "disk", "disk", None),
     ([], "distributed", "distributed", None),
 ])
 def test_the_job_file_says_the_path_taken_as_the_first_lines_do(tmp_path, monkeypatch, gpus,

@@ -1,17 +1,18 @@
 """The ipc weight transfer (asyncrl.weights.ipc) on the CPU: the announcement, the manifest,
-and the buffer shared for real with an unrelated process through torch's own tensor sharing
-(file_system shared memory here; a CUDA IPC handle on a GPU, the only difference), read into
-a torch engine's weights, under the lock that keeps the trainer from writing while an engine
-copies."""
+and the buffer shared for real with an unrelated process (a file in shared memory here; a CUDA
+IPC handle on a GPU, the one difference), read into a torch engine's weights, under the lock
+that keeps the trainer from writing while an engine copies."""
 
 from __future__ import annotations
 
 import pickle
+import shutil
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from asyncrl.rollout.weights_receiver import IpcReceiver, VersionSkipped
 from asyncrl.weights.announcements import WeightVersion
 from asyncrl.model.lora import adapter_state
 from asyncrl.spec.job import RLJobSpec
+from asyncrl.weights import ipc
 from asyncrl.weights.distributed import model_manifest, version_manifest
 from asyncrl.weights.ipc import (
     IpcManifest,
@@ -34,11 +36,23 @@ from asyncrl.weights.ipc import (
     is_ipc_uri,
     manifest_path,
     open_handle,
+    remove_memory_files,
+    shared_memory_shortfall,
 )
 from support.lora import trained_adapter
 from support.tiny_model import tiny_model
 
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def shared_memory(tmp_path, monkeypatch):
+    """CPU buffers in a folder of the test's own, not the machine's /dev/shm (the one test of
+    the real one removes what it makes)."""
+    memory = tmp_path / "shm"
+    memory.mkdir()
+    monkeypatch.setattr(ipc, "SHM_DIRECTORY", memory)
+    return memory
 
 
 def test_an_ipc_announcement_names_the_manifest(tmp_path):
@@ -186,3 +200,71 @@ def test_a_lora_engine_takes_the_adapter_from_the_buffer(tmp_path):
     merged = trained.merge_and_unload().state_dict()
     for name, tensor in engine._model.state_dict().items():
         torch.testing.assert_close(tensor, merged[name], atol=1e-6, rtol=0)
+
+
+def test_a_cpu_buffer_larger_than_the_free_shared_memory_is_named_before_it_is_made(tmp_path):
+    """Writing past a full /dev/shm (a container's is 64 MiB unless given more) kills the
+    writer with SIGBUS: the trainer asks first and sends versions to disk instead."""
+    free = shutil.disk_usage(tmp_path).free
+    assert shared_memory_shortfall(1024, tmp_path) is None
+    shortfall = shared_memory_shortfall(free + 2**30, tmp_path)
+    assert shortfall is not None and str(tmp_path) in shortfall and "MiB free" in shortfall
+    assert shared_memory_shortfall(2**40, tmp_path / "absent") is None  # nothing to ask
+
+
+def test_a_trainer_on_the_cpu_sends_versions_to_disk_where_shared_memory_is_short(
+        tmp_path, monkeypatch, caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from asyncrl.trainer import publication
+
+    spec = RLJobSpec.model_validate({"model": {"source": "tiny-random"},
+                                     "trainer": {"weightTransfer": "ipc"}})
+    metas = model_manifest(tiny_model(0), torch.float32)
+
+    def publisher():
+        return publication.Publisher(SimpleNamespace(run_dir=tmp_path), spec, tiny_model(0),
+                                     CPU, metas, on_compute=None, metrics=None, status=None)
+
+    assert isinstance(publisher().shared_weights, SharedWeights)
+    monkeypatch.setattr(publication, "shared_memory_shortfall",
+                        lambda nbytes: f"/dev/shm has 64 MiB free and a version needs {nbytes}")
+    with caplog.at_level(logging.WARNING, logger=publication.__name__):
+        assert publisher().shared_weights is None
+    assert "weights go to disk, not by ipc: /dev/shm has 64 MiB free" in caplog.text
+    assert "docker run --shm-size" in caplog.text
+
+
+def test_a_cpu_buffer_is_a_file_in_shared_memory_of_its_own_per_trainer(tmp_path, monkeypatch):
+    """The machine's /dev/shm: the buffer is a file there, read by name; a restarted trainer
+    of the same run makes a new one and removes its predecessor's, which an engine still
+    mapping it keeps reading until it lets it go; closing removes it and the lock then holds
+    no version."""
+    monkeypatch.setattr(ipc, "SHM_DIRECTORY", Path("/dev/shm"))
+    if not ipc.SHM_DIRECTORY.is_dir():  # pragma: no cover - Linux has it
+        pytest.skip("no /dev/shm here")
+    metas = model_manifest(tiny_model(0), torch.float32)
+    first = SharedWeights(tmp_path, metas, torch.float32, CPU)
+    try:
+        assert first.file.parent == ipc.SHM_DIRECTORY
+        assert first.manifest.handle == str(first.file).encode()
+        first.write(tiny_model(1).state_dict(), 1)
+        reader = IpcReader(CPU)
+        old = reader.read(first.manifest_path, 1, lambda tensors: tensors)
+        monkeypatch.setattr(ipc.os, "getpid", lambda: 1)  # another trainer process
+        second = SharedWeights(tmp_path, metas, torch.float32, CPU)
+        assert not first.file.exists() and second.file.exists()
+        expected = tiny_model(1).state_dict()
+        assert all(torch.equal(old[name], expected[name]) for name in old)  # still mapped
+        second.write(tiny_model(2).state_dict(), 2)
+        new = reader.read(second.manifest_path, 2, lambda tensors: tensors)
+        expected = tiny_model(2).state_dict()
+        assert all(torch.equal(new[name], expected[name]) for name in new)
+        second.close()
+        assert not second.file.exists()
+        # What a stopped trainer leaves holds no version: an engine waits for the next one.
+        with pytest.raises(NotThisVersion, match="holds version none"):
+            reader.read(second.manifest_path, 2, lambda tensors: tensors)
+    finally:
+        remove_memory_files(tmp_path)

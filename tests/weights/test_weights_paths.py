@@ -18,11 +18,17 @@ PODS = "in a cluster trainer and rollout are different pods"
     (None, None, "ipc", ""),  # a rollout worker by hand: the reader names a buffer elsewhere
     ("cuda:0", "cuda:1", "disk", "the trainer computes on cuda:0 and the rollout engine on "
                                  "cuda:1: ipc needs both on one GPU"),
-    ("cuda:0", "cpu", "disk", "the rollout engine computes on cpu"),
-    ("cpu", "cpu", "disk", "the trainer computes on cpu, and ipc shares GPU memory"),
-    ("cpu", None, "disk", "the trainer computes on cpu"),
+    ("cuda:0", "cpu", "disk", "the trainer computes on cuda:0 and the rollout engine on cpu: "
+                              "ipc needs both on one device"),
+    ("cpu", "cuda:0", "disk", "ipc needs both on one device"),
+    ("cpu", "cpu", "ipc", ""),  # shared memory
+    ("cpu", None, "ipc", ""),
+    ("mps", "mps", "disk", "the trainer computes on mps, and ipc shares the memory of a CUDA "
+                           "GPU or of the CPU"),
+    (None, "mps", "disk", "the rollout engine computes on mps"),
 ])
-def test_ipc_is_taken_only_on_one_gpu_else_disk_with_the_reason(trainer, rollout, path, why):
+def test_ipc_is_taken_on_one_gpu_or_the_cpu_else_disk_with_the_reason(trainer, rollout, path,
+                                                                      why):
     taken, reason = transfer_path("ipc", trainer, rollout)
     assert taken == path
     assert (why in reason) if why else reason == ""
@@ -35,10 +41,12 @@ def test_ipc_is_taken_only_on_one_gpu_else_disk_with_the_reason(trainer, rollout
     (None, None, "torch", "disk"),
     ("cuda:0", "cuda:0", "sglang", "disk"),
     ("cuda:0", "cuda:1", "torch", "disk"),
-    ("cpu", "cpu", "torch", "disk"),
+    ("cpu", "cpu", "torch", "ipc"),
+    ("cpu", "cpu", "sglang", "disk"),
+    ("cpu", "cuda:0", "torch", "disk"),
 ])
-def test_auto_is_ipc_only_where_a_torch_engine_is_known_to_share_the_gpu(trainer, rollout,
-                                                                       engine, path):
+def test_auto_is_ipc_only_where_a_torch_engine_is_known_to_share_the_device(trainer, rollout,
+                                                                          engine, path):
     assert transfer_path("auto", trainer, rollout, engine) == (path, "")
 
 
@@ -70,7 +78,10 @@ def test_the_job_gets_the_path_taken_and_the_rest_stays():
     assert parse_manifest(alone.resolved()) == alone
 
     on_cpu, reason = with_transfer_path(job(weightTransfer="ipc"), "cpu")
-    assert on_cpu.spec.trainer.weight_transfer == "disk"
-    assert reason == "the trainer computes on cpu, and ipc shares GPU memory"
+    assert (on_cpu.spec.trainer.weight_transfer, reason) == ("ipc", "")
+    on_mps, reason = with_transfer_path(job(weightTransfer="ipc"), "mps")
+    assert on_mps.spec.trainer.weight_transfer == "disk"
+    assert reason == "the trainer computes on mps, and ipc shares the memory of a CUDA GPU or " \
+                     "of the CPU"
     distributed = job(weightTransfer="distributed")
     assert with_transfer_path(distributed, apart=PODS) == (distributed, "")
