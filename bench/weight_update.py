@@ -1,7 +1,9 @@
-"""Weight update latency, trainer to rollout engine, both ways (trainer.weightTransfer):
-disk (the trainer writes a safetensors snapshot, the engine loads it in place) and distributed
+"""Weight update latency, trainer to rollout engine, the three ways (trainer.weightTransfer):
+disk (the trainer writes a safetensors snapshot, the engine loads it in place), distributed
 (the trainer broadcasts every tensor over torch.distributed, the engine receives straight into
-its weights). SmolLM2-135M; the engine runs in its own process, as a rollout worker does.
+its weights) and ipc (the trainer copies into its shared buffer, in shared memory on the CPU,
+and the engine copies from it). SmolLM2-135M; the engine runs in its own process, as a
+rollout worker does.
 
     .venv/bin/python bench/weight_update.py [--dtype float32|bfloat16] [--trials 5]
 """
@@ -21,30 +23,36 @@ import torch
 from asyncrl.model.policy import SMOLLM2, load_model
 from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.engine.api import TorchInferenceEngine
-from asyncrl.rollout.weights_receiver import TransferMember
+from asyncrl.rollout.weights_receiver import IpcReceiver, TransferMember
 from asyncrl.trainer.checkpoints import publish_weights
 from asyncrl.trainer.weights_broadcast import WeightBroadcaster
+from asyncrl.weights.announcements import WeightVersion
 from asyncrl.weights.distributed import model_manifest
+from asyncrl.weights.ipc import SharedWeights, announcement_uri
 from asyncrl.platform.redis_server import free_port
 
 
 def engine_process(dtype: str, port: int, commands, answers) -> None:
     """The rollout side: a started engine that joins the group, then applies each command
-    (("disk", path, version) or ("distributed", version)) and answers its engine-side seconds."""
+    (("disk", path, version), ("distributed", version) or ("ipc", uri, version)) and answers
+    its engine-side seconds."""
     torch.set_num_threads(1)
     engine = TorchEngine(load_model(SMOLLM2, dtype=dtype).eval(), max_running_requests=8,
                          max_sequence_length=256, seed=0).start()
     wrapped = TorchInferenceEngine(engine)
     tensors = model_manifest(engine._model, getattr(torch, dtype))
-    member = TransferMember(wrapped, f"127.0.0.1:{port}", world_size=2, ranks=1,
-                            backend="gloo", tensors=tensors)
+    member = TransferMember(wrapped, f"127.0.0.1:{port}", ranks=1, backend="gloo",
+                            tensors=tensors)
+    ipc = IpcReceiver(engine, torch.device("cpu"))
     asyncio.run(member.join())
     answers.put("joined")
     while (command := commands.get()) is not None:
         if command[0] == "disk":
             update = engine.update_weights(command[1], command[2])
+        elif command[0] == "ipc":
+            update = asyncio.run(ipc.receive(WeightVersion(command[2], command[1])))
         else:
-            update = asyncio.run(member.receive(command[1]))
+            update = asyncio.run(member.receive(command[1], member.group_name))
         answers.put(update.seconds)
     engine.stop()
 
@@ -65,11 +73,24 @@ def main() -> None:
     commands, answers = context.Queue(), context.Queue()
     child = context.Process(target=engine_process, args=(args.dtype, port, commands, answers))
     child.start()
-    assert answers.get(timeout=600) == "joined" and broadcaster.ready(wait=60)
+    # The trainer forms the group's generation while the engine joins it (it loads first).
+    assert broadcaster.ready(wait=600) and answers.get(timeout=600) == "joined"
 
-    disk, distributed, version = [], [], 0
+    disk, distributed, ipc, version = [], [], [], 0
     with tempfile.TemporaryDirectory() as run_dir:
+        shared = SharedWeights(Path(run_dir) / "ipc", tensors, dtype, torch.device("cpu"))
+        uri = announcement_uri(shared.manifest_path)
         for _ in range(args.trials):
+            # ipc first: right after a snapshot the kernel is still writing its 538 MB back
+            # to disk, which slowed the copy into shared memory 5x in a trial after it.
+            version += 1
+            started = time.perf_counter()
+            shared.write(state, version)
+            written = time.perf_counter() - started
+            commands.put(("ipc", uri, version))
+            copied = answers.get()
+            ipc.append((time.perf_counter() - started, written, copied))
+
             version += 1
             started = time.perf_counter()
             path = publish_weights(model, state, Path(run_dir), version, dtype)
@@ -84,6 +105,8 @@ def main() -> None:
             sent = broadcaster.send(state)
             received = answers.get()
             distributed.append((time.perf_counter() - started, sent, received))
+
+        shared.close()
     commands.put(None)
     child.join()
 
@@ -97,7 +120,10 @@ def main() -> None:
           f"+ engine loads it in place {median(disk, 2):.0f} ms")
     print(f"distributed: {median(distributed, 0):6.0f} ms (gloo broadcast; trainer sends "
           f"{median(distributed, 1):.0f} ms, engine receives {median(distributed, 2):.0f} ms)")
-    print(f"distributed / disk: {median(distributed, 0) / median(disk, 0):.2f}")
+    print(f"ipc:         {median(ipc, 0):6.0f} ms = trainer copies into shared memory "
+          f"{median(ipc, 1):.0f} ms + engine copies from it {median(ipc, 2):.0f} ms")
+    print(f"distributed / disk: {median(distributed, 0) / median(disk, 0):.2f}; "
+          f"ipc / disk: {median(ipc, 0) / median(disk, 0):.2f}")
 
 
 if __name__ == "__main__":
