@@ -187,18 +187,18 @@ def share(flat: Tensor) -> bytes:
     return bytes(ForkingPickler.dumps(flat))
 
 
-def memory_file_prefix(directory: Path) -> str:
-    """The start of the name of every CPU buffer file of the buffer directory `directory`:
-    one name per run, so a trainer can find its predecessors' files."""
+def memory_file_stem(directory: Path) -> str:
+    """What the name of every CPU buffer file of the buffer directory `directory` starts
+    with: one stem per run, so a trainer can find its predecessors' files."""
     digest = hashlib.sha256(str(Path(directory).resolve()).encode()).hexdigest()[:16]
-    return f"asyncrl-weights-{digest}-"
+    return f"asyncrl-weights-{digest}"
 
 
 def remove_memory_files(directory: Path, memory: Path | None = None) -> None:
     """Removes the CPU buffer files of the buffer directory `directory` from `memory` (default
     SHM_DIRECTORY); an engine that still maps one keeps its memory until it lets it go."""
     memory = SHM_DIRECTORY if memory is None else memory
-    for path in memory.glob(memory_file_prefix(directory) + "*"):
+    for path in memory.glob(f"{memory_file_stem(directory)}-*"):
         path.unlink(missing_ok=True)
 
 
@@ -280,7 +280,7 @@ class SharedWeights:
             memory = SHM_DIRECTORY if memory is None else memory
             self._memory = memory if memory.is_dir() else self.directory
             remove_memory_files(self.directory, self._memory)
-            self.file = self._memory / f"{memory_file_prefix(self.directory)}{os.getpid()}"
+            self.file = self._memory / f"{memory_file_stem(self.directory)}-{os.getpid()}"
             self.flat = mapped_buffer(self.file, size, dtype, create=True)
             handle = str(self.file).encode()
         else:
