@@ -80,33 +80,32 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as run_dir:
         shared = SharedWeights(Path(run_dir) / "ipc", tensors, dtype, torch.device("cpu"))
         uri = announcement_uri(shared.manifest_path)
-        for _ in range(args.trials):
-            # ipc first: right after a snapshot the kernel is still writing its 538 MB back
-            # to disk, which slowed the copy into shared memory 5x in a trial after it.
-            version += 1
-            started = time.perf_counter()
-            shared.write(state, version)
-            written = time.perf_counter() - started
-            commands.put(("ipc", uri, version))
-            copied = answers.get()
-            ipc.append((time.perf_counter() - started, written, copied))
+        try:  # the shared-memory file goes even when a trial fails
+            for _ in range(args.trials):
+                version += 1
+                started = time.perf_counter()
+                shared.write(state, version)
+                written = time.perf_counter() - started
+                commands.put(("ipc", uri, version))
+                copied = answers.get()
+                ipc.append((time.perf_counter() - started, written, copied))
 
-            version += 1
-            started = time.perf_counter()
-            path = publish_weights(model, state, Path(run_dir), version, dtype)
-            written = time.perf_counter() - started
-            commands.put(("disk", str(path), version))
-            loaded = answers.get()
-            disk.append((time.perf_counter() - started, written, loaded))
+                version += 1
+                started = time.perf_counter()
+                path = publish_weights(model, state, Path(run_dir), version, dtype)
+                written = time.perf_counter() - started
+                commands.put(("disk", str(path), version))
+                loaded = answers.get()
+                disk.append((time.perf_counter() - started, written, loaded))
 
-            version += 1
-            started = time.perf_counter()
-            commands.put(("distributed", version))
-            sent = broadcaster.send(state)
-            received = answers.get()
-            distributed.append((time.perf_counter() - started, sent, received))
-
-        shared.close()
+                version += 1
+                started = time.perf_counter()
+                commands.put(("distributed", version))
+                sent = broadcaster.send(state)
+                received = answers.get()
+                distributed.append((time.perf_counter() - started, sent, received))
+        finally:
+            shared.close()
     commands.put(None)
     child.join()
 
