@@ -597,7 +597,7 @@ class LocalJob:
         if self.redis is not None:
             self.redis.stop()
         # The weights buffer of a trainer that could not release it itself (killed).
-        release_buffer(self.options.run_dir / "weights" / "ipc")
+        release_buffer(self.run_dir / "weights" / "ipc")
 
     # ------------------------------------------------------------------ observation
 

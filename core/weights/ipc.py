@@ -222,10 +222,12 @@ def mapped_buffer(path: Path, numel: int, dtype: torch.dtype, create: bool = Fal
     return torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
 
 
-def shared_memory_shortfall(nbytes: int, directory: Path = SHM_DIRECTORY) -> str | None:
-    """Why a buffer of `nbytes` on the CPU does not fit this machine's shared memory (a
-    container's /dev/shm is 64 MiB unless it is given more), or None where it fits or where
-    there is no such directory to ask: writing past it would kill the trainer (SIGBUS)."""
+def shared_memory_shortfall(nbytes: int, directory: Path | None = None) -> str | None:
+    """Why a buffer of `nbytes` on the CPU does not fit this machine's shared memory
+    (`directory`, default SHM_DIRECTORY, as SharedWeights takes it; a container's /dev/shm is
+    64 MiB unless it is given more), or None where it fits or where there is no such directory
+    to ask: writing past it would kill the trainer (SIGBUS)."""
+    directory = SHM_DIRECTORY if directory is None else directory
     try:
         free = shutil.disk_usage(directory).free
     except OSError:
