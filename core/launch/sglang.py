@@ -56,12 +56,20 @@ def tensor_parallel_size(gpus: int) -> int:
     return max(gpus, 1)
 
 
+def groups_per_replica(spec: RLJobSpec) -> int:
+    """Prompts (groups) one rollout replica generates at once: its share of the job-wide
+    rollout.maxConcurrentRollouts, so that replicas share the limit instead of the first to ask
+    taking all of it. With autoscale the share of its fewest replicas, which the job may
+    scale down to."""
+    rollout = spec.rollout
+    replicas = rollout.autoscale.min_replicas if rollout.autoscale else rollout.replicas
+    return math.ceil(rollout.max_concurrent_rollouts / replicas)
+
+
 def max_running_requests(spec: RLJobSpec) -> int:
     """Requests one replica runs at once: its share of the job-wide prompt limit, times the
     responses per prompt."""
-    rollout = spec.rollout
-    prompts = math.ceil(rollout.max_concurrent_rollouts / rollout.replicas)
-    return prompts * spec.algorithm.group_size
+    return groups_per_replica(spec) * spec.algorithm.group_size
 
 
 def sglang_launch_command(

@@ -46,6 +46,7 @@ from asyncrl.platform.outage import DEFAULT_OUTAGE_SECONDS
 from asyncrl.platform.redis_server import RedisServer, free_port
 from asyncrl.model.hub import hub_model
 from asyncrl.platform.settings import environment_name, serve_command
+from asyncrl.launch.sglang import groups_per_replica
 from asyncrl.launch.torchrun import LOCAL_MAX_RESTARTS, torchrun_arguments
 from asyncrl.local.devices import (
     DevicePlan,
@@ -444,7 +445,10 @@ class LocalJob:
                     f"{rollout.autoscale.min_replicas} and {most} (rollout.autoscale)")
         else:
             line = f"rollout: {replicas} worker process{plural} (rollout.replicas)"
-        line += f", {threads} thread{'s' if threads > 1 else ''} each"
+        groups = groups_per_replica(self.job.spec)
+        line += (f", {threads} thread{'s' if threads > 1 else ''} and up to {groups} "
+                 f"prompt{'s' if groups > 1 else ''} at once each (rollout.maxConcurrentRollouts "
+                 f"{rollout.max_concurrent_rollouts} shared)")
         if most * threads > self.rollout_threads:
             line += (f", more than the rollout's {self.rollout_threads} of "
                      f"{os.cpu_count()} cores: they take turns")

@@ -44,6 +44,7 @@ from asyncrl.rollout.sglang_engine import SGLangEngine
 from asyncrl.launch.sglang import (
     SGLangServer,
     SGLangUnavailableError,
+    groups_per_replica,
     max_running_requests,
     sglang_launch_command,
 )
@@ -302,6 +303,7 @@ def _workflow_factory(settings: RolloutSettings, job, tokenizer, train, metrics,
             skip_uniform=spec.algorithm.skip_uniform_groups,
             on_skipped=lambda _group: metrics.observe_skipped_group(),
             on_dropped=lambda _item: metrics.observe_dropped_prompt("too_long"),
+            max_in_flight=groups_per_replica(spec),
         )
         try:
             await workflow.run()

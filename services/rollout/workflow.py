@@ -165,8 +165,13 @@ class RolloutWorkflow:
         skip_uniform: bool = False,
         on_skipped: Callable[[Group], None] = lambda _: None,
         on_dropped: Callable[[PromptItem], None] = lambda _: None,
+        max_in_flight: int | None = None,
     ):
         self._prompts = prompts
+        # This worker's share of the job-wide limit the gate enforces (None: no share): a
+        # worker asks for no slot while it runs that many groups, so the other replicas find
+        # free slots rather than the first to ask holding them all.
+        self._max_in_flight = max_in_flight
         self._source = source
         self._gate = gate
         self._on_group = on_group
@@ -181,13 +186,15 @@ class RolloutWorkflow:
         self.stats = WorkflowStats()
 
     async def run(self, max_groups: int | None = None) -> WorkflowStats:
-        """Starts a group whenever the gate grants a slot, until `max_groups` groups were
-        started (or every prompt is used); cancelling it abandons in-flight groups' slots
+        """Starts a group whenever the gate grants a slot and fewer than `max_in_flight` run,
+        until `max_groups` groups were started (or every prompt is used); cancelling it abandons in-flight groups' slots
         cleanly, their prompts handed out again."""
         tasks: set[asyncio.Task] = set()
         started = 0
         try:
             while max_groups is None or started < max_groups:
+                while self._max_in_flight is not None and len(tasks) >= self._max_in_flight:
+                    await asyncio.wait(set(tasks), return_when=asyncio.FIRST_COMPLETED)
                 slot = await self._gate.acquire()
                 self._stop_if_broken()
                 if slot is None:

@@ -49,7 +49,8 @@ def test_a_trainer_waiting_for_data_scales_the_rollout_out_to_its_maximum(tmp_pa
          "maxNewTokens": 48},
         algorithm={"maxStaleness": 0}, trainer={"evalEvery": 1000, "checkpointEvery": 1000})
     assert ("rollout: 1 worker process to start, autoscaled between 1 and 2 "
-            "(rollout.autoscale), 1 thread each") in output, output
+            "(rollout.autoscale), 1 thread and up to 4 prompts at once each "
+            "(rollout.maxConcurrentRollouts 4 shared)") in output, output
     assert [(c["from"], c["to"], c["reason"]) for c in changes] == [(1, 2, "ScaledOut")], changes
     assert "the trainer waited" in changes[0]["message"] and changes[0]["demand"] > 1.1
     assert "autoscale: 1 -> 2 rollout replicas: over" in output

@@ -300,12 +300,15 @@ def test_rollout_replicas_start_as_many_worker_processes_and_no_prompt_is_used_t
     manifest = yaml.safe_load(job_file.read_text())
     run_dir = tmp_path / "run"
     done = subprocess.run([ASYNCRL, "run", str(job_file), "--run-dir", str(run_dir),
-                           "--steps", "4", "--rollout-threads", "2"],
+                           "--steps", "8", "--rollout-threads", "2"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     head = flat(done.stdout[:done.stdout.index("asyncrl run: tiny")])
-    assert "rollout: 2 worker processes (rollout.replicas), 1 thread each" in head, head
-    # Both generated: each worker's own engine counters, recorded while the run went on.
+    assert ("rollout: 2 worker processes (rollout.replicas), 1 thread and up to 2 prompts at "
+            "once each (rollout.maxConcurrentRollouts 4 shared)") in head, head
+    # Both generated: each worker's own engine counters, recorded while the run went on. Each
+    # holds at most its share of the job's 4 slots, so the first worker up cannot take them
+    # all and leave the other nothing to do (as it could before the share).
     generated = {}
     for line in (run_dir / "rollout_status.jsonl").read_text().splitlines():
         record = json.loads(line)
@@ -317,7 +320,7 @@ def test_rollout_replicas_start_as_many_worker_processes_and_no_prompt_is_used_t
     # and none lost.
     fates = group_fates(run_dir / "redis", "tiny")
     prompts = [group.split("#")[0] for group in fates.accepted]
-    assert len(fates.trained) >= 4 * manifest["spec"]["algorithm"]["batchSize"]
+    assert len(fates.trained) >= 8 * manifest["spec"]["algorithm"]["batchSize"]
     assert len(prompts) == len(set(prompts)), prompts
     fates.assert_each_prompt_used_once()
 

@@ -14,6 +14,7 @@ from asyncrl.rollout.workflow import (
     RolloutWorkflow,
     SingleTurnGroups,
 )
+from asyncrl.data.samples import Trajectory
 from support.rollout import InOrder, InProcessGate
 from support.tiny_model import tiny_model
 
@@ -201,6 +202,37 @@ def test_group_ids_are_unique_across_workers_over_the_same_prompts(engine):
     ids = [g.group_id for g in gate.groups]
     assert len(ids) == 6 and len(set(ids)) == 6, ids
     assert all(g.group_id.startswith(f"{g.prompt_id}#") for g in gate.groups)
+
+
+class Overlapping:
+    """A group source that takes a while per group and records how many run at once."""
+
+    def __init__(self):
+        self.running = self.peak = 0
+
+    async def samples(self, item):
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        try:
+            await asyncio.sleep(0.02)
+            return [Trajectory(prompt_ids=list(item.prompt_ids), response_ids=[5],
+                               behaviour_logprobs=[-1.0], token_versions=[0], reward=float(i),
+                               finish_reason="stop", generate_seconds=0.02, reward_seconds=0.0)
+                    for i in range(2)]
+        finally:
+            self.running -= 1
+
+
+@pytest.mark.parametrize("share", [None, 2])
+def test_a_worker_runs_at_most_its_share_of_the_job_wide_limit(share):
+    """Replicas share rollout.maxConcurrentRollouts: a worker with a share asks for no slot
+    while it runs that many groups, so another worker finds the rest free."""
+    gate = InProcessGate(max_staleness=10, batch_size=2, prompts=6)
+    source = Overlapping()
+    workflow = RolloutWorkflow(items(6), source=source, gate=gate, max_in_flight=share)
+    stats = asyncio.run(asyncio.wait_for(workflow.run(), 60))
+    assert stats.groups_put == 6 and gate.running == 0
+    assert source.peak == (6 if share is None else share), source.peak
 
 
 class MixedWhereOdd:

@@ -31,11 +31,13 @@ from asyncrl.rollout.sglang_client import (
 from asyncrl.launch.sglang import (
     SGLangServer,
     SGLangUnavailableError,
+    groups_per_replica,
     max_running_requests,
     sglang_launch_command,
 )
 from asyncrl.engine.types import SamplingParams
 from asyncrl.spec import load_manifest
+from asyncrl.spec.job import AutoscaleSpec
 from support import ROOT
 from support.ports import free_port
 from support.rollout import tiny_engine
@@ -253,6 +255,7 @@ def test_launch_command_options(gpu_job):
     assert flag(command, "--tp-size") == "4"
     assert max_running_requests(spec) == 86 * 16
     assert flag(command, "--max-running-requests") == str(86 * 16)
+    assert groups_per_replica(spec) == 86
     assert flag(command, "--weight-version") == "12" and flag(command, "--random-seed") == "5"
     assert flag(command, "--mem-fraction-static") == "0.8"
     assert command[-2:] == ["--log-level", "warning"]
@@ -462,3 +465,14 @@ def test_an_unreachable_server():
 
     error = run(scenario())
     assert error.status is None and "cannot reach" in error.message
+
+
+def test_with_autoscale_a_replicas_share_is_that_of_the_fewest_replicas(gpu_job):
+    """A job scaled down to minReplicas still uses the whole rollout.maxConcurrentRollouts."""
+    spec = gpu_job.model_copy(deep=True)
+    spec.rollout.max_concurrent_rollouts = 16
+    spec.rollout.replicas = 4
+    assert groups_per_replica(spec) == 4
+    spec.rollout.autoscale = AutoscaleSpec(min_replicas=2, max_replicas=8)
+    assert groups_per_replica(spec) == 8
+    assert max_running_requests(spec) == 8 * spec.algorithm.group_size
