@@ -6,10 +6,16 @@ The order is SGLang's: frequency/presence penalties on the raw logits (`apply_pe
 then temperature, top-k, top-p, renormalisation and the draw (`sample_tokens`). The reported
 log-probability is taken at the very end, from the penalised, scaled, truncated and
 renormalised distribution: that is the behaviour policy the trainer's importance ratios need.
+
+A request with a seed of its own draws its token at output position t from
+`seeded_uniforms(seed, t)`, a counter-based stream (splitmix64 of the pair), not from the
+engine's generator: its tokens then depend on the weights, its prompt and its seed alone, not
+on which other requests share the batch or when it was scheduled.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +50,7 @@ def sample_tokens(
     top_k: Tensor,
     generator: torch.Generator | None = None,
     shape: BatchShape | None = None,
+    uniforms: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(tokens [n], logprobs [n]) for logits [n, V] and per-row settings [n].
 
@@ -52,7 +59,8 @@ def sample_tokens(
     the unscaled logits. Otherwise logits are divided by the temperature, cut to the top-k
     tokens and the top-p nucleus, renormalised, and sampled; the log-probability is taken from
     that distribution. `shape` (from the same settings on the host) saves reading back which
-    steps apply.
+    steps apply. `uniforms` [n] in [0, 1): each row's draw (`seeded_uniforms`), instead of
+    drawing from `generator`.
     """
     greedy = temperature <= 0
     divisor = torch.where(greedy, torch.ones_like(temperature), temperature)
@@ -72,7 +80,8 @@ def sample_tokens(
     exps = scaled.sub_(top).exp_()
     total = exps.sum(dim=-1, keepdim=True)
     cumulative = exps.cumsum_(dim=-1)
-    draw = torch.rand(scaled.shape[0], 1, generator=generator, device=scaled.device)
+    draw = (uniforms.to(torch.float32)[:, None] if uniforms is not None else
+            torch.rand(scaled.shape[0], 1, generator=generator, device=scaled.device))
     tokens = torch.searchsorted(cumulative, draw * cumulative[:, -1:]).squeeze(-1)
     tokens = tokens.clamp_(max=vocab - 1)
     if shape.greedy if shape else bool(greedy.any()):  # an argmax only when a row asks
@@ -81,6 +90,39 @@ def sample_tokens(
     # sampled token is never one that top-k or top-p masked).
     chosen = logits.gather(-1, tokens[:, None]).float() / divisor[:, None]
     return tokens, (chosen - top - total.log()).squeeze(-1)
+
+
+def _signed(constant: int) -> int:
+    """A 64-bit constant as the int64 it is stored as (multiplication wraps the same)."""
+    return constant - (1 << 64) if constant >= 1 << 63 else constant
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+
+
+def _shift_right(x: Tensor, bits: int) -> Tensor:
+    """A logical right shift of int64 values (torch's `>>` keeps the sign bit)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def seeded_uniforms(seeds: Tensor, positions: Tensor) -> Tensor:
+    """float32 uniforms in [0, 1) [n], one per (seed, position) pair of int64 tensors [n]:
+    splitmix64's output for the position-th step of a stream started at `seed`, its top 24
+    bits. The same pair gives the same number on any device and in any batch."""
+    z = seeds + (positions + 1) * _GOLDEN
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    z = z ^ _shift_right(z, 31)
+    return _shift_right(z, 40).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def stream_seed(*keys: int) -> int:
+    """A request's seed made from several integers (a job's seed, a prompt's hand-out, a
+    response's index in its group): a 63-bit hash of them, the same in every process."""
+    digest = hashlib.blake2b("/".join(map(str, keys)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _truncate(scaled: Tensor, k: Tensor, p: Tensor) -> Tensor:

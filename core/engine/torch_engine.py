@@ -45,7 +45,12 @@ from asyncrl.engine.decode_graphs import DecodeGraphs
 from asyncrl.engine.fused_decode import FusedDecoder
 from asyncrl.model.lora import AdapterError, MergedAdapter
 from asyncrl.engine.kv_cache import SlotKVCache, head_dim
-from asyncrl.engine.sampling import BatchShape, apply_penalties, sample_tokens
+from asyncrl.engine.sampling import (
+    BatchShape,
+    apply_penalties,
+    sample_tokens,
+    seeded_uniforms,
+)
 from asyncrl.engine.types import (
     EngineStatus,
     GenerationResult,
@@ -793,7 +798,9 @@ class TorchEngine:
                 logits = self._fused.logits(ids, position_ids, self._cache, read_length, mask)
             else:
                 logits = self._forward(ids, position_ids, slice(0, n), read_length, mask)
-        sampled, logprobs = self._draw(running, logits)
+        # Each row draws its output token after the pending one (the one fed in now).
+        sampled, logprobs = self._draw(
+            running, logits, [r.cached + 1 - len(r.result.prompt_ids) for r in running])
         self._tokens[:n].copy_(sampled)
         readback = self._readback[self._readback_turn]
         self._readback_turn ^= 1
@@ -847,14 +854,17 @@ class TorchEngine:
     def _sample(self, requests: list[_Request], logits: Tensor) -> list[tuple[int, float]]:
         """One token per request (row of `logits`) and its log-probability (`_draw`), read
         back in one copy."""
-        tokens, logprobs = self._draw(requests, logits)
+        tokens, logprobs = self._draw(requests, logits,
+                                      [len(r.result.output_ids) for r in requests])
         drawn = torch.stack([tokens.double(), logprobs.double()]).tolist()
         return [(int(token), logprob) for token, logprob in zip(*drawn)]
 
-    def _draw(self, requests: list[_Request], logits: Tensor) -> tuple[Tensor, Tensor]:
+    def _draw(self, requests: list[_Request], logits: Tensor,
+              indices: list[int]) -> tuple[Tensor, Tensor]:
         """One token per request (row of `logits`) and its log-probability under the
         distribution it was drawn from, on the device: penalties, then temperature, top-k and
-        top-p. The settings go to the device in one copy."""
+        top-p. The settings go to the device in one copy. `indices`: the index in its
+        output of the token each request draws (its seeded stream's position)."""
 
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype).to(self._device, non_blocking=True)
@@ -878,7 +888,22 @@ class TorchEngine:
         settings = column([temperatures, top_ps, top_ks], torch.float64)
         return sample_tokens(
             logits, settings[0].float(), settings[1].float(), settings[2].long(),
-            self._generator, BatchShape.of(temperatures, top_ps, top_ks, self.vocab_size))
+            self._generator, BatchShape.of(temperatures, top_ps, top_ks, self.vocab_size),
+            self._uniforms(requests, indices, column))
+
+    def _uniforms(self, requests: list[_Request], indices: list[int],
+                  column) -> Tensor | None:
+        """Each row's draw where a request has a seed of its own (None where none has): its
+        stream at the output index of the token it draws, so that a request interrupted by a
+        weight update resumes the same stream. Unseeded rows take the engine's generator."""
+        seeded = [i for i, r in enumerate(requests) if r.params.seed is not None]
+        if not seeded:
+            return None
+        uniforms = torch.rand(len(requests), generator=self._generator, device=self._device)
+        rows = column(seeded, torch.long)
+        pairs = column([[requests[i].params.seed for i in seeded],
+                        [indices[i] for i in seeded]], torch.long)
+        return uniforms.index_copy_(0, rows, seeded_uniforms(pairs[0], pairs[1]))
 
     def _append(self, request: _Request, token_id: int, logprob: float) -> None:
         result = request.result

@@ -28,6 +28,9 @@ class SamplingParams:
     it occurs there at all; the prompt does not count. Negative values favour repetition.
     Reported log-probabilities are under the penalised distribution a token was drawn from
     (the behaviour policy), so with penalties they differ from the model's own.
+    `seed` (SGLang's `sampling_seed`): the request draws from a stream of its own, so the
+    same weights, prompt and seed give the same tokens whatever else the engine runs beside
+    it (asyncrl.engine.sampling.seeded_uniforms); None: the engine's shared generator.
     """
 
     max_new_tokens: int = 128
@@ -38,6 +41,7 @@ class SamplingParams:
     ignore_eos: bool = False
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    seed: int | None = None
 
     @classmethod
     def from_spec(cls, spec, *, greedy: bool = False) -> SamplingParams:
@@ -78,6 +82,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise RequestError(f"sampling_params.{name} must be in [-2, 2], got {value}")
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 63:
+            raise RequestError(f"sampling_params.sampling_seed must fit in 64 signed bits, "
+                               f"got {self.seed}")
 
 
 @dataclass

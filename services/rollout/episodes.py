@@ -130,7 +130,8 @@ class EpisodeGroups:
         self._settings = settings
         self._on_episode = on_episode
 
-    async def samples(self, item: PromptItem) -> list[Trajectory]:
+    async def samples(self, item: PromptItem, cursor: int = 0) -> list[Trajectory]:
+        # The episode function's own calls choose their sampling (and `seed`), not the cursor.
         tasks = [asyncio.ensure_future(self._episode(item))
                  for _ in range(self._settings.group_size)]
         try:

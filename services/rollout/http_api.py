@@ -138,6 +138,7 @@ class SamplingParamsBody(BaseModel):
     ignore_eos: bool | None = False
     frequency_penalty: float | None = 0.0
     presence_penalty: float | None = 0.0
+    sampling_seed: int | None = None  # the request's own random stream (SamplingParams.seed)
     # Accepted by SGLang; honoured here only at their defaults (see _check_no_ops).
     stop: str | list[str] | None = None
     stop_regex: str | list[str] | None = None
@@ -150,7 +151,6 @@ class SamplingParamsBody(BaseModel):
     ebnf: str | None = None
     structural_tag: str | None = None
     logit_bias: dict[str, float] | None = None
-    sampling_seed: int | None = None
     custom_params: dict[str, Any] | None = None
     # Shape only the detokenised text, which this engine never produces: ignored.
     skip_special_tokens: bool | None = True
@@ -163,8 +163,7 @@ class SamplingParamsBody(BaseModel):
         no_op_defaults = {
             "stop": None, "stop_regex": None, "min_p": 0.0, "repetition_penalty": 1.0,
             "min_new_tokens": 0, "n": 1, "json_schema": None, "regex": None, "ebnf": None,
-            "structural_tag": None, "logit_bias": None, "sampling_seed": None,
-            "custom_params": None,
+            "structural_tag": None, "logit_bias": None, "custom_params": None,
         }
         for name, default in no_op_defaults.items():
             value = getattr(self, name)
@@ -172,7 +171,7 @@ class SamplingParamsBody(BaseModel):
                 raise ValueError(
                     f"sampling_params.{name}={value!r} is not supported by the torch engine "
                     "(it supports max_new_tokens, temperature, top_p, top_k, stop_token_ids, "
-                    "ignore_eos, frequency_penalty, presence_penalty); "
+                    "ignore_eos, frequency_penalty, presence_penalty, sampling_seed); "
                     f"omit it or send {default!r}"
                 )
         return self
@@ -193,6 +192,7 @@ class SamplingParamsBody(BaseModel):
             ignore_eos=bool(self.ignore_eos),
             frequency_penalty=self.frequency_penalty or 0.0,
             presence_penalty=self.presence_penalty or 0.0,
+            seed=self.sampling_seed,
         )
 
 

@@ -23,7 +23,9 @@ tokens and returns whole results, so what the engine cannot do is done here, on 
   asked, its log-prob), ending with `data: [DONE]`; the deltas add up to the non-streamed text;
 - log-probs: only the chosen token's, the one the engine records (the behaviour policy's);
   alternatives (`logprobs` > 1, `top_logprobs` > 0) are refused, never made up;
-- `seed` is accepted and not used: the engine's sampler has one generator for all requests.
+- `seed`: choice i samples from the stream `stream_seed(seed, i)` (asyncrl.engine.sampling),
+  so the same request gives the same completions whatever else the engine serves (with the
+  torch engine; SGLang's sampler keeps its own generator).
 
 Errors have OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for a body
 that fails validation (the message and `param` name the field) or that the engine refuses,
@@ -55,6 +57,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from asyncrl.engine.sampling import stream_seed
 from asyncrl.engine.types import GenerationResult, RequestError, SamplingParams
 from asyncrl.rollout.episode_record import (
     Episode,
@@ -116,7 +119,7 @@ class _Sampling(BaseModel):
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=_MAX_STOPS)] | None = None
     stream: StrictBool | None = False
     stream_options: dict[str, Any] | None = None
-    seed: StrictInt | None = None  # accepted, not used (see the module's docstring)
+    seed: Annotated[StrictInt, Field(ge=-(1 << 63), lt=1 << 63)] | None = None
     logit_bias: dict[str, float] | None = None
 
     def stops(self) -> tuple[str, ...]:
@@ -136,6 +139,7 @@ class _Sampling(BaseModel):
             stop_token_ids=stop_token_ids,
             frequency_penalty=self.frequency_penalty or 0.0,
             presence_penalty=self.presence_penalty or 0.0,
+            seed=self.seed,
         )
 
     def _unsupported(self, name: str, why: str) -> None:
@@ -488,7 +492,8 @@ def openai_router(generate: Generate, tokenizer, *, model_name: str,
                         stops: tuple[str, ...], episode: Episode | None,
                         response_id: str) -> list[_Choice]:
         """`n` completions of one prompt (every completion of this API passes here)."""
-        results = await _all(generate(prompt_ids, params) for _ in range(n))
+        results = await _all(generate(prompt_ids, _choice_params(params, index))
+                             for index in range(n))
         choices = [text.choice(result, stops) for result in results]
         if episode is not None:
             episode.record(response_id, prompt_ids, [c.result for c in choices])
@@ -582,6 +587,14 @@ def _check(params: SamplingParams) -> None:
         params.check()
     except RequestError as exc:  # the fields are checked above; this is a last guard
         raise OpenAIError(400, str(exc)) from None
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s sampling: with a request seed, a stream of its own for each choice
+    (the same seed for all would make the n choices one)."""
+    if params.seed is None:
+        return params
+    return replace(params, seed=stream_seed(params.seed, index))
 
 
 def _chat_end_ids(tokenizer) -> tuple[int, ...]:

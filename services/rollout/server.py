@@ -97,7 +97,7 @@ def serve(settings: RolloutSettings) -> None:
         f"Redis at {redis_address(settings.redis_url)}" if settings.redis_url else "Redis",
         settings.outage_seconds,
     )
-    if (settings.engine or spec.rollout.engine) == "sglang":
+    if _serves_sglang(settings, spec):
         serve_sglang = _serve_sglang(settings, job, slots, length, metrics, workflow, redis_outage,
                                      tokenizer, episodes)
         try:
@@ -270,6 +270,11 @@ def _episode_api(spec, episodes) -> dict:
     return {"episodes": episodes[1], "episode_sampling": SamplingParams.from_spec(spec)}
 
 
+def _serves_sglang(settings: RolloutSettings, spec) -> bool:
+    """Whether this worker generates with SGLang (rather than the torch engine)."""
+    return (settings.engine or spec.rollout.engine) == "sglang"
+
+
 def _workflow_factory(settings: RolloutSettings, job, tokenizer, train, metrics, episodes):
     """The workflow coroutine over an engine: the prompts the buffer hands out with each slot
     (each once per epoch across every replica and restart), until every epoch's are used.
@@ -295,6 +300,9 @@ def _workflow_factory(settings: RolloutSettings, job, tokenizer, train, metrics,
                 scorer=job_scorer(reward, spec, tokenizer, training=True),
                 group_size=spec.algorithm.group_size,
                 params=SamplingParams.from_spec(spec),
+                # Each response its own stream: what a group samples does not depend on
+                # the machine's load (SGLang's sampler keeps its own; docs/sglang.md).
+                seed=None if _serves_sglang(settings, spec) else spec.dataset.seed,
             )
         workflow = RolloutWorkflow(
             prompts,

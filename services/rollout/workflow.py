@@ -19,6 +19,7 @@ Redis-backed buffer (the tests also drive it with an in-process gate, tests/supp
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -28,6 +29,7 @@ from typing import Callable, Protocol
 
 from asyncrl.data.prompts import PromptItem
 from asyncrl.engine.api import InferenceEngine
+from asyncrl.engine.sampling import stream_seed
 from asyncrl.engine.types import GenerationResult, SamplingParams
 from asyncrl.data.samples import Group, Slot, Trajectory
 
@@ -59,8 +61,9 @@ class Scorer(Protocol):
 
 
 class GroupSource(Protocol):
-    async def samples(self, item: PromptItem) -> list[Trajectory]:
-        """The scored samples of one group for `item`."""
+    async def samples(self, item: PromptItem, cursor: int) -> list[Trajectory]:
+        """The scored samples of one group for `item`, handed out at prompt `cursor` (which
+        hand-out of the prompt it is, across epochs and workers)."""
 
 
 class Prompts(Protocol):
@@ -108,20 +111,29 @@ class EngineGenerator:
 
 
 class SingleTurnGroups:
-    """n responses to the prompt, each scored: the single-turn workflow's groups."""
+    """n responses to the prompt, each scored: the single-turn workflow's groups. With `seed`,
+    response i of the group at prompt cursor c samples with its own seed
+    `stream_seed(seed, c, i)`: which tokens a group gets then depends on the weights and the
+    job, not on how the engine happened to batch it (so not on the machine's load)."""
 
     def __init__(self, *, generator: Generator, scorer: Scorer, group_size: int,
-                 params: SamplingParams):
+                 params: SamplingParams, seed: int | None = None):
         self._generator = generator
         self._scorer = scorer
         self._group_size = group_size
         self._params = params
+        self._seed = seed
 
-    async def samples(self, item: PromptItem) -> list[Trajectory]:
+    def _params_of(self, cursor: int, index: int) -> SamplingParams:
+        if self._seed is None:
+            return self._params
+        return dataclasses.replace(self._params, seed=stream_seed(self._seed, cursor, index))
+
+    async def samples(self, item: PromptItem, cursor: int) -> list[Trajectory]:
         began = time.perf_counter()
         results = await asyncio.gather(
-            *(self._generator.generate(item.prompt_ids, self._params)
-              for _ in range(self._group_size)))
+            *(self._generator.generate(item.prompt_ids, self._params_of(cursor, index))
+              for index in range(self._group_size)))
         generated = time.perf_counter()
         rewards = await self._scorer.score(item, [r.output_ids for r in results],
                                            cut=[r.finish_reason == "length" for r in results])
@@ -238,7 +250,7 @@ class RolloutWorkflow:
     async def _run_group(self, slot: Slot, item: PromptItem) -> None:
         started_ms = int(time.time() * 1000)
         try:
-            group = await self._generate_group(item, started_ms)
+            group = await self._generate_group(item, slot.prompt_cursor, started_ms)
         except BaseException as exc:
             self.stats.groups_failed += 1
             row_failed = isinstance(exc, RowFailed)
@@ -291,7 +303,7 @@ class RolloutWorkflow:
                 "always (e.g. dataset.difficulty), raise rollout.temperature, or set "
                 "algorithm.skipUniformGroups: false", streak, group.samples[0].reward)
 
-    async def _generate_group(self, item: PromptItem, started_ms: int) -> Group:
-        samples = await self._source.samples(item)
+    async def _generate_group(self, item: PromptItem, cursor: int, started_ms: int) -> Group:
+        samples = await self._source.samples(item, cursor)
         return Group(f"{item.prompt_id}#{self._worker}-{next(self._ids)}", item.prompt_id,
                      samples, started_ms)

@@ -177,6 +177,30 @@ def test_sampled_completions_with_n(client):
     assert out.usage.completion_tokens == sum(6 for _ in out.choices)
 
 
+def test_a_seed_gives_the_same_completions_each_time_and_each_choice_its_own(client, native,
+                                                                              tokenizer):
+    def texts(seed):
+        out = client.completions.create(model=MODEL, prompt="Once upon", n=3, max_tokens=12,
+                                        temperature=1.0, seed=seed)
+        return [c.text for c in out.choices]
+
+    first = texts(7)
+    # Between the two, other requests move the engine's own generator along.
+    client.completions.create(model=MODEL, prompt="Red, green,", n=2, max_tokens=5)
+    assert texts(7) == first
+    assert len(set(first)) == 3  # three streams, not one three times
+    assert texts(8) != first
+    # The native API's sampling_seed is the same stream: choice 0 of seed 7 is stream_seed(7, 0).
+    from asyncrl.engine.sampling import stream_seed
+
+    response = native.post("/generate", json={
+        "input_ids": tokenizer.encode("Once upon"),
+        "sampling_params": {"max_new_tokens": 12, "temperature": 1.0,
+                            "sampling_seed": stream_seed(7, 0)}})
+    assert response.status_code == 200, response.text
+    assert text_of(tokenizer, response.json()["output_ids"]) == first[0]
+
+
 def test_a_stop_string_cuts_the_text_before_it(client, native, tokenizer):
     ids = tokenizer.encode("The capital of France is")
     full_ids, full_logprobs = native_greedy(native, ids, 12)

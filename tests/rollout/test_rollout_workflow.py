@@ -210,7 +210,7 @@ class Overlapping:
     def __init__(self):
         self.running = self.peak = 0
 
-    async def samples(self, item):
+    async def samples(self, item, cursor):
         self.running += 1
         self.peak = max(self.peak, self.running)
         try:
@@ -233,6 +233,37 @@ def test_a_worker_runs_at_most_its_share_of_the_job_wide_limit(share):
     stats = asyncio.run(asyncio.wait_for(workflow.run(), 60))
     assert stats.groups_put == 6 and gate.running == 0
     assert source.peak == (6 if share is None else share), source.peak
+
+
+def responses_by_prompt(seed, *, engine_seed, share):
+    """Each prompt's responses from a workflow over 4 prompts on an engine of its own."""
+    engine = TorchEngine(tiny_model(vocab_size=64), max_running_requests=8,
+                         max_sequence_length=64, seed=engine_seed).start()
+    try:
+        gate = InProcessGate(max_staleness=10, batch_size=2, prompts=4)
+        workflow = RolloutWorkflow(
+            items(4),
+            source=SingleTurnGroups(
+                generator=EngineGenerator(TorchInferenceEngine(engine)),
+                scorer=CountingScorer(), group_size=3,
+                params=SamplingParams(max_new_tokens=8, ignore_eos=True), seed=seed),
+            gate=gate, max_in_flight=share)
+        asyncio.run(asyncio.wait_for(workflow.run(), 60))
+    finally:
+        engine.stop()
+    return {g.prompt_id: [s.response_ids for s in g.samples] for g in gate.groups}
+
+
+def test_with_a_seed_a_groups_responses_do_not_depend_on_how_they_were_batched():
+    """One group at a time on one engine, all four at once on another seeded otherwise: the
+    same responses to each prompt, each response its own stream. Without a seed the engine's
+    generator decides."""
+    one_at_a_time = responses_by_prompt(3, engine_seed=0, share=1)
+    assert responses_by_prompt(3, engine_seed=9, share=None) == one_at_a_time
+    assert all(len({tuple(r) for r in group}) == 3 for group in one_at_a_time.values())
+    assert responses_by_prompt(4, engine_seed=0, share=1) != one_at_a_time
+    assert (responses_by_prompt(None, engine_seed=0, share=1)
+            != responses_by_prompt(None, engine_seed=9, share=None))
 
 
 class MixedWhereOdd:
