@@ -899,11 +899,13 @@ class TorchEngine:
         seeded = [i for i, r in enumerate(requests) if r.params.seed is not None]
         if not seeded:
             return None
-        uniforms = torch.rand(len(requests), generator=self._generator, device=self._device)
-        rows = column(seeded, torch.long)
         pairs = column([[requests[i].params.seed for i in seeded],
                         [indices[i] for i in seeded]], torch.long)
-        return uniforms.index_copy_(0, rows, seeded_uniforms(pairs[0], pairs[1]))
+        drawn = seeded_uniforms(pairs[0], pairs[1])
+        if len(seeded) == len(requests):  # a rollout's batch: every response seeded
+            return drawn
+        uniforms = torch.rand(len(requests), generator=self._generator, device=self._device)
+        return uniforms.index_copy_(0, column(seeded, torch.long), drawn)
 
     def _append(self, request: _Request, token_id: int, logprob: float) -> None:
         result = request.result
