@@ -9,8 +9,10 @@ renormalised distribution: that is the behaviour policy the trainer's importance
 
 A request with a seed of its own draws its token at output position t from
 `seeded_uniforms(seed, t)`, a counter-based stream (splitmix64 of the pair), not from the
-engine's generator: its tokens then depend on the weights, its prompt and its seed alone, not
-on which other requests share the batch or when it was scheduled.
+engine's generator: its draws then depend on its seed alone, not on which other requests share
+the batch or when it was scheduled. Its tokens follow the weights, its prompt and its seed, up
+to the rounding of logits computed in batches of other shapes (a draw within that rounding
+of a boundary between two tokens may fall either side).
 """
 
 from __future__ import annotations
@@ -82,7 +84,10 @@ def sample_tokens(
     cumulative = exps.cumsum_(dim=-1)
     draw = (uniforms.to(torch.float32)[:, None] if uniforms is not None else
             torch.rand(scaled.shape[0], 1, generator=generator, device=scaled.device))
-    tokens = torch.searchsorted(cumulative, draw * cumulative[:, -1:]).squeeze(-1)
+    # Above 0, so that the first token with any mass is the least one drawn (at 0, a leading
+    # token that top-k, top-p or underflow left at 0 would be chosen).
+    target = (draw * cumulative[:, -1:]).clamp_(min=torch.finfo(torch.float32).tiny)
+    tokens = torch.searchsorted(cumulative, target).squeeze(-1)
     tokens = tokens.clamp_(max=vocab - 1)
     if shape.greedy if shape else bool(greedy.any()):  # an argmax only when a row asks
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)

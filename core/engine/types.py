@@ -30,7 +30,8 @@ class SamplingParams:
     (the behaviour policy), so with penalties they differ from the model's own.
     `seed` (SGLang's `sampling_seed`): the request draws from a stream of its own, so the
     same weights, prompt and seed give the same tokens whatever else the engine runs beside
-    it (asyncrl.engine.sampling.seeded_uniforms); None: the engine's shared generator.
+    it, up to the rounding of batched logits (asyncrl.engine.sampling.seeded_uniforms);
+    None: the engine's shared generator.
     """
 
     max_new_tokens: int = 128

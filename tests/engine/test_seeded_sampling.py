@@ -5,7 +5,7 @@ seed, on overlapped decode steps or on an interruption by a weight update."""
 import pytest
 import torch
 
-from asyncrl.engine.sampling import seeded_uniforms
+from asyncrl.engine.sampling import sample_tokens, seeded_uniforms
 from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.engine.types import RequestError, SamplingParams
 from support.tiny_model import tiny_model
@@ -43,6 +43,18 @@ def test_seeded_uniforms_spread_evenly_over_the_unit_interval():
     # Neighbouring seeds give unrelated streams.
     other = seeded_uniforms(torch.full_like(positions, 43), positions)
     assert abs(float(torch.corrcoef(torch.stack([draws, other]))[0, 1])) < 0.02
+
+
+def test_the_least_and_the_greatest_draw_pick_tokens_with_mass():
+    """A draw of 0 (1 in 2**24 seeded pairs) and the largest below 1 land on the first and the
+    last token left by top-k, never on one it masked or whose mass underflowed."""
+    logits = torch.tensor([[-200.0, 3.0, 2.0, -1.0, -300.0]] * 4)
+    top_k = torch.tensor([-1, -1, 2, 2])
+    draws = torch.tensor([0.0, 1 - 2**-24, 0.0, 1 - 2**-24])
+    tokens, logprobs = sample_tokens(logits, torch.ones(4), torch.ones(4), top_k,
+                                     uniforms=draws)
+    assert tokens.tolist() == [1, 3, 1, 2]
+    assert torch.isfinite(logprobs).all()
 
 
 def sampled(seed, max_new_tokens=24):
