@@ -17,7 +17,6 @@ of a boundary between two tokens may fall either side).
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -121,13 +120,6 @@ def seeded_uniforms(seeds: Tensor, positions: Tensor) -> Tensor:
     z = (z ^ _shift_right(z, 27)) * _MIX2
     z = z ^ _shift_right(z, 31)
     return _shift_right(z, 40).to(torch.float32) * (1.0 / (1 << 24))
-
-
-def stream_seed(*keys: int) -> int:
-    """A request's seed made from several integers (a job's seed, a prompt's hand-out, a
-    response's index in its group): a 63-bit hash of them, the same in every process."""
-    digest = hashlib.blake2b("/".join(map(str, keys)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 def _truncate(scaled: Tensor, k: Tensor, p: Tensor) -> Tensor:

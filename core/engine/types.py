@@ -3,7 +3,8 @@ the SGLang client and the rollout workflow."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -15,6 +16,13 @@ class RequestError(ValueError):
 
 class UnknownRequestError(KeyError):
     """A request id the engine does not know (HTTP 404)."""
+
+
+def stream_seed(*keys: int) -> int:
+    """A request's seed made from several integers (a job's seed, a prompt's hand-out, a
+    response's index in its group): a 63-bit hash of them, the same in every process."""
+    digest = hashlib.blake2b("/".join(map(str, keys)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 @dataclass(frozen=True)
@@ -31,7 +39,8 @@ class SamplingParams:
     `seed` (SGLang's `sampling_seed`): the request draws from a stream of its own, so the
     same weights, prompt and seed give the same tokens whatever else the engine runs beside
     it, up to the rounding of batched logits (asyncrl.engine.sampling.seeded_uniforms);
-    None: the engine's shared generator.
+    None: the engine's shared generator. `substream(*keys)` gives each of several requests
+    (a group's responses, a completion's choices) a stream of its own under one seed.
     """
 
     max_new_tokens: int = 128
@@ -55,6 +64,13 @@ class SamplingParams:
             return cls(max_new_tokens=rollout.max_new_tokens, temperature=0)
         return cls(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
                    top_p=rollout.top_p, top_k=rollout.top_k)
+
+    def substream(self, *keys: int) -> SamplingParams:
+        """These settings with the seed `stream_seed(seed, *keys)`; as they are without a
+        seed (the engine's shared generator)."""
+        if self.seed is None:
+            return self
+        return replace(self, seed=stream_seed(self.seed, *keys))
 
     @property
     def penalized(self) -> bool:

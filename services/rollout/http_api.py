@@ -10,8 +10,7 @@ so routes, request bodies and response shapes follow SGLang's native API
   (`"image_data": []`, null, "") are absent, as in SGLang; ones with data are refused.
   `sampling_params` honours max_new_tokens, temperature, top_p, top_k, stop_token_ids,
   ignore_eos, frequency_penalty, presence_penalty and sampling_seed (`SamplingParams`); the
-  other keys SGLang
-  knows are accepted at their no-op values only. Each response is
+  other keys SGLang knows are accepted at their no-op values only. Each response is
   `{"output_ids": [...], "meta_info": {...}}`; `meta_info` carries SGLang's `id`,
   `finish_reason` (`{"type": "stop", "matched": <token id>}`, `{"type": "length", ...}` or
   `{"type": "abort", ...}`), `prompt_tokens`, `completion_tokens`, `cached_tokens`,

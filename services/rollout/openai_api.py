@@ -23,7 +23,8 @@ tokens and returns whole results, so what the engine cannot do is done here, on 
   asked, its log-prob), ending with `data: [DONE]`; the deltas add up to the non-streamed text;
 - log-probs: only the chosen token's, the one the engine records (the behaviour policy's);
   alternatives (`logprobs` > 1, `top_logprobs` > 0) are refused, never made up;
-- `seed`: choice i samples from the stream `stream_seed(seed, i)` (asyncrl.engine.sampling),
+- `seed`: choice i samples from the stream `stream_seed(seed, i)` (asyncrl.engine.types:
+  `SamplingParams.substream`; the same seed for all would make the n choices one),
   so the same request gives the same completions whatever else the engine serves (with the
   torch engine; SGLang's sampler keeps its own generator).
 
@@ -57,7 +58,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from asyncrl.engine.sampling import stream_seed
 from asyncrl.engine.types import GenerationResult, RequestError, SamplingParams
 from asyncrl.rollout.episode_record import (
     Episode,
@@ -492,7 +492,7 @@ def openai_router(generate: Generate, tokenizer, *, model_name: str,
                         stops: tuple[str, ...], episode: Episode | None,
                         response_id: str) -> list[_Choice]:
         """`n` completions of one prompt (every completion of this API passes here)."""
-        results = await _all(generate(prompt_ids, _choice_params(params, index))
+        results = await _all(generate(prompt_ids, params.substream(index))
                              for index in range(n))
         choices = [text.choice(result, stops) for result in results]
         if episode is not None:
@@ -587,14 +587,6 @@ def _check(params: SamplingParams) -> None:
         params.check()
     except RequestError as exc:  # the fields are checked above; this is a last guard
         raise OpenAIError(400, str(exc)) from None
-
-
-def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice `index`'s sampling: with a request seed, a stream of its own for each choice
-    (the same seed for all would make the n choices one)."""
-    if params.seed is None:
-        return params
-    return replace(params, seed=stream_seed(params.seed, index))
 
 
 def _chat_end_ids(tokenizer) -> tuple[int, ...]:

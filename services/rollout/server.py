@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import shlex
+from dataclasses import replace
 from typing import Coroutine
 
 import torch
@@ -299,10 +300,10 @@ def _workflow_factory(settings: RolloutSettings, job, tokenizer, train, metrics,
                 generator=EngineGenerator(engine, metrics),
                 scorer=job_scorer(reward, spec, tokenizer, training=True),
                 group_size=spec.algorithm.group_size,
-                params=SamplingParams.from_spec(spec),
                 # Each response its own stream: what a group samples does not depend on
                 # the machine's load (SGLang's sampler keeps its own; docs/sglang.md).
-                seed=None if _serves_sglang(settings, spec) else spec.dataset.seed,
+                params=replace(SamplingParams.from_spec(spec),
+                               seed=None if _serves_sglang(settings, spec) else spec.dataset.seed),
             )
         workflow = RolloutWorkflow(
             prompts,

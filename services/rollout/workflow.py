@@ -19,7 +19,6 @@ Redis-backed buffer (the tests also drive it with an in-process gate, tests/supp
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import time
@@ -29,7 +28,6 @@ from typing import Callable, Protocol
 
 from asyncrl.data.prompts import PromptItem
 from asyncrl.engine.api import InferenceEngine
-from asyncrl.engine.sampling import stream_seed
 from asyncrl.engine.types import GenerationResult, SamplingParams
 from asyncrl.data.samples import Group, Slot, Trajectory
 
@@ -111,28 +109,22 @@ class EngineGenerator:
 
 
 class SingleTurnGroups:
-    """n responses to the prompt, each scored: the single-turn workflow's groups. With `seed`,
-    response i of the group at prompt cursor c samples with its own seed
-    `stream_seed(seed, c, i)`: which tokens a group gets then depends on the weights and the
+    """n responses to the prompt, each scored: the single-turn workflow's groups. With a seed
+    in `params`, response i of the group at prompt cursor c samples with its own seed
+    (`params.substream(c, i)`): which tokens a group gets then depends on the weights and the
     job, not on how the engine happened to batch it (so not on the machine's load)."""
 
     def __init__(self, *, generator: Generator, scorer: Scorer, group_size: int,
-                 params: SamplingParams, seed: int | None = None):
+                 params: SamplingParams):
         self._generator = generator
         self._scorer = scorer
         self._group_size = group_size
         self._params = params
-        self._seed = seed
-
-    def _params_of(self, cursor: int, index: int) -> SamplingParams:
-        if self._seed is None:
-            return self._params
-        return dataclasses.replace(self._params, seed=stream_seed(self._seed, cursor, index))
 
     async def samples(self, item: PromptItem, cursor: int) -> list[Trajectory]:
         began = time.perf_counter()
         results = await asyncio.gather(
-            *(self._generator.generate(item.prompt_ids, self._params_of(cursor, index))
+            *(self._generator.generate(item.prompt_ids, self._params.substream(cursor, index))
               for index in range(self._group_size)))
         generated = time.perf_counter()
         rewards = await self._scorer.score(item, [r.output_ids for r in results],

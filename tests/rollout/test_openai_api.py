@@ -191,7 +191,7 @@ def test_a_seed_gives_the_same_completions_each_time_and_each_choice_its_own(cli
     assert len(set(first)) == 3  # three streams, not one three times
     assert texts(8) != first
     # The native API's sampling_seed is the same stream: choice 0 of seed 7 is stream_seed(7, 0).
-    from asyncrl.engine.sampling import stream_seed
+    from asyncrl.engine.types import stream_seed
 
     response = native.post("/generate", json={
         "input_ids": tokenizer.encode("Once upon"),

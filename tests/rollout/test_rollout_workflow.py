@@ -246,7 +246,7 @@ def responses_by_prompt(seed, *, engine_seed, share):
             source=SingleTurnGroups(
                 generator=EngineGenerator(TorchInferenceEngine(engine)),
                 scorer=CountingScorer(), group_size=3,
-                params=SamplingParams(max_new_tokens=8, ignore_eos=True), seed=seed),
+                params=SamplingParams(max_new_tokens=8, ignore_eos=True, seed=seed)),
             gate=gate, max_in_flight=share)
         asyncio.run(asyncio.wait_for(workflow.run(), 60))
     finally:
