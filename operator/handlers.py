@@ -97,7 +97,9 @@ async def _on_child_event(event: dict, body: kopf.Body, **_) -> None:
 
 def _watch_children(*, network_policies: bool) -> None:
     """kopf handlers for every kind of child, filtered by our job label (so a cluster's other
-    objects are never listed), and for trainer pods (their restarts make a job Failed)."""
+    objects are never listed), and for the job's pods: a component's restarts past
+    spec.backoffLimit make the job Failed, and a crash-looping pod stays not ready, so its
+    workload's status does not move again as its restarts mount."""
     if STATE.children_watched:  # once per process
         return
     STATE.children_watched = True
@@ -105,9 +107,8 @@ def _watch_children(*, network_policies: bool) -> None:
     for resource in resources:
         kopf.on.event(resource, labels={builders.JOB_LABEL: kopf.PRESENT},
                       id=f"watch-{resource}")(_on_child_event)
-    kopf.on.event("pods", labels={builders.JOB_LABEL: kopf.PRESENT,
-                                  "app.kubernetes.io/component": "trainer"},
-                  id="watch-trainer-pods")(_on_child_event)
+    kopf.on.event("pods", labels={builders.JOB_LABEL: kopf.PRESENT},
+                  id="watch-pods")(_on_child_event)
     # Kueue's word on queued jobs (served only where Kueue's CRDs are installed).
     kopf.on.event(*KUEUE_WORKLOADS, labels={builders.JOB_LABEL: kopf.PRESENT},
                   id="watch-kueue-workloads")(_on_child_event)

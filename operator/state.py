@@ -46,7 +46,7 @@ class ChildEvents:
         self.pending: dict[JobKey, bool] = {}  # job -> full reconcile (else status)
         #: child uid -> (its job, the generation last seen)
         self.generations: dict[str, tuple[JobKey, int | None]] = {}
-        self.pods: dict[str, tuple] = {}  # trainer pod uid -> what its status said
+        self.pods: dict[str, tuple] = {}  # pod uid -> what its status said
         self._wake: asyncio.Event | None = None
 
     def note(self, event: dict, body: Any) -> None:
@@ -80,12 +80,16 @@ class ChildEvents:
 
     def _status_moved(self, job: JobKey, kind: str, body: Any) -> bool:
         """Whether what the job's status reads of this child changed: a workload's replica
-        counts, a trainer pod's phase, restarts and waiting reason."""
+        counts, a pod's phase, and its containers' (init containers' too: a model download)
+        restarts, waiting reason and last exit."""
         status = body.get("status") or {}
         if kind == "Pod":
+            containers = (status.get("initContainerStatuses") or []) + \
+                (status.get("containerStatuses") or [])
             signature = (status.get("phase"), body["metadata"].get("deletionTimestamp"),
-                         tuple((c.get("restartCount"), (c.get("state") or {}).get("waiting"))
-                               for c in status.get("containerStatuses") or []))
+                         tuple((c.get("restartCount"), (c.get("state") or {}).get("waiting"),
+                                (c.get("state") or {}).get("terminated"))
+                               for c in containers))
             uid = body["metadata"].get("uid", "")
             moved = self.pods.get(uid) != signature
             self.pods[uid] = signature

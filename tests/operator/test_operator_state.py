@@ -69,6 +69,31 @@ def test_a_trainer_pod_counts_only_when_its_phase_or_restarts_move():
     assert events.pending == {JOB: False}
 
 
+def test_a_crash_looping_pod_of_any_component_counts_at_each_restart():
+    """A crash-looping rollout pod stays not ready (its Deployment's counts do not move) while
+    its restarts mount past spec.backoffLimit: each restart must reach the job's status."""
+    events = ChildEvents({})
+    for restarts in (6, 7):
+        looping = {"phase": "Running", "containerStatuses": [{
+            "restartCount": restarts, "state": {"waiting": {"reason": "CrashLoopBackOff"}}}]}
+        events.note({"type": "MODIFIED"}, child("Pod", "p", component="rollout", status=looping))
+        assert events.pending == {JOB: False}, restarts
+        events.pending.clear()
+
+
+def test_a_trainer_pods_init_container_exit_counts():
+    """The model download runs in an init container; its failure is in initContainerStatuses."""
+    events = ChildEvents({})
+    running = {"phase": "Pending", "initContainerStatuses": [{
+        "restartCount": 0, "state": {"running": {}}}]}
+    events.note({"type": "MODIFIED"}, child("Pod", "p", component="trainer", status=running))
+    events.pending.clear()
+    exited = {"phase": "Pending", "initContainerStatuses": [{
+        "restartCount": 0, "state": {"terminated": {"exitCode": 1, "reason": "Error"}}}]}
+    events.note({"type": "MODIFIED"}, child("Pod", "p", component="trainer", status=exited))
+    assert events.pending == {JOB: False}
+
+
 def test_a_burst_of_events_is_one_piece_of_work_per_job():
     events = ChildEvents({}, settle_seconds=0.05)
     done: list[tuple[str, str, bool]] = []
