@@ -14,6 +14,7 @@ from asyncrl.data.prompts import PromptItem, PromptSet, build_prompts, max_seque
 from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.engine.types import GenerationResult, SamplingParams
 from asyncrl.platform.core_lending import CoreLending
+from asyncrl.platform.devices import resolve_dtype
 
 
 def held_out_prompts(spec, tokenizer, count: int | None = None) -> list[PromptItem]:
@@ -33,22 +34,36 @@ def job_scorer(reward, spec, tokenizer, *, training: bool = False) -> PromptScor
                         format_score=format_score)
 
 
-def fused_decode(spec) -> bool:
-    """Whether an evaluation engine decodes through fused projections: not for a float32
-    model without an adapter, whose weights the trainer's evaluation computes with in place
-    (fusing would copy them). One rule for the trainer and `asyncrl eval`: fused and unfused
-    kernels round differently, which may change a greedy token."""
-    return not (spec.model.dtype == "float32" and spec.model.lora is None)
+def evaluation_dtype(spec, device) -> str:
+    """What an evaluation computes in: the rollout engines' dtype (rollout.computeDtype, else
+    model.dtype; auto resolved on `device`), so a held-out accuracy is the policy's as it
+    samples. One rule for the trainer and `asyncrl eval`."""
+    return resolve_dtype(spec.rollout_compute_dtype, device)
+
+
+def shares_trained_weights(spec, dtype: str) -> bool:
+    """Whether the trainer's evaluation computes with its own float32 weights in place: a
+    float32 model without an adapter, evaluated in float32."""
+    return dtype == spec.model.dtype == "float32" and spec.model.lora is None
+
+
+def fused_decode(spec, dtype: str) -> bool:
+    """Whether an evaluation engine in `dtype` decodes through fused projections: not where it
+    shares the trainer's weights (fusing would copy them). One rule for the trainer and
+    `asyncrl eval`: fused and unfused kernels round differently, which may change a greedy
+    token."""
+    return not shares_trained_weights(spec, dtype)
 
 
 def evaluation_engine(model, spec, items: Sequence[PromptItem], tokenizer, *,
                       samples: int = 1, lending: CoreLending | None = None) -> TorchEngine:
     """A torch engine that runs every response to `items` (`samples` each) in one batch;
     `lending`: the cores its process shares (each step computes with those lent too)."""
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     return TorchEngine(
         model, max_running_requests=len(items) * samples,
         max_sequence_length=max_sequence_length(spec, PromptSet.of(items)),
-        eos_token_ids=(tokenizer.eos_token_id,), seed=0, fused_decode=fused_decode(spec),
+        eos_token_ids=(tokenizer.eos_token_id,), seed=0, fused_decode=fused_decode(spec, dtype),
         lora=spec.model.lora, lending=lending,
     )
 

@@ -7,7 +7,7 @@
 
 - `--model-path`, `--host`, `--port`;
 - `--tp-size`: the replica's GPUs (`rollout.placement.gpus`), one tensor-parallel rank each;
-- `--dtype`: `model.dtype`;
+- `--dtype`: `rollout.computeDtype`, else `model.dtype`;
 - `--max-running-requests`: this replica's share of `rollout.maxConcurrentRollouts` (which is
   job-wide, in prompts) times `algorithm.groupSize` (each prompt is n requests);
 - `--skip-tokenizer-init`: token-in/token-out, `input_ids` in and `output_ids` out;
@@ -97,7 +97,8 @@ def sglang_launch_command(
         "--host", host,
         "--port", str(port),
         "--tp-size", str(tensor_parallel_size(spec.rollout.placement.gpus)),
-        "--dtype", spec.model.dtype,
+        # SGLang serves GPUs only, where auto is bf16 (asyncrl.platform.devices.resolve_dtype).
+        "--dtype", spec.rollout_compute_dtype.replace("auto", "bfloat16"),
         "--max-running-requests", str(max_running_requests(spec)),
         "--skip-tokenizer-init",
         "--weight-version", str(initial_version),

@@ -19,7 +19,14 @@ from pathlib import Path
 from asyncrl.algorithms.evaluation import accuracy_record, majority_score, pass_at_k
 from asyncrl.clients.reward import reward_scorer
 from asyncrl.data.prompts import PromptItem
-from asyncrl.evaluation import evaluation_engine, generate, job_scorer, sampling, score
+from asyncrl.evaluation import (
+    evaluation_dtype,
+    evaluation_engine,
+    generate,
+    job_scorer,
+    sampling,
+    score,
+)
 from asyncrl.local.eval_models import EvalModel
 from asyncrl.model.policy import load_policy
 from asyncrl.scoring.extract import extract_answer
@@ -48,8 +55,9 @@ def evaluate_model(spec, job_name: str, model: EvalModel, items: list[PromptItem
                    *, samples: int, device, on_done: Callable[[], None] | None = None) -> dict:
     """The scores of `model` on `items`, `samples` responses each, as a JSON-ready record."""
     started = time.perf_counter()
-    loaded, _ = load_policy(model.model_spec, device=device)
     engine_spec = spec.model_copy(update={"model": model.model_spec})
+    dtype = evaluation_dtype(engine_spec, device)
+    loaded, _ = load_policy(model.model_spec, dtype=dtype, device=device)
     engine = evaluation_engine(loaded, engine_spec, items, tokenizer, samples=samples)
     try:
         state = model.state(loaded)
@@ -63,7 +71,7 @@ def evaluate_model(spec, job_name: str, model: EvalModel, items: list[PromptItem
     texts = [[tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in group]
              for group in results]
     record = {"model": model.label, "resolved": model.where, "step": model.step,
-              "samples": samples, "problems": len(items),
+              "samples": samples, "problems": len(items), "dtype": dtype,
               **_metrics(spec, scores, texts, samples),
               "seconds": round(time.perf_counter() - started, 2)}
     record["per_problem"] = [

@@ -169,3 +169,11 @@ def auto_compute_dtype(device: torch.device,
     (`autocast_devices`), float32 elsewhere."""
     fast = device.type in autocast_devices and fast_bf16(device)
     return "bfloat16" if fast else "float32"
+
+
+def resolve_dtype(setting: str, device: torch.device | str) -> str:
+    """A dtype setting of a job (float32, bfloat16 or auto) on `device`: auto is bfloat16
+    where the device computes it faster than float32 (fast_bf16), float32 elsewhere."""
+    if setting != "auto":
+        return setting
+    return "bfloat16" if fast_bf16(torch.device(device)) else "float32"

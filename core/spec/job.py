@@ -871,6 +871,16 @@ class RolloutSpec(SpecModel):
         description="torch: the built-in engine (CPU or GPU); sglang: an SGLang server per "
         "replica (GPU only).",
     )
+    compute_dtype: Literal["auto", "float32", "bfloat16"] | None = Field(
+        default=None,
+        description="What the rollout engine holds its weights and KV cache in and computes "
+        "in (log-probabilities are computed in float32 either way). Unset: model.dtype. "
+        "Versions travel in model.dtype and are cast on arrival, so with float32 master "
+        "weights in the trainer a bfloat16 engine holds exactly the bf16 weights a bfloat16 "
+        "trainer computes with. auto: bfloat16 where the rollout device computes it faster "
+        "than float32 (a GPU; a CPU with bf16 instructions where a bf16 matrix multiply, timed "
+        "at start, is at least 1.2x as fast), float32 elsewhere. sglang: its --dtype.",
+    )
     replicas: int = Field(
         default=1, ge=1,
         description="Rollout worker pods (`asyncrl run`: worker processes). With autoscale, "
@@ -1478,6 +1488,12 @@ class RLJobSpec(SpecModel):
         "RLJob, so it outlives it (its deletion, or ttlSecondsAfterFinished) for `asyncrl "
         "export`; delete it yourself when done. Set when the job is created.",
     )
+
+    @property
+    def rollout_compute_dtype(self) -> str:
+        """What the rollout engine computes in (rollout.computeDtype, else model.dtype); auto
+        is resolved on the rollout's device (asyncrl.platform.devices.resolve_dtype)."""
+        return self.rollout.compute_dtype or self.model.dtype
 
     @property
     def trainer_compute_dtype(self) -> str:

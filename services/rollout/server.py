@@ -25,7 +25,7 @@ from fastapi import FastAPI
 
 from asyncrl.clients.buffer import BufferClient
 from asyncrl.platform.core_lending import lending_from
-from asyncrl.platform.devices import local_rank, select_device
+from asyncrl.platform.devices import local_rank, resolve_dtype, select_device
 from asyncrl.platform.heap import reuse_large_blocks
 from asyncrl.model.policy import load_policy, load_tokenizer, model_directory
 from asyncrl.platform.outage import Outage, OutageTooLong, connect, redis_address
@@ -108,9 +108,13 @@ def serve(settings: RolloutSettings) -> None:
             raise SystemExit(f"rollout: {exc}") from None
         return
     # cuda:<local rank> when the job gives rollout pods GPUs and CUDA is here, else the CPU;
-    # weights and KV cache in model.dtype (log-probabilities are computed in float32).
+    # weights and KV cache in rollout.computeDtype (log-probabilities are computed in float32).
     device = select_device(spec.rollout.placement.gpus, local_rank())
-    model, _ = load_policy(spec.model, device=device)
+    dtype = resolve_dtype(spec.rollout_compute_dtype, device)
+    log.info("the engine computes in %s (%s)", dtype,
+             f"rollout.computeDtype {spec.rollout.compute_dtype}" if spec.rollout.compute_dtype
+             else "model.dtype")
+    model, _ = load_policy(spec.model, dtype=dtype, device=device)
     slots = _slots_within_memory(spec, model, slots, length, device)
     # Logits and sampling buffers of MBs every decode step, served from the heap instead of
     # mapped and faulted in afresh (see asyncrl.platform.heap).

@@ -13,7 +13,14 @@ import torch
 from asyncrl.algorithms.evaluation import accuracy_record
 from asyncrl.clients.reward import reward_scorer
 from asyncrl.engine.torch_engine import TorchEngine
-from asyncrl.evaluation import evaluation_engine, generate, held_out_prompts, job_scorer
+from asyncrl.evaluation import (
+    evaluation_dtype,
+    evaluation_engine,
+    generate,
+    held_out_prompts,
+    job_scorer,
+    shares_trained_weights,
+)
 from asyncrl.evaluation import sampling, score
 from asyncrl.model.policy import load_policy, sharing_weights
 from asyncrl.platform.core_lending import CoreLending
@@ -50,16 +57,17 @@ class Evaluator:
         The evaluation engine takes the weights the way rollout workers do (a weight update)
         and runs on the compute thread (no thread of its own). Where the trainer's weights are
         the published ones (one process holds the whole transformers model, and snapshots are
-        float32) it computes with them, sharing their memory (through the model's own layers:
-        fused projections would copy them); else it keeps a copy in the model's dtype."""
+        float32, and so is the evaluation) it computes with them, sharing their memory (through
+        the model's own layers: fused projections would copy them); else it keeps a copy in the
+        rollout engines' dtype (asyncrl.evaluation.evaluation_dtype)."""
         if not self.items:
             return {}
         if self._engine is None:
-            shares = self.trained_model is not None and self.spec.model.dtype == "float32"
-            if shares:
+            dtype = evaluation_dtype(self.spec, self.device)
+            if self.trained_model is not None and shares_trained_weights(self.spec, dtype):
                 model = await self._on_compute(sharing_weights, self.trained_model)
             else:
-                model, _ = await self._on_compute(load_policy, self.spec.model,
+                model, _ = await self._on_compute(load_policy, self.spec.model, dtype=dtype,
                                                   device=self.device)
             # Sharing implies no fused decoding (asyncrl.evaluation.fused_decode).
             self._engine = evaluation_engine(model, self.spec, self.items, self.tokenizer,

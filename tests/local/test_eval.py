@@ -75,9 +75,15 @@ PARITY = "def score(response, row):\n    return float(len(response) % 2 == 0)\n"
 
 
 @pytest.mark.slow
-def test_eval_reproduces_the_runs_own_evaluations_of_the_base_and_the_trained_model(tmp_path):
+@pytest.mark.parametrize("engine_dtype", [None, "bfloat16"])
+def test_eval_reproduces_the_runs_own_evaluations_of_the_base_and_the_trained_model(
+        tmp_path, engine_dtype):
+    """Also where the rollout engines compute in bf16 beside a float32 model: both evaluate
+    the bf16 policy, not the trainer's float32 weights."""
     (tmp_path / "parity.py").write_text(PARITY)
     manifest = yaml.safe_load(TINY.read_text())
+    if engine_dtype:
+        manifest["spec"]["rollout"]["computeDtype"] = engine_dtype
     manifest["spec"]["reward"] = {"kind": "python",
                                   "python": {"function": "parity:score", "path": str(tmp_path)}}
     manifest["spec"]["algorithm"]["maxSteps"] = 2
@@ -106,4 +112,5 @@ def test_eval_reproduces_the_runs_own_evaluations_of_the_base_and_the_trained_mo
     assert models[0]["pass@1"] == base["eval_accuracy"]
     assert models[1]["pass@1"] == trained["eval_accuracy"]
     assert models[1]["step"] == 2
+    assert [m["dtype"] for m in models] == [engine_dtype or "float32"] * 2
     assert "| pass@1 |" in scored.stdout and (out / result.name.replace(".json", ".md")).is_file()

@@ -129,6 +129,18 @@ def test_a_cpu_computes_in_bf16_where_it_has_the_instructions_and_they_pay(
     assert measured == ([] if speedup is None else [speedup])  # no bf16 instructions: no timing
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_auto_resolves_to_bf16_only_where_the_device_computes_it_faster(monkeypatch, fast):
+    from asyncrl.platform import devices
+
+    monkeypatch.setattr(devices, "fast_bf16", lambda device: fast)
+    cpu = torch.device("cpu")
+    assert devices.resolve_dtype("auto", cpu) == ("bfloat16" if fast else "float32")
+    # A dtype named is kept, fast or not.
+    assert devices.resolve_dtype("bfloat16", cpu) == "bfloat16"
+    assert devices.resolve_dtype("float32", cpu) == "float32"
+
+
 def test_the_bf16_speedup_is_measured_once_per_process():
     from asyncrl.platform.devices import cpu_bf16_speedup
 

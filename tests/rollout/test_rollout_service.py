@@ -11,6 +11,7 @@ import grpc
 import httpx
 import pytest
 import redis
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_model
 
@@ -22,14 +23,15 @@ from support.ports import free_port
 from support.waiting import wait_for_status
 
 
-def start_rollout(redis_url: str, log: Path, env: dict | None = None):
-    """`asyncrl serve rollout` of the tiny job, once its /health answers 200: (process, base
-    URL, gRPC port)."""
+def start_rollout(redis_url: str, log: Path, env: dict | None = None,
+                  job_file: Path = ROOT / "examples/tiny.yaml"):
+    """`asyncrl serve rollout` of the tiny job (or `job_file`), once its /health answers 200:
+    (process, base URL, gRPC port)."""
     http_port, grpc_port = free_port(), free_port()
     with log.open("w") as out:
         process = subprocess.Popen(
             [str(Path(sys.executable).parent / "asyncrl"), "serve", "rollout",
-             "--job-file", str(ROOT / "examples/tiny.yaml"), "--http-port", str(http_port),
+             "--job-file", str(job_file), "--http-port", str(http_port),
              "--grpc-port", str(grpc_port), "--redis-url", redis_url, "--threads", "1"],
             stdout=out, stderr=subprocess.STDOUT, env=env,
         )
@@ -85,6 +87,39 @@ def test_rollout_service_generates_and_follows_announced_versions(rollout_proces
     # An update applied by the weights watcher is counted and timed like one asked for.
     assert values[("asyncrl_rollout_weight_updates_total", "success")].value == 1
     assert values[("asyncrl_rollout_weight_update_seconds_count", None)].value == 1
+
+
+def test_a_bf16_engine_generates_and_takes_float32_versions_cast(redis_server, tmp_path):
+    """rollout.computeDtype bfloat16 under a float32 model: the engine holds bf16 weights and
+    takes the trainer's float32 snapshots, cast on arrival."""
+    job = yaml.safe_load((ROOT / "examples/tiny.yaml").read_text())
+    job["spec"]["rollout"]["computeDtype"] = "bfloat16"
+    job_file = tmp_path / "tiny-bf16.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    log = tmp_path / "rollout.log"
+    process, base, _ = start_rollout(redis_server.url, log, job_file=job_file)
+    try:
+        assert "the engine computes in bfloat16 (rollout.computeDtype bfloat16)" in \
+            log.read_text()
+        reply = httpx.post(f"{base}/generate", json={
+            "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+            "return_logprob": True}, timeout=30).json()
+        assert len(reply["output_ids"]) == 4
+        snapshot = tmp_path / "v1" / "model.safetensors"
+        snapshot.parent.mkdir()
+        save_model(load_model("tiny-random"), str(snapshot))
+        client = redis.from_url(redis_server.url)
+        client.hset(weights_key("tiny"),
+                    mapping=WeightVersion(1, str(snapshot.parent), 1).to_hash())
+        client.publish(weights_channel("tiny"), "1")
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{base}/get_model_info").json()["weight_version"] != "1":
+            assert time.monotonic() < deadline, "announced version never applied:\n" + \
+                log.read_text()[-2000:]
+            time.sleep(0.1)
+    finally:
+        process.terminate()
+        assert process.wait(timeout=120) == 130, log.read_text()[-3000:]
 
 
 @pytest.mark.slow

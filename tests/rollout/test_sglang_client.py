@@ -235,6 +235,17 @@ def test_launch_command_for_the_gpu_example(gpu_job):
     assert "--mem-fraction-static" not in command
 
 
+def test_launch_command_dtype_is_the_engines(gpu_job):
+    """rollout.computeDtype, else model.dtype; auto is bf16 on the GPUs SGLang serves."""
+    for model_dtype, engine_dtype, expected in (("float32", None, "float32"),
+                                                ("float32", "auto", "bfloat16"),
+                                                ("bfloat16", "float32", "float32")):
+        job = gpu_job.model_copy(deep=True)
+        job.model.dtype, job.rollout.compute_dtype = model_dtype, engine_dtype
+        command = sglang_launch_command(job, model_path="/m", port=1, python="p")
+        assert flag(command, "--dtype") == expected, (model_dtype, engine_dtype)
+
+
 def test_launch_command_takes_the_interpreter_from_the_environment(gpu_job, monkeypatch):
     monkeypatch.delenv("ASYNCRL_SGLANG_PYTHON", raising=False)
     assert sglang_launch_command(gpu_job, model_path="/m", port=1)[0] == sys.executable

@@ -627,6 +627,18 @@ def test_example_settings():
     assert gpu.spec.rollout.placement.tolerations and gpu.spec.trainer.placement.node_selector
 
 
+def test_the_rollout_engine_computes_in_its_own_dtype_or_the_models():
+    def engine(model, rollout):
+        return parse_manifest(manifest(model=model, rollout=rollout)).spec.rollout_compute_dtype
+
+    assert engine({}, {}) == "float32"
+    assert engine({"dtype": "bfloat16"}, {}) == "bfloat16"
+    assert engine({}, {"computeDtype": "bfloat16"}) == "bfloat16"
+    assert engine({}, {"computeDtype": "auto"}) == "auto"  # resolved on the rollout's device
+    assert any("spec.rollout.computeDtype" in e for e in errors_of(
+        manifest(rollout={"computeDtype": "float16"})))
+
+
 def test_the_trainer_computes_in_its_own_dtype_or_the_models():
     from asyncrl.trainer.step import UpdateConfig
 

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from asyncrl.engine.torch_engine import TorchEngine
+from asyncrl.engine.types import SamplingParams
 from asyncrl.model.policy import tied_aliases
 from asyncrl.rollout.weights_receiver import IpcReceiver, VersionSkipped
 from asyncrl.weights.announcements import WeightVersion
@@ -179,6 +180,28 @@ def test_a_torch_engine_takes_a_version_from_the_buffer_and_refuses_another_devi
     elsewhere = IpcManifest(shared.manifest.tensors, torch.float32, "GPU-1234", b"")
     with pytest.raises(IpcUnavailable, match="trainer.weightTransfer: disk"):
         IpcReader(CPU).tensors(elsewhere)
+
+
+def test_a_bf16_engine_takes_a_float32_version_cast_to_its_dtype(tmp_path):
+    """rollout.computeDtype bfloat16 beside float32 master weights: the buffer stays float32
+    and the engine holds each tensor cast, the bf16 weights a bf16 trainer computes with."""
+    import asyncio
+
+    shared = SharedWeights(tmp_path, model_manifest(tiny_model(0), torch.float32),
+                           torch.float32, CPU)
+    engine = TorchEngine(tiny_model(0).to(torch.bfloat16), max_running_requests=2,
+                         max_sequence_length=32)
+    new = tiny_model(5).state_dict()
+    shared.write(new, 1)
+    asyncio.run(IpcReceiver(engine, CPU).receive(
+        WeightVersion(1, announcement_uri(shared.manifest_path))))
+    weights = engine._model.state_dict()
+    assert all(weights[n].dtype == torch.bfloat16 for n in new)
+    assert all(torch.equal(weights[n], new[n].to(torch.bfloat16)) for n in new)
+    assert not all(torch.equal(weights[n].float(), new[n]) for n in new)  # cast, not copied
+    result = engine.start().submit([1, 2, 3], SamplingParams(max_new_tokens=3)).result(60)
+    engine.stop()
+    assert len(result.output_ids) == 3 and all(lp <= 0 for lp in result.output_logprobs)
 
 
 def test_a_lora_engine_takes_the_adapter_from_the_buffer(tmp_path):
