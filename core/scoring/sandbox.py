@@ -412,14 +412,17 @@ async def _feed(writer: asyncio.StreamWriter, data: bytes) -> None:
 async def _read_capped(reader: asyncio.StreamReader, out: _Output, cap: int, pgid: int,
                        tail: int | None = None) -> None:
     """Reads to EOF, keeping at most `cap` bytes (or the last `tail`); kills the sandbox as
-    soon as more than `cap` bytes arrive."""
+    soon as more than `cap` bytes arrive, and drains the rest: asyncio reports a process's
+    exit (`wait()`) only once its pipes have closed, and a pipe left unread stays open."""
     total = 0
     while chunk := await reader.read(1 << 16):
         total += len(chunk)
+        if out.exceeded:
+            continue
         if total > cap:
             out.exceeded = True
             _kill_group(pgid)
-            return
+            continue
         out.data += chunk
         if tail is not None and len(out.data) > tail:
             del out.data[:-tail]
