@@ -4,7 +4,8 @@ weight-update latency.
 Same model (SmolLM2-135M-Instruct), same chat prompts, per-request output lengths drawn from a
 long-tailed distribution (most answers short, a few long: the case continuous batching exists
 for), EOS ignored so token counts are fixed. In one run:
-- the engine in `--dtype` (bf16 by default where the CPU computes bf16 natively), and the same
+- the engine in `--dtype` (by default what `rollout.computeDtype: auto` chooses: bf16 where the
+  CPU computes it faster than float32), and the same
   engine decoding through the model's own layers instead of fused projections;
 - `transformers` generate as a user calls it (fp32, fixed batches of `--batch`, each until its
   longest request is done);
@@ -51,6 +52,7 @@ from safetensors.torch import save_file
 from transformers import GenerationConfig
 
 from asyncrl.data import arith
+from asyncrl.platform.devices import resolve_dtype
 from asyncrl.platform.heap import reuse_large_blocks
 from asyncrl.model.policy import SMOLLM2, load_model, load_tokenizer, model_directory
 from asyncrl.engine.torch_engine import TorchEngine
@@ -190,7 +192,8 @@ def engine_base(engine) -> int:
 
 
 def default_dtype() -> str:
-    return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+    """What a job's `rollout.computeDtype: auto` chooses on this CPU."""
+    return resolve_dtype("auto", "cpu")
 
 
 def main() -> None:
@@ -203,8 +206,9 @@ def main() -> None:
                         help="transformers generate batch size (default 8; with --shape, "
                         "--requests: one batch)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"),
-                        help="the engine's weights and KV cache (default: bfloat16 on a GPU and "
-                        "where the CPU computes it natively, else float32)")
+                        help="the engine's weights and KV cache (default: what "
+                        "rollout.computeDtype auto chooses: bfloat16 on a GPU and where the CPU "
+                        "computes it faster, else float32)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of each engine workload; the best is reported")
     parser.add_argument("--vllm-python", metavar="PATH",

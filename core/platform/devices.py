@@ -176,4 +176,5 @@ def resolve_dtype(setting: str, device: torch.device | str) -> str:
     where the device computes it faster than float32 (fast_bf16), float32 elsewhere."""
     if setting != "auto":
         return setting
-    return "bfloat16" if fast_bf16(torch.device(device)) else "float32"
+    device = torch.device(device)
+    return auto_compute_dtype(device, autocast_devices=(device.type,))
