@@ -863,6 +863,10 @@ class AutoscaleSpec(SpecModel):
         return self
 
 
+#: A service's compute dtype: auto is resolved on its device (asyncrl.platform.devices).
+ComputeDtype = Literal["auto", "float32", "bfloat16"]
+
+
 class RolloutSpec(SpecModel):
     """The rollout workers: inference engine, sampling and where they run."""
 
@@ -871,7 +875,7 @@ class RolloutSpec(SpecModel):
         description="torch: the built-in engine (CPU or GPU); sglang: an SGLang server per "
         "replica (GPU only).",
     )
-    compute_dtype: Literal["auto", "float32", "bfloat16"] | None = Field(
+    compute_dtype: ComputeDtype | None = Field(
         default=None,
         description="What the rollout engine holds its weights and KV cache in and computes "
         "in (log-probabilities are computed in float32 either way). Unset: model.dtype. "
@@ -1308,12 +1312,13 @@ class TrainerSpec(SpecModel):
         "from the trainer's buffer through a CUDA IPC handle; a run where they are not on "
         "one GPU writes to disk instead, saying why.",
     )
-    compute_dtype: Literal["auto", "float32", "bfloat16"] | None = Field(
+    compute_dtype: ComputeDtype | None = Field(
         default=None,
         description="What the trainer's forward and backward passes compute in: bfloat16 is "
         "autocast over float32 master weights and optimizer state. Unset: model.dtype. "
-        "bfloat16 with model.dtype float32 trains at bf16 speed while the rollout engines "
-        "keep float32 weights, in which each step's small update is not rounded away. auto: "
+        "bfloat16 with model.dtype float32 trains at bf16 speed and keeps float32 master "
+        "weights, in which each step's small update is not rounded away (the rollout engines "
+        "compute in rollout.computeDtype). auto: "
         "bfloat16 where the trainer's device computes it faster than float32 (a GPU; a CPU with "
         "bf16 instructions where a bf16 matrix multiply, timed at start, is at least 1.2x as "
         "fast) and the backend autocasts there, float32 elsewhere (a CPU that emulates bf16, or "
