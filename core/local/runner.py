@@ -28,12 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
-# Before grpc is imported: children are started with a preexec_fn, so Popen really forks,
-# and gRPC's fork handler can wait forever on a thread of the runner's own health-check
-# channels (grpc/grpc#37259). The runner never uses gRPC in a forked child.
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-
-import grpc  # noqa: E402
+# Children are started with a preexec_fn: the package itself turns gRPC's fork support off
+# before grpc is imported (asyncrl/__init__.py).
+import grpc
 import yaml
 from google.protobuf.json_format import MessageToDict
 
