@@ -72,6 +72,12 @@ def max_running_requests(spec: RLJobSpec) -> int:
     return groups_per_replica(spec) * spec.algorithm.group_size
 
 
+def _sglang_dtype(setting: str) -> str:
+    """A job's dtype setting as SGLang's --dtype: SGLang serves GPUs only, where auto is
+    bf16 (asyncrl.platform.devices.resolve_dtype)."""
+    return "bfloat16" if setting == "auto" else setting
+
+
 def sglang_launch_command(
     spec: RLJobSpec,
     *,
@@ -97,8 +103,7 @@ def sglang_launch_command(
         "--host", host,
         "--port", str(port),
         "--tp-size", str(tensor_parallel_size(spec.rollout.placement.gpus)),
-        # SGLang serves GPUs only, where auto is bf16 (asyncrl.platform.devices.resolve_dtype).
-        "--dtype", spec.rollout_compute_dtype.replace("auto", "bfloat16"),
+        "--dtype", _sglang_dtype(spec.rollout_compute_dtype),
         "--max-running-requests", str(max_running_requests(spec)),
         "--skip-tokenizer-init",
         "--weight-version", str(initial_version),

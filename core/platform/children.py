@@ -8,8 +8,8 @@ orderly stop ends the children.
 The request is made in the child between fork and exec (Popen's `preexec_fn`), which makes
 Popen really fork: a parent that imported grpc must set GRPC_ENABLE_FORK_SUPPORT=false
 first, or gRPC's fork handler can wait forever on one of the parent's threads
-(grpc/grpc#37259); importing asyncrl sets it. The signal comes when the *thread* that started the child ends, so start
-such children from the main thread.
+(grpc/grpc#37259); importing asyncrl sets it. The signal comes when the *thread* that
+started the child ends, so start such children from the main thread.
 """
 
 from __future__ import annotations

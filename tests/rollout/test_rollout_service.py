@@ -40,6 +40,30 @@ def start_rollout(redis_url: str, log: Path, env: dict | None = None,
     return process, base, grpc_port
 
 
+def generate_four_tokens(base: str) -> dict:
+    """The worker's reply to a greedy /generate of 4 tokens, with log-probs."""
+    return httpx.post(f"{base}/generate", json={
+        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        "return_logprob": True,
+    }, timeout=30).json()
+
+
+def announce_version_1(redis_url: str, base: str, tmp_path: Path, log: Path | None = None):
+    """Announces a float32 snapshot of the tiny model as version 1, as the trainer does, and
+    waits until the worker serves it."""
+    snapshot = tmp_path / "v1" / "model.safetensors"
+    snapshot.parent.mkdir()
+    save_model(load_model("tiny-random"), str(snapshot))
+    client = redis.from_url(redis_url)
+    client.hset(weights_key("tiny"), mapping=WeightVersion(1, str(snapshot.parent), 1).to_hash())
+    client.publish(weights_channel("tiny"), "1")
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{base}/get_model_info").json()["weight_version"] != "1":
+        assert time.monotonic() < deadline, "announced version never applied" + (
+            ":\n" + log.read_text()[-2000:] if log else "")
+        time.sleep(0.1)
+
+
 @pytest.fixture
 def rollout_process(redis_server, tmp_path):
     log = tmp_path / "rollout.log"
@@ -53,23 +77,11 @@ def rollout_process(redis_server, tmp_path):
 @pytest.mark.slow
 def test_rollout_service_generates_and_follows_announced_versions(rollout_process, redis_server, tmp_path):
     base, grpc_port = rollout_process
-    reply = httpx.post(f"{base}/generate", json={
-        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 0},
-        "return_logprob": True,
-    }, timeout=30).json()
+    reply = generate_four_tokens(base)
     assert len(reply["output_ids"]) == 4 and len(reply["meta_info"]["output_token_logprobs"]) == 4
 
     # The trainer announces version 1: the worker loads it without being called.
-    snapshot = tmp_path / "v1" / "model.safetensors"
-    snapshot.parent.mkdir()
-    save_model(load_model("tiny-random"), str(snapshot))
-    client = redis.from_url(redis_server.url)
-    client.hset(weights_key("tiny"), mapping=WeightVersion(1, str(snapshot.parent), 1).to_hash())
-    client.publish(weights_channel("tiny"), "1")
-    deadline = time.monotonic() + 30
-    while httpx.get(f"{base}/get_model_info").json()["weight_version"] != "1":
-        assert time.monotonic() < deadline, "announced version never applied"
-        time.sleep(0.1)
+    announce_version_1(redis_server.url, base, tmp_path)
 
     with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
         stub = rollout_pb2_grpc.RolloutControlStub(channel)
@@ -101,22 +113,8 @@ def test_a_bf16_engine_generates_and_takes_float32_versions_cast(redis_server, t
     try:
         assert "the engine computes in bfloat16 (rollout.computeDtype bfloat16)" in \
             log.read_text()
-        reply = httpx.post(f"{base}/generate", json={
-            "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 0},
-            "return_logprob": True}, timeout=30).json()
-        assert len(reply["output_ids"]) == 4
-        snapshot = tmp_path / "v1" / "model.safetensors"
-        snapshot.parent.mkdir()
-        save_model(load_model("tiny-random"), str(snapshot))
-        client = redis.from_url(redis_server.url)
-        client.hset(weights_key("tiny"),
-                    mapping=WeightVersion(1, str(snapshot.parent), 1).to_hash())
-        client.publish(weights_channel("tiny"), "1")
-        deadline = time.monotonic() + 30
-        while httpx.get(f"{base}/get_model_info").json()["weight_version"] != "1":
-            assert time.monotonic() < deadline, "announced version never applied:\n" + \
-                log.read_text()[-2000:]
-            time.sleep(0.1)
+        assert len(generate_four_tokens(base)["output_ids"]) == 4
+        announce_version_1(redis_server.url, base, tmp_path, log)
     finally:
         process.terminate()
         assert process.wait(timeout=120) == 130, log.read_text()[-3000:]
