@@ -14,7 +14,8 @@ A setting is NAME=OVERRIDES, the overrides comma-separated dotted paths under th
 accuracy ± one standard error at every evaluation, the minute of the whole command at which an
 evaluation first showed accuracy at --target (when that evaluation ended: what a user watching
 sees), and the last evaluation's distance from the run's best. A finished run's checkpoints and
-weight versions are deleted (a few GB a run); its metrics, logs and report stay.
+weight versions are deleted (a few GB a run; --keep-checkpoints keeps the checkpoints); its
+metrics, logs and report stay.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def job_for(base: dict, overrides: dict, seed: int) -> dict:
     return job
 
 
-def run_once(job: dict, run_dir: Path, steps: int | None) -> None:
+def run_once(job: dict, run_dir: Path, steps: int | None, keep_checkpoints: bool = False) -> None:
     """One `asyncrl run`, its start and end time kept beside its folder."""
     timing = run_dir.with_suffix(".timing.json")
     if timing.exists():
@@ -82,7 +83,7 @@ def run_once(job: dict, run_dir: Path, steps: int | None) -> None:
                          f"{run_dir.with_suffix('.log')}")
     timing.write_text(json.dumps({"started": started, "ended": time.time()}))
     # A study reads metrics only; each run's checkpoints and weight versions are gigabytes.
-    for heavy in ("checkpoints", "weights"):
+    for heavy in ("weights",) if keep_checkpoints else ("checkpoints", "weights"):
         shutil.rmtree(run_dir / heavy, ignore_errors=True)
 
 
@@ -200,6 +201,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="override algorithm.maxSteps")
     parser.add_argument("--target", type=float, default=0.8)
     parser.add_argument("--out", type=Path, default=ROOT / "runs/study")
+    parser.add_argument("--keep-checkpoints", action="store_true",
+                        help="keep each run's checkpoints (to score them with asyncrl eval)")
     parser.add_argument("--plot-only", action="store_true", help="read finished runs, run none")
     args = parser.parse_args()
     base = yaml.safe_load(args.job.read_text())
@@ -210,7 +213,8 @@ def main() -> None:
             run_dir = args.out / f"{name}-seed{seed}"
             if not args.plot_only:
                 print(f"running {run_dir.name} ...", flush=True)
-                run_once(job_for(base, overrides, seed), run_dir, args.steps)
+                run_once(job_for(base, overrides, seed), run_dir, args.steps,
+                         args.keep_checkpoints)
             if run_dir.with_suffix(".timing.json").exists():
                 summaries.setdefault(name, []).append(summarise(run_dir, args.target))
     if not summaries:

@@ -95,3 +95,16 @@ async def score(scorer: PromptScorer, items: Sequence[PromptItem],
         scorer.score(item, [r.output_ids for r in group],
                      cut=[r.finish_reason == "length" for r in group])
         for item, group in zip(items, results, strict=True))))
+
+
+def response_record(results: Sequence[Sequence[GenerationResult]]) -> dict:
+    """{eval_response_length_mean, eval_truncated_fraction} of an evaluation's responses: a
+    greedy response that loops until maxNewTokens scores 0, so a fall in accuracy with the
+    cut share rising is the decoding's, not the answers'."""
+    responses = [r for group in results for r in group]
+    if not responses:
+        return {}
+    return {"eval_response_length_mean": sum(len(r.output_ids) for r in responses)
+            / len(responses),
+            "eval_truncated_fraction": sum(r.finish_reason == "length" for r in responses)
+            / len(responses)}

@@ -24,6 +24,7 @@ from asyncrl.evaluation import (
     evaluation_engine,
     generate,
     job_scorer,
+    response_record,
     sampling,
     score,
 )
@@ -73,6 +74,8 @@ def evaluate_model(spec, job_name: str, model: EvalModel, items: list[PromptItem
     record = {"model": model.label, "resolved": model.where, "step": model.step,
               "samples": samples, "problems": len(items), "dtype": dtype,
               **_metrics(spec, scores, texts, samples),
+              **{key.removeprefix("eval_"): value
+                 for key, value in response_record(results).items()},
               "seconds": round(time.perf_counter() - started, 2)}
     record["per_problem"] = [
         {"prompt_id": item.prompt_id, "scores": s, "responses": t,

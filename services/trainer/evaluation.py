@@ -19,6 +19,7 @@ from asyncrl.evaluation import (
     generate,
     held_out_prompts,
     job_scorer,
+    response_record,
     shares_trained_weights,
 )
 from asyncrl.evaluation import sampling, score
@@ -84,6 +85,7 @@ class Evaluator:
         # What the evaluation cost the run (training waits for it): a user weighs it against
         # the standard error it buys when choosing trainer.evalPrompts and evalEvery.
         evaluation = {**accuracy_record([score for (score,) in scores]),
+                      **response_record(results),
                       "eval_seconds": time.perf_counter() - started}
         self.status.eval_accuracy = evaluation["eval_accuracy"]
         self.status.eval_stderr = evaluation["eval_stderr"]

@@ -90,6 +90,10 @@ class TrainerMetrics:
         self._eval_stderr = Gauge("asyncrl_trainer_eval_stderr_ratio",
                                   "One standard error (binomial) of the last evaluation's "
                                   "accuracy (0 to 1).", names, registry=registry)
+        self._eval_truncated = Gauge("asyncrl_trainer_eval_truncated_ratio",
+                                     "Share of the last evaluation's responses cut at "
+                                     "maxNewTokens (0 to 1): each scores 0.", names,
+                                     registry=registry)
         self._step_gauges = {field: Gauge(name, help_, names, registry=registry)
                              for field, name, help_ in _STEP_GAUGES}
         self._mismatch_gauges = {field: Gauge(name, help_, names, registry=registry)
@@ -119,6 +123,9 @@ class TrainerMetrics:
             self._eval_accuracy.labels(**self._labels).set(evaluation["eval_accuracy"])
         if "eval_stderr" in evaluation:
             self._eval_stderr.labels(**self._labels).set(evaluation["eval_stderr"])
+        if "eval_truncated_fraction" in evaluation:
+            self._eval_truncated.labels(**self._labels).set(
+                evaluation["eval_truncated_fraction"])
 
     def observe_step(self, record: dict) -> None:
         self.steps.inc()

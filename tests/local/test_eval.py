@@ -10,7 +10,8 @@ import pytest
 import torch
 import yaml
 
-from asyncrl.evaluation import held_out_prompts
+from asyncrl.engine.types import GenerationResult
+from asyncrl.evaluation import held_out_prompts, response_record
 from asyncrl.local.eval_models import ModelArgumentError, resolve_model
 from asyncrl.local.evaluate import evaluate_model, markdown_table
 from asyncrl.model.policy import load_policy
@@ -65,8 +66,20 @@ def test_a_checkpoint_and_its_export_give_the_same_responses_unlike_the_base(tmp
     assert responses[0] == responses[1]
     assert responses[0] != responses[2]
     assert [r["step"] for r in records] == [2, None, None]
+    for record in records:  # how the responses ended, beside the accuracy
+        cut = [c for p in record["per_problem"] for c in p["cut"]]
+        assert record["truncated_fraction"] == sum(cut) / len(cut)
+        assert record["response_length_mean"] > 0
     table = markdown_table("tiny", records, "3 held-out prompts")
     assert "| pass@1 |" in table and f"`{run_dir}`" in table and "| problems | 3 | 3 | 3 |" in table
+
+
+def test_the_response_record_counts_cut_responses_and_mean_length():
+    results = [[GenerationResult("a", [1], output_ids=[5] * 4, finish_reason="length")],
+               [GenerationResult("b", [1], output_ids=[5] * 2, finish_reason="stop")]]
+    assert response_record(results) == {"eval_response_length_mean": 3.0,
+                                        "eval_truncated_fraction": 0.5}
+    assert response_record([]) == {}
 
 
 # A reward that depends on every token of a response (its length's parity), so that one

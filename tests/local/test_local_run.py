@@ -239,6 +239,9 @@ def test_run_trains_writes_a_complete_run_folder_and_resumes(tmp_path):
     assert all(s <= eta for r in records for s in r["staleness"])
     evaluated = [r for r in records if "eval_accuracy" in r]
     assert evaluated and all(r["eval_seconds"] > 0 for r in evaluated)  # what it cost
+    # ... and how its responses ended: a tiny random model rarely ends before maxNewTokens
+    assert all(0 <= r["eval_truncated_fraction"] <= 1 and r["eval_response_length_mean"] > 0
+               for r in evaluated)
     assert [r["step"] for r in metrics(run_dir, "eval")] == [0]  # the starting point
     report = (run_dir / "report.md").read_text()
     assert "Run report: tiny" in report

@@ -67,13 +67,15 @@ def test_an_old_or_megatron_record_makes_no_series_for_what_it_lacks():
 @pytest.mark.parametrize("observe", ["step", "eval"])
 def test_an_evaluation_sets_accuracy_and_its_standard_error(observe):
     metrics = TrainerMetrics("t")
-    evaluation = {"eval_accuracy": 0.8125, "eval_stderr": 0.0309, "eval_problems": 160}
+    evaluation = {"eval_accuracy": 0.8125, "eval_stderr": 0.0309, "eval_problems": 160,
+                  "eval_truncated_fraction": 0.0625}
     if observe == "step":
         metrics.observe_step(_record(**evaluation))
     else:
         metrics.observe_eval(evaluation)
     assert _value(metrics, "asyncrl_trainer_eval_accuracy_ratio") == 0.8125
     assert _value(metrics, "asyncrl_trainer_eval_stderr_ratio") == 0.0309
+    assert _value(metrics, "asyncrl_trainer_eval_truncated_ratio") == 0.0625
 
 
 def test_no_held_out_prompts_no_evaluation_series():
@@ -81,3 +83,4 @@ def test_no_held_out_prompts_no_evaluation_series():
     metrics.observe_eval({})
     assert _value(metrics, "asyncrl_trainer_eval_accuracy_ratio") is None
     assert _value(metrics, "asyncrl_trainer_eval_stderr_ratio") is None
+    assert _value(metrics, "asyncrl_trainer_eval_truncated_ratio") is None
