@@ -60,7 +60,8 @@ def registries():
         "entropy": 1.2, "response_length_mean": 9.0, "truncated_fraction": 0.5,
         "learning_rate": 1e-6, "mismatch_tokens": 8, "mismatch_abs_mean": 0.01,
         "mismatch_abs_max": 0.1, "mismatch_k3": 0.001, "mismatch_outside_fraction": 0.0,
-        "eval_accuracy": 0.5, "eval_stderr": 0.1, "eval_problems": 25})
+        "eval_accuracy": 0.5, "eval_stderr": 0.1, "eval_problems": 25,
+        "eval_truncated_fraction": 0.0})
     return registries
 
 
